@@ -1,0 +1,24 @@
+# Everything sets itself up from a fresh clone: a .venv in the repo, the CPU wheel of torch
+# installed first (an unpinned torch would pull a multi-GB CUDA build), then laqat editable.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.laqat-installed
+
+.PHONY: demo test bench-rewrite clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[fla,test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) examples/quickstart.py
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 tests
+
+clean:
+	rm -rf $(VENV) .laqat_cache

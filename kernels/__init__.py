@@ -1,0 +1,1 @@
+"""Kernels: generated Triton source, the code cache, launchers, autograd glue, fp64 references."""

@@ -1,0 +1,1 @@
+"""Generated-kernel templates, one per stage."""

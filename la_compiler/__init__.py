@@ -1,0 +1,31 @@
+"""laqat: a torch.compile backend for quantization-aware training of linear-attention models.
+
+    model = torch.compile(model, backend="laqat")
+    print(la_compiler.explain(model, batch))
+
+The public names are imported lazily, so that ``la_compiler.kernels`` and
+``la_compiler.passes`` can import the floor modules (spec, ir) without a circle.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "explain": "la_compiler.explain",
+    "ExplainReport": "la_compiler.explain",
+    "Policy": "la_compiler.policy",
+    "PolicyError": "la_compiler.policy",
+    "load_policy": "la_compiler.policy",
+    "RecurrenceSpec": "la_compiler.spec",
+    "laqat_backend": "la_compiler.backend",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'la_compiler' has no attribute {name!r}")

@@ -1,0 +1,72 @@
+"""The ``laqat`` torch.compile backend.
+
+    torch.compile(model, backend="laqat", options={"policy": ..., "compiler": "inductor" | "eager",
+                                                   "verify": False})
+
+Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
+imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
+(FLA substitutions) before Dynamo traces anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from la_compiler.passes.frontends import install_trace_frontends
+from la_compiler.passes.pipeline import run_pipeline
+from la_compiler.policy import Policy, load_policy
+from la_compiler.record import CompileRecord
+
+COMPILERS = ("inductor", "eager")
+
+
+class BackendOptionsError(ValueError):
+    """An ``options={...}`` key or value the laqat backend does not accept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    policy: Policy
+    compiler: str = "inductor"  # what runs the rewritten graph; "eager" for bisecting
+    verify: bool = False  # graph frontends check each rewrite numerically at compile time
+
+    @staticmethod
+    def from_user(options: dict[str, Any] | None) -> "BackendOptions":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(BackendOptions)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise BackendOptionsError(f"unknown laqat option(s) {unknown}; allowed: {sorted(known)}")
+        compiler = options.get("compiler", "inductor")
+        if compiler not in COMPILERS:
+            raise BackendOptionsError(f"options['compiler'] must be one of {COMPILERS}, got {compiler!r}")
+        verify = options.get("verify", False)
+        if not isinstance(verify, bool):
+            raise BackendOptionsError(f"options['verify'] must be a bool, got {verify!r}")
+        return BackendOptions(policy=load_policy(options.get("policy")), compiler=compiler, verify=verify)
+
+
+install_trace_frontends()
+
+# Every compilation's record, newest last; ``explain`` installs its own recorder instead.
+_ACTIVE_RECORD: list[CompileRecord] = [CompileRecord()]
+
+
+def last_record() -> CompileRecord:
+    return _ACTIVE_RECORD[-1]
+
+
+def laqat_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
+                  _record: CompileRecord | None = None) -> Callable:
+    if mode not in (None, "default"):
+        raise BackendOptionsError(f"torch.compile(mode={mode!r}) is not supported by the laqat backend")
+    opts = BackendOptions.from_user(options)
+    record = (_record or _ACTIVE_RECORD[-1]).new_graph()
+    run_pipeline(gm, opts.policy, record, verify=opts.verify)
+    if opts.compiler == "eager":
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -1,0 +1,92 @@
+"""``la_compiler.explain``: what laqat rewrote, with which numerics and kernel, and why.
+
+    report = la_compiler.explain(model, batch, policy="gdn_state_fp8")
+    report.matches       # every rewritten site: .kind .frontend .module .spec .kernel
+    report.near_misses   # candidate regions left untouched, with the check that failed
+    print(report)        # a readable report with the rewritten graphs
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from la_compiler.record import CompileRecord, GraphRecord, Match, NearMiss
+
+
+class NothingMatchedWarning(UserWarning):
+    """explain() found no GDN/KDA recurrence to rewrite."""
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    graphs: list[GraphRecord]
+    graph_breaks: int
+    output: object = None  # what the model returned on the explained call
+
+    @property
+    def matches(self) -> list[Match]:
+        return [m for g in self.graphs for m in g.matches]
+
+    @property
+    def near_misses(self) -> list[NearMiss]:
+        return [n for g in self.graphs for n in g.near_misses]
+
+    @property
+    def notes(self) -> list[str]:
+        return [n for g in self.graphs for n in g.notes]
+
+    def __str__(self) -> str:
+        out = [f"laqat explain: {len(self.matches)} recurrence(s) rewritten in {len(self.graphs)} graph(s), "
+               f"{self.graph_breaks} graph break(s)"]
+        for i, m in enumerate(self.matches):
+            out.append(f"\n[{i}] {m.kind.upper()} at {m.module or '<top>'} (frontend: {m.frontend}, node {m.node}"
+                       + (f", replaced {m.region_size} nodes" if m.region_size else "") + ")")
+            out.append(f"    spec:   {m.spec}")
+            out.append(f"    kernel: {m.kernel_reason.splitlines()[0] if m.kernel_reason else m.kernel}")
+            for line in m.kernel_reason.splitlines()[1:]:
+                out.append(f"          {line.strip()}")
+            for rule in m.policy_rules:
+                out.append(f"    policy: {rule}")
+        if self.near_misses:
+            out.append("\nNear misses (left untouched):")
+            for n in self.near_misses:
+                out.append(f"  - {n.frontend} at {n.module or '<top>'}: {n.reason}")
+        if self.notes:
+            out.append("\nNotes:")
+            out.extend(f"  - {note}" for note in self.notes)
+        for g in self.graphs:
+            out.append(f"\n--- rewritten graph {g.graph_id} ---")
+            out.append(g.readable.rstrip())
+        return "\n".join(out)
+
+
+def _unwrap(model_or_fn):
+    if isinstance(model_or_fn, torch._dynamo.eval_frame.OptimizedModule):
+        return model_or_fn._orig_mod
+    return getattr(model_or_fn, "_torchdynamo_orig_callable", model_or_fn)
+
+
+def explain(model_or_fn, *args, policy=None, compiler: str = "eager", **kwargs) -> ExplainReport:
+    """Compiles ``model_or_fn`` with the laqat backend, runs it once on ``args``/``kwargs`` and
+    reports every rewritten site. ``compiler`` picks what runs the rest of the graph ("eager"
+    by default: the laqat passes, and so the report, are the same under Inductor)."""
+    from la_compiler.backend import laqat_backend
+
+    record = CompileRecord()
+    breaks = []
+    options = {"policy": policy, "compiler": compiler}
+
+    def backend(gm, example_inputs):
+        breaks.append(gm)
+        return laqat_backend(gm, example_inputs, options=options, _record=record)
+
+    compiled = torch.compile(_unwrap(model_or_fn), backend=backend)
+    output = compiled(*args, **kwargs)
+    report = ExplainReport(graphs=record.graphs, graph_breaks=max(len(breaks) - 1, 0), output=output)
+    if not report.matches:
+        reasons = "; ".join(n.reason for n in report.near_misses) or "no candidate region found"
+        warnings.warn(f"laqat found no GDN/KDA recurrence to rewrite ({reasons})", NothingMatchedWarning,
+                      stacklevel=2)
+    return report

@@ -1,0 +1,147 @@
+"""The laqat IR: one custom op per GDN/KDA recurrence call.
+
+    laqat::delta_rule(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, spec) -> (o, final_state)
+
+Inputs are canonical (DESIGN.md, "The IR node"): q, k after any l2norm, [B, T, H, K];
+v [B, T, HV, V]; g the log-decay after gate activation, [B, T, HV] (GDN) or [B, T, HV, K]
+(KDA); beta after its activation, [B, T, HV]; initial_state [N, HV, K, V] (or [N, HV, V, K]
+with ``state=vk``), any float dtype. Outputs: o [B, T, HV, V] in q's dtype, final_state
+[N, HV, K, V] (or V-first) in fp32, always computed.
+
+``spec`` is the canonical string of a ``RecurrenceSpec``; its ``kernel=`` field names the
+kernel variant (``auto`` = choose by the kernel-selection table at run time). Everything
+the frontends and passes know about a node sits in ``node.meta["laqat"]`` as a ``LaqatMeta``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from la_compiler.spec import RecurrenceSpec
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class LaqatMeta:
+    """What ``node.meta["laqat"]`` holds for every laqat IR node."""
+
+    spec: RecurrenceSpec
+    frontend: str  # "fla", "torch", "user"
+    module: str  # fully qualified module name ("" at top level)
+    region: list[str] = dataclasses.field(default_factory=list)  # what the node replaced
+    policy_rules: list[str] = dataclasses.field(default_factory=list)  # which policy rules applied
+    kernel_reason: str = ""  # why the lower pass chose spec.kernel
+    requested_backend: str | None = None  # a policy's explicit kernel choice
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+
+def _num_sequences(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _state_shape(spec: RecurrenceSpec, n, hv, k_dim, v_dim):
+    return (n, hv, v_dim, k_dim) if spec.state == "vk" else (n, hv, k_dim, v_dim)
+
+
+def _variant_for(spec: RecurrenceSpec, q: Tensor, v: Tensor):
+    from la_compiler.kernels.registry import get_variant
+    from la_compiler.kernels.selection import select_kernel
+
+    name = spec.kernel
+    if name == "auto":
+        name = select_kernel(spec, device=q.device.type, dtype=q.dtype, head_k=q.shape[-1], head_v=v.shape[-1]).variant
+    return get_variant(name)
+
+
+@torch.library.custom_op("laqat::delta_rule", mutates_args=())
+def delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    spec: str,
+) -> tuple[Tensor, Tensor]:
+    parsed = RecurrenceSpec.parse(spec)
+    o, ht = _variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    return o, ht
+
+
+@delta_rule.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
+    parsed = RecurrenceSpec.parse(spec)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = q.new_empty((B, T, HV, V))
+    ht = q.new_empty(_state_shape(parsed, _num_sequences(q, cu_seqlens), HV, K, V), dtype=torch.float32)
+    return o, ht
+
+
+@torch.library.custom_op("laqat::delta_rule_backward", mutates_args=())
+def delta_rule_backward(
+    do: Tensor,
+    dht: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    spec: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    parsed = RecurrenceSpec.parse(spec)
+    grads = _variant_for(parsed, q, v).backward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    if dh0 is None:  # a custom op cannot return None: an empty tensor stands for "no initial state"
+        dh0 = q.new_empty((0,), dtype=torch.float32)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dg.contiguous(), dbeta.contiguous(), dh0.contiguous()
+
+
+@delta_rule_backward.register_fake
+def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, spec = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.spec = scale, spec
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    if dht is None:
+        dht = q.new_zeros(_state_shape(RecurrenceSpec.parse(ctx.spec), _num_sequences(q, cu_seqlens),
+                                       v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+    if do is None:
+        do = torch.zeros_like(v, dtype=q.dtype)
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.laqat.delta_rule_backward(
+        do, dht, q, k, v, g, beta, initial_state, cu_seqlens, ctx.scale, ctx.spec)
+    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None
+
+
+delta_rule.register_autograd(_backward, setup_context=_setup_context)
+
+DELTA_RULE = torch.ops.laqat.delta_rule.default
+
+
+def is_delta_rule(node: torch.fx.Node) -> bool:
+    """True for a laqat IR node in a Dynamo graph (torch.ops.laqat.delta_rule, with or without .default)."""
+    return node.op == "call_function" and node.target in (DELTA_RULE, torch.ops.laqat.delta_rule)
+
+
+def node_spec(node: torch.fx.Node) -> RecurrenceSpec:
+    return RecurrenceSpec.parse(node.args[8] if len(node.args) > 8 else node.kwargs["spec"])

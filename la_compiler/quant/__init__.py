@@ -1,0 +1,1 @@
+"""Quantize-dequantize (QDQ) references: the torch side of NUMERICS.md."""

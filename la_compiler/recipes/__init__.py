@@ -1,0 +1,1 @@
+"""Shipped policy recipes, loadable by name."""

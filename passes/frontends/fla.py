@@ -1,0 +1,1 @@
+"""FLA frontend (trace-time substitutions of FLA op calls) -- being written."""

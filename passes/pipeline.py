@@ -1,0 +1,47 @@
+"""The laqat pipeline over one Dynamo graph: frontends -> annotate -> verify -> lower."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from la_compiler.passes.annotate import annotate
+from la_compiler.passes.attach_meta import attach_meta
+from la_compiler.passes.frontends import GRAPH_FRONTENDS
+from la_compiler.passes.lower import lower
+from la_compiler.passes.verify import verify_ir
+from la_compiler.policy import Policy
+from la_compiler.record import GraphRecord, Match
+
+
+def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, verify: bool = False) -> None:
+    def timed(name, fn, *args, **kwargs):
+        start = time.perf_counter()
+        count = fn(*args, **kwargs)
+        record.pass_seconds[name] = record.pass_seconds.get(name, 0.0) + time.perf_counter() - start
+        record.pass_counts[name] = record.pass_counts.get(name, 0) + count
+        return count
+
+    for frontend in GRAPH_FRONTENDS:
+        timed(getattr(frontend, "__name__", str(frontend)), frontend, gm, record, verify=verify)
+    timed("attach_meta", attach_meta, gm)
+    timed("annotate", annotate, gm, policy, record)
+    timed("verify", verify_ir, gm)
+    timed("lower", lower, gm)
+    gm.graph.lint()
+    gm.recompile()
+    _record_matches(gm, record)
+    record.readable = gm.print_readable(print_output=False)
+
+
+def _record_matches(gm: torch.fx.GraphModule, record: GraphRecord) -> None:
+    from la_compiler.ir import is_delta_rule
+
+    for node in gm.graph.nodes:
+        if is_delta_rule(node):
+            meta = node.meta["laqat"]
+            record.matches.append(Match(
+                kind=meta.kind, frontend=meta.frontend, module=meta.module, spec=meta.spec.to_string(),
+                kernel=meta.spec.kernel, kernel_reason=meta.kernel_reason, policy_rules=tuple(meta.policy_rules),
+                region_size=len(meta.region), node=node.name,
+            ))

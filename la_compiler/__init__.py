@@ -13,8 +13,8 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "explain": "la_compiler.explain",
-    "ExplainReport": "la_compiler.explain",
+    "explain": "la_compiler.explainer",
+    "ExplainReport": "la_compiler.explainer",
     "Policy": "la_compiler.policy",
     "PolicyError": "la_compiler.policy",
     "load_policy": "la_compiler.policy",

@@ -21,8 +21,8 @@ def normalize_module_path(path: str) -> str:
         if not m:
             break
         path = path[: m.start()] + f"{m.group('inner')}.{m.group('attr')}" + path[m.end():]
-    path = _ROOT.sub("", path)
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = _ROOT.sub("", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     return path.strip(".").replace("..", ".")
 

@@ -1,0 +1,136 @@
+"""Launchers of the generated fused recurrent (token-by-token) kernels, and their variant.
+
+The kernels are generated per spec by ``codegen.fused_recurrent_source`` from
+``templates/fused_recurrent_*.tmpl`` and loaded from the code cache; see
+docs/kernels-fused-recurrent.md for the backward's math and its memory cost.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from la_compiler.kernels.codegen import FusedRecurrentParams, fused_recurrent_module
+from la_compiler.kernels.registry import register_variant, spec_of
+
+CHECKPOINT_INTERVAL = 64  # tokens between stored states in the backward (docs: memory cost)
+
+
+def _check_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T) or HV % H:
+        raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    if tuple(g.shape) != g_shape:
+        raise ValueError(f"{kind.upper()} g must be {g_shape}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
+    if K > 256 or V > 256:
+        raise ValueError(f"fused_recurrent supports head dims up to 256, got K={K}, V={V}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    state_shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be {state_shape} (state={state}), got {tuple(initial_state.shape)}")
+    return B, T, H, K, HV, V, N, state_shape
+
+
+def _contiguous(*xs):
+    return [None if x is None else x.contiguous() for x in xs]
+
+
+def fused_recurrent_fwd(params: FusedRecurrentParams, q, k, v, g, beta, scale, initial_state=None,
+                        cu_seqlens=None, block_v: int | None = None):
+    """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout)."""
+    B, T, H, K, HV, V, N, state_shape = _check_inputs(params.kind, q, k, v, g, beta, initial_state, cu_seqlens,
+                                                      params.state)
+    q, k, v, g, beta, initial_state, cu_seqlens = _contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
+    BK = triton.next_power_of_2(K)
+    BV = block_v or min(8, triton.next_power_of_2(V))
+    NV = triton.cdiv(V, BV)
+    o = torch.full((B, T, HV, V), float("nan"), dtype=q.dtype, device=q.device)
+    ht = torch.full(state_shape, float("nan"), dtype=torch.float32, device=q.device)
+    fused_recurrent_module(params).fused_recurrent_fwd_kernel[(NV * N * HV,)](
+        q, k, v, g, beta, o, initial_state, ht, cu_seqlens, scale, T,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        num_warps=1,
+    )
+    return o, ht
+
+
+def _chunk_offsets(T: int, N: int, cu_seqlens, C: int, device):
+    """Start of every sequence's checkpoints in the checkpoint buffer, and their total count."""
+    if cu_seqlens is None:
+        return None, N * triton.cdiv(T, C)
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + C - 1) // C
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    return offsets, int(offsets[-1].item())
+
+
+def fused_recurrent_bwd(params: FusedRecurrentParams, q, k, v, g, beta, scale, do, dht=None,
+                        initial_state=None, cu_seqlens=None, block_v: int | None = None,
+                        checkpoint_interval: int = CHECKPOINT_INTERVAL):
+    """Returns (dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype (dh0 fp32)."""
+    B, T, H, K, HV, V, N, state_shape = _check_inputs(params.kind, q, k, v, g, beta, initial_state, cu_seqlens,
+                                                      params.state)
+    if tuple(do.shape) != (B, T, HV, V):
+        raise ValueError(f"do must be {(B, T, HV, V)}, got {tuple(do.shape)}")
+    if dht is not None and tuple(dht.shape) != state_shape:
+        raise ValueError(f"dht must be {state_shape}, got {tuple(dht.shape)}")
+    q, k, v, g, beta, do, dht, initial_state, cu_seqlens = _contiguous(
+        q, k, v, g, beta, do, dht, initial_state, cu_seqlens)
+    BK = triton.next_power_of_2(K)
+    BV = block_v or min(32, triton.next_power_of_2(V))
+    NV = triton.cdiv(V, BV)
+    C = checkpoint_interval
+    chunk_offsets, total_chunks = _chunk_offsets(T, N, cu_seqlens, C, q.device)
+    dev = dict(device=q.device)
+    nan = float("nan")
+    checkpoints = torch.empty((total_chunks, HV, K, V), dtype=torch.float32, **dev)
+    scratch = torch.empty((NV * N * HV, C, BK, BV), dtype=torch.float32, **dev)
+    dq = torch.full((NV, B, T, HV, K), nan, dtype=torch.float32, **dev)
+    dk = torch.full((NV, B, T, HV, K), nan, dtype=torch.float32, **dev)
+    dg = torch.full((NV, *g.shape), nan, dtype=torch.float32, **dev)
+    dbeta = torch.full((NV, B, T, HV), nan, dtype=torch.float32, **dev)
+    dv = torch.full_like(v, nan)
+    dh0 = torch.full(state_shape, nan, dtype=torch.float32, **dev) if initial_state is not None else None
+    fused_recurrent_module(params).fused_recurrent_bwd_kernel[(NV * N * HV,)](
+        q, k, v, g, beta, initial_state, do, dht,
+        dq, dk, dv, dg, dbeta, dh0,
+        checkpoints, scratch, chunk_offsets, cu_seqlens, scale, T, B * T,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C,
+        USE_INITIAL_STATE=initial_state is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+        IS_VARLEN=cu_seqlens is not None,
+        num_warps=4 if BK * BV >= 2048 else 1,
+    )
+    group = HV // H
+    # partial sums over value blocks, then over the value heads that share a q/k head
+    dq = dq.sum(0).view(B, T, H, group, K).sum(3)
+    dk = dk.sum(0).view(B, T, H, group, K).sum(3)
+    dg, dbeta = dg.sum(0), dbeta.sum(0)
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+
+
+# ---- the kernel variant ----------------------------------------------------------------------
+def fused_recurrent_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    params = FusedRecurrentParams.from_spec(spec_of(spec))
+    return fused_recurrent_fwd(params, q, k, v, g, beta, scale, initial_state, cu_seqlens)
+
+
+def fused_recurrent_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):
+    params = FusedRecurrentParams.from_spec(spec_of(spec))
+    return fused_recurrent_bwd(params, q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens)
+
+
+register_variant(
+    "fused_recurrent",
+    fused_recurrent_forward,
+    fused_recurrent_backward,
+    "generated token-by-token Triton kernel, fp32 state (forward and backward; exact numerics)",
+)

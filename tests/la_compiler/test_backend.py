@@ -1,0 +1,95 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import la_compiler
+from la_compiler.backend import BackendOptionsError
+from la_compiler.explainer import NothingMatchedWarning
+from la_compiler.kernels.reference import delta_rule_reference
+from la_compiler.spec import RecurrenceSpec
+from tests.helpers import assert_close_rel
+from tests.ir_inputs import random_inputs
+
+
+def _call(kind, kernel="auto", state="kv"):
+    spec = RecurrenceSpec(kind=kind, kernel=kernel, state=state).to_string()
+
+    def fn(q, k, v, g, beta, h0, cu):
+        o, ht = torch.ops.laqat.delta_rule(q, k, v, g, beta, h0, cu, 0.5, spec)
+        return o, ht
+    return fn
+
+
+def test_entry_point_in_a_fresh_process():
+    code = ("import sys, torch\n"
+            "f = torch.compile(lambda x: x * 2, backend='laqat')\n"
+            "assert f(torch.ones(2)).tolist() == [2.0, 2.0]\n"
+            "print('la_compiler' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"colour": 1}, r"unknown laqat option\(s\) \['colour'\]"),
+    ({"compiler": "tvm"}, r"options\['compiler'\] must be one of"),
+    ({"verify": "yes"}, r"options\['verify'\] must be a bool"),
+])
+def test_bad_options_are_named(options, message):
+    fn = torch.compile(lambda x: x + 1, backend="laqat", options=options)
+    with pytest.raises(Exception, match=message) as info:
+        fn(torch.ones(2))
+    assert isinstance(info.value, BackendOptionsError) or isinstance(info.value.__cause__, BackendOptionsError) \
+        or "BackendOptionsError" in str(info.value)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_ir_op_through_the_backend_matches_fp64_reference(kind, compiler):
+    (q, k, v, g, beta, h0), cu = random_inputs(kind, T=5, H=1, HV=2, initial_state=True)
+    fn = torch.compile(_call(kind), backend="laqat", fullgraph=True, options={"compiler": compiler})
+    o, ht = fn(q, k, v, g, beta, h0, None)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = torch.autograd.grad((o, ht), (q, k, v, g, beta, h0), (do, dht))
+    ro, rht = delta_rule_reference(q, k, v, g, beta, kind=kind, scale=0.5, initial_state=h0)
+    rgrads = torch.autograd.grad((ro, rht), (q, k, v, g, beta, h0), (do.double(), dht.double()))
+    assert_close_rel(o, ro, 1e-6, "o")
+    assert_close_rel(ht, rht, 1e-6, "final state")
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, rgrads):
+        assert_close_rel(a, b, 1e-6, name)
+
+
+def test_explain_reports_the_node_and_the_graph():
+    (q, k, v, g, beta, _), _ = random_inputs("kda", T=4)
+    report = la_compiler.explain(_call("kda"), q, k, v, g, beta, None, None)
+    (match,) = report.matches
+    assert (match.kind, match.frontend, match.module) == ("kda", "user", "")
+    spec = RecurrenceSpec.parse(match.spec)
+    assert spec.kernel == match.kernel and spec.kernel != "auto"
+    text = str(report)
+    assert "KDA at <top>" in text and "torch.ops.laqat.delta_rule" in text and match.spec in text
+
+
+def test_explain_warns_when_nothing_matched():
+    with pytest.warns(NothingMatchedWarning):
+        report = la_compiler.explain(lambda x: x.cumsum(0), torch.randn(4))
+    assert report.matches == []
+
+
+def test_module_names_come_from_the_module_stack():
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, g, beta):
+            return _call("gdn")(q, k, v, g, beta, None, None)[0]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+        def forward(self, *xs):
+            return self.layers[1](*xs) + self.layers[0](*xs)
+
+    (q, k, v, g, beta, _), _ = random_inputs("gdn", T=3)
+    report = la_compiler.explain(Model(), q, k, v, g, beta)
+    assert sorted(m.module for m in report.matches) == ["layers.0", "layers.1"]

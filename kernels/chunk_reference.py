@@ -225,7 +225,7 @@ def _gemm(rounding: ChunkRounding, site: str, lhs: Tensor, rhs: Tensor, lhs_roun
 def _pairwise(rounding: ChunkRounding, site: str, lhs: Tensor, pairs: Tensor) -> Tensor:
     """out[.., i, j] = sum_d lhs[.., i, d] * pairs[.., i, j, d] (KDA's per-channel-decay products)."""
     lhs = rounding.operand(site, "lhs", lhs)
-    pairs = rounding.operand(site, "rhs", pairs)
+    pairs = rounding.operand(site, "rhs", pairs, tile_dims=3)
     product = lambda a, b: torch.einsum("...id,...ijd->...ij", lhs[..., a:b], pairs[..., a:b])  # noqa: E731
     acc = rounding.accumulate(site)
     R = lhs.shape[-1]

@@ -8,9 +8,9 @@ dtype and rounds groups along the LAST dimension:
     w(W)                        W [..., C, K]: one scale per token (row) over K
     operand(site, side, x)      x [..., M, R]: the GEMM operand with its reduction dim R last,
                                 one FP8/INT8 scale per row, NVFP4 blocks of 16 along R; the
-                                NVFP4 global amax is taken over the last two dims (one operand
-                                tile per (sequence, head, chunk)), or the last three for the
-                                pairwise KDA operands [..., C, C, K]
+                                callable gets (x, tile_dims): the last tile_dims dims are one
+                                operand tile (one (sequence, head, chunk)): 2, or 3 for the
+                                pairwise KDA operands [..., C, C, K] (NVFP4's global amax)
     accumulate(site)            (accumulator dtype, reduction block) or None
 
 ``ChunkRounding.from_spec`` builds them from the spec's canonical format strings through
@@ -27,13 +27,14 @@ import torch
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec
 
 Rounder = Callable[[torch.Tensor], torch.Tensor]
+OperandRounder = Callable[[torch.Tensor, int], torch.Tensor]  # (x, tile_dims) -> rounded x
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRounding:
     state: Rounder | None = None
     w: Rounder | None = None
-    operands: Mapping[tuple[str, str], Rounder] = dataclasses.field(default_factory=dict)
+    operands: Mapping[tuple[str, str], OperandRounder] = dataclasses.field(default_factory=dict)
     accumulators: Mapping[str, tuple[torch.dtype, int]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -52,9 +53,11 @@ class ChunkRounding:
     def is_exact(self) -> bool:
         return self.state is None and self.w is None and not self.operands and not self.accumulators
 
-    def operand(self, site: str, side: str, x: torch.Tensor) -> torch.Tensor:
-        fn = self.w if (site, side) == ("state_read", "lhs") else self.operands.get((site, side))
-        return x if fn is None else fn(x)
+    def operand(self, site: str, side: str, x: torch.Tensor, tile_dims: int = 2) -> torch.Tensor:
+        if (site, side) == ("state_read", "lhs"):
+            return x if self.w is None else self.w(x)
+        fn = self.operands.get((site, side))
+        return x if fn is None else fn(x, tile_dims)
 
     def accumulate(self, site: str) -> tuple[torch.dtype, int] | None:
         return self.accumulators.get(site)

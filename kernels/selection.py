@@ -29,6 +29,7 @@ class SelectionContext:
     head_k: int
     head_v: int
     requested: str | None = None  # a policy's explicit `backend:` choice
+    family: str | None = None  # a policy's `implementation:` ("triton" | "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Row:
     variant: str
     condition: Callable[[RecurrenceSpec, SelectionContext], str | None]  # None = accepted, else why not
     summary: str
+    family: str = "triton"  # what a policy's `implementation:` key selects: "triton" or "torch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,30 +81,65 @@ def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
 
 
 def _reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    from la_compiler.kernels.reference_variant import unsupported_reason
+
+    return unsupported_reason(spec)
+
+
+def _decode_reason(spec: RecurrenceSpec, family: str) -> str | None:
+    """Shared checks of the decode-phase rows (kernels/decode_options.py parses the options)."""
+    if spec.phase == "none":
+        return "a decode-phase kernel: the spec has phase=none"
+    from la_compiler.kernels.decode_options import DecodeOptionsError, decode_options
+
+    try:
+        decode_options(spec)
+    except DecodeOptionsError as e:
+        return str(e)
+    impl = dict(spec.extra).get("decode_impl", "auto")
+    if impl not in ("auto", family):
+        return f"a {family} kernel; the policy asks for decode.implementation={impl!r}"
     return None
+
+
+def _decode_fused(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    from la_compiler.kernels.decode_fused import unsupported_reason
+
+    return _decode_reason(spec, "triton") or unsupported_reason(spec, ctx.head_k, ctx.head_v)
+
+
+def _decode_reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    return _decode_reason(spec, "torch")
 
 
 # Tried top to bottom; `requested` (a policy's backend) skips to that variant's row.
 TABLE: tuple[Row, ...] = (
     Row("fla_chunk", _fla_chunk, "FLA's own chunk kernel: exact numerics on CUDA"),
     Row("fused_recurrent", _fused_recurrent, "generated token-by-token Triton kernel, fp32 state"),
-    Row("reference", _reference, "fp64 torch reference: any spec, any device, slow"),
+    Row("decode_fused", _decode_fused, "fused Triton decode-phase kernel (token / replay), fwd + bwd"),
+    Row("decode_reference", _decode_reference, "fp64 torch reference of decode-phase training (slow)", "torch"),
+    Row("reference", _reference, "fp64 torch reference: any prefill spec, any device, slow", "torch"),
 )
 
 
 def select_kernel(spec: RecurrenceSpec, *, device: str, dtype: torch.dtype, head_k: int, head_v: int,
-                  requested: str | None = None) -> Selection:
+                  requested: str | None = None, family: str | None = None) -> Selection:
     from la_compiler.kernels.registry import variant_names
 
-    ctx = SelectionContext(device, dtype, head_k, head_v, requested)
+    ctx = SelectionContext(device, dtype, head_k, head_v, requested, family)
     known = set(variant_names())
     rejected = []
     for row in TABLE:
         if requested is not None and row.variant != requested:
             continue
-        why_not = "not registered in this build" if row.variant not in known else row.condition(spec, ctx)
+        if family is not None and row.family != family:
+            why_not = f"a {row.family} kernel; the policy asks for implementation={family!r}"
+        elif row.variant not in known:
+            why_not = "not registered in this build"
+        else:
+            why_not = row.condition(spec, ctx)
         if why_not is None:
-            reason = row.summary + (" (requested by the policy)" if requested else "")
+            reason = row.summary + (" (requested by the policy)" if requested or family else "")
             return Selection(row.variant, reason, tuple(rejected))
         rejected.append((row.variant, why_not))
     if requested is not None and not any(r.variant == requested for r in TABLE):

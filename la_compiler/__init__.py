@@ -16,6 +16,7 @@ _LAZY = {
     "explain": "la_compiler.explainer",
     "ExplainReport": "la_compiler.explainer",
     "Policy": "la_compiler.policy",
+    "phase": "la_compiler.phase",
     "PolicyError": "la_compiler.policy",
     "load_policy": "la_compiler.policy",
     "RecurrenceSpec": "la_compiler.spec",

@@ -35,6 +35,7 @@ class LaqatMeta:
     policy_rules: list[str] = dataclasses.field(default_factory=list)  # which policy rules applied
     kernel_reason: str = ""  # why the lower pass chose spec.kernel
     requested_backend: str | None = None  # a policy's explicit kernel choice
+    requested_family: str | None = None  # a policy's `implementation:` ("triton" | "torch")
 
     @property
     def kind(self) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
+import types
 from typing import Iterator, Sequence
 
 
@@ -112,3 +114,13 @@ def current() -> PhaseLengths | None:
     """The innermost active phase, or None."""
     stack = _stack()
     return stack[-1] if stack else None
+
+
+class _CallableModule(types.ModuleType):
+    """``la_compiler.phase`` is this module once imported: calling it enters the context."""
+
+    def __call__(self, prefill_lengths, sequence_lengths=None):
+        return phase(prefill_lengths, sequence_lengths)
+
+
+sys.modules[__name__].__class__ = _CallableModule

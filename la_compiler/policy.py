@@ -1,25 +1,155 @@
-"""The policy table (placeholder interface; the full ModelOpt-vocabulary loader is issue 4).
+"""The policy table: a user's config (YAML, JSON, dict or a shipped recipe) -> a frozen,
+validated ``Policy`` that decides the numerics of every GDN/KDA recurrence.
+
+The vocabulary is ModelOpt's (docs/policy.md has the full reference):
+
+    quant_cfg:                     # ordered; for each quantizer, later entries win
+      - {quantizer_name: "*", enable: false}
+      - {quantizer_name: "*gdn_state_quantizer", cfg: {num_bits: [4, 3], type: dynamic, axis: [0, 1]}}
+    linear_attention:              # ordered; for each module, the last matching rule wins (whole cfg)
+      - {module_name: "*layers.3.*", cfg: {chunk_size: 64, state: {block_v: 32}}}
+
+A quantizer's name is its module's fully qualified name plus one of ``quantizer_sites(kind)``,
+e.g. ``model.layers.3.attn.gdn_state_quantizer`` or
+``model.layers.3.attn.linear_attn_sites.wy_key.lhs_quantizer``; globs are ``fnmatch``'s.
 
 Contract used by the annotate pass:
     load_policy(None | Policy | dict | path | recipe name) -> Policy
-    Policy.resolve(module: str, kind: str) -> Resolution
-    Policy.unmatched_rules(seen: list[tuple[str, str]]) -> list[str]   # (module, kind) pairs
+    Policy.resolve(module, kind) -> Resolution
+    Policy.unmatched_rules(seen: [(module, kind)]) -> list[str]
 """
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from la_compiler.policy_schema import STATE_CODECS, LinearAttentionCfg, PolicyError, check_bool, check_mapping, check_str, prefixed
+from la_compiler.quant import QuantConfig, QuantConfigError
+from la_compiler.spec import GEMM_SITES, KINDS
+
+__all__ = ["Policy", "PolicyError", "QuantRule", "ModuleRule", "Resolution", "load_policy", "quantizer_sites"]
+
+POLICY_VERSION = "laqat.policy/1"
+_TOP_KEYS = ("version", "name", "description", "quant_cfg", "linear_attention", "algorithm")
 
 
-class PolicyError(ValueError):
-    """A policy config that is not valid; the message names the key and the allowed values."""
+def quantizer_sites(kind: str) -> dict[str, str]:
+    """The quantizers of one ``kind`` recurrence: quantizer name -> spec quant site."""
+    sites = {f"{kind}_state_quantizer": "state", f"{kind}_w_quantizer": "w"}
+    sites.update({f"linear_attn_sites.{s}.{side}_quantizer": f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs")})
+    return sites
+
+
+def quantizer_name(module: str, quantizer: str) -> str:
+    return f"{module}.{quantizer}" if module else quantizer
+
+
+# The scale grouping each site's kernels and references implement (NUMERICS.md, "sites").
+_SITE_GROUPS = {"state": ("tile", "block"), "w": ("row", "block")}
+_OPERAND_GROUPS = ("row", "block")
+
+
+# ---- rules ----------------------------------------------------------------------------------
+
+class _FrozenCfg(tuple):
+    """A ModelOpt quantizer cfg, normalised (lists -> tuples, block_sizes keys -> ints) and
+    immutable; ``dict(...)`` gives it back."""
+
+    @staticmethod
+    def of(cfg: Mapping) -> "_FrozenCfg":
+        return _FrozenCfg(sorted((k, _freeze(k, v)) for k, v in cfg.items()))
+
+
+def _freeze(key: str, value):
+    if key == "block_sizes" and isinstance(value, Mapping):
+        items = (((int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k), _freeze("", v))
+                 for k, v in value.items())  # JSON spells the axis keys as strings
+        return _FrozenCfg(sorted(items, key=str))
+    if isinstance(value, Mapping):
+        return _FrozenCfg(sorted((k, _freeze(k, v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze("", v) for v in value)
+    return value
+
+
+def _thaw(value, *, for_json: bool):
+    if isinstance(value, _FrozenCfg):
+        return {k: _thaw(v, for_json=for_json) for k, v in value}
+    if isinstance(value, tuple):
+        return [_thaw(v, for_json=for_json) for v in value] if for_json else tuple(_thaw(v, for_json=False) for v in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantRule:
+    """One ``quant_cfg`` entry: ``cfg`` replaces a matching quantizer's cfg (and enables it
+    unless ``enable`` says otherwise); ``enable`` alone switches it on or off."""
+
+    quantizer_name: str
+    cfg: _FrozenCfg | None = None
+    enable: bool | None = None
+
+    def __post_init__(self):
+        check_str(self.quantizer_name, "quantizer_name")
+        if self.cfg is None and self.enable is None:
+            raise PolicyError("needs 'cfg' or 'enable' (or both)")
+        if self.enable is not None:
+            check_bool(self.enable, "enable")
+        if self.cfg is not None:
+            if not isinstance(self.cfg, _FrozenCfg):
+                object.__setattr__(self, "cfg", _FrozenCfg.of(check_mapping(self.cfg, "cfg", tuple(self.cfg))))
+            inner = dict(self.cfg).get("enable")
+            if inner is not None and self.enable is not None and inner != self.enable:
+                raise PolicyError(f"enable={self.enable!r} contradicts cfg.enable={inner!r}")
+
+    @property
+    def enables(self) -> bool:
+        """What this entry does to a matching quantizer's on/off switch."""
+        if self.enable is not None:
+            return self.enable
+        return dict(self.cfg).get("enable", True)
+
+    def quant_cfg(self) -> dict:
+        """The cfg as ``QuantConfig.from_modelopt`` takes it (tuples, int block keys), without ``enable``."""
+        return {k: v for k, v in _thaw(self.cfg, for_json=False).items() if k != "enable"}
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"quantizer_name": self.quantizer_name}
+        if self.cfg is not None:
+            out["cfg"] = _thaw(self.cfg, for_json=True)
+        if self.enable is not None:
+            out["enable"] = self.enable
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRule:
+    """One ``linear_attention`` policy: modules matching ``module_name`` get ``cfg``."""
+
+    module_name: str
+    cfg: LinearAttentionCfg = LinearAttentionCfg()
+
+    def __post_init__(self):
+        check_str(self.module_name, "module_name")
+        if not isinstance(self.cfg, LinearAttentionCfg):
+            raise PolicyError(f"cfg: must be a LinearAttentionCfg, got {self.cfg!r}")
+
+    def to_dict(self) -> dict:
+        return {"module_name": self.module_name, "cfg": self.cfg.to_dict()}
+
+
+# ---- what a policy decides for one recurrence -------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
 class Resolution:
-    """What a policy decides for one recurrence site."""
+    """What a policy decides for one recurrence site (the spec fields the annotate pass writes)."""
 
     quant: tuple[tuple[str, str], ...] = ()  # (site, canonical format string)
-    acc: tuple[tuple[str, str], ...] = ()
+    acc: tuple[tuple[str, str], ...] = ()  # (gemm site, "fp16:16")
     solve: str = "exact"
     degree: int | None = None
     chunk: int = 64
@@ -27,26 +157,274 @@ class Resolution:
     extra: tuple[tuple[str, str], ...] = ()
     backend: str | None = None  # an explicitly requested kernel variant
     rules: tuple[str, ...] = ()  # human-readable: which rules applied
+    backend_key: str | None = None  # the policy key that requested ``backend``, for error messages
+    implementation: str | None = None  # "triton" | "torch": the kernel family the policy asks for
+    implementation_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    name: str = "exact"
+    """A validated, immutable policy table. Build it with ``from_dict`` / ``from_file`` /
+    ``load_policy``; ``to_dict`` gives a versioned dict that ``from_dict`` reads back equal."""
+
+    quant_cfg: tuple[QuantRule, ...] = ()
+    linear_attention: tuple[ModuleRule, ...] = ()
+    name: str = "custom"
+    description: str = ""
+
+    def __post_init__(self):
+        for field in ("quant_cfg", "linear_attention"):
+            items = getattr(self, field)
+            if isinstance(items, list):
+                object.__setattr__(self, field, tuple(items))
+        for i, rule in enumerate(self.quant_cfg):
+            if not isinstance(rule, QuantRule):
+                raise PolicyError(f"quant_cfg[{i}]: must be a QuantRule, got {rule!r}")
+            if rule.cfg is not None:
+                _check_rule_cfg(i, rule)
+        for i, rule in enumerate(self.linear_attention):
+            if not isinstance(rule, ModuleRule):
+                raise PolicyError(f"linear_attention[{i}]: must be a ModuleRule, got {rule!r}")
 
     @staticmethod
     def exact() -> "Policy":
-        return Policy()
+        return Policy(name="exact")
+
+    # ---- loading ---------------------------------------------------------------------------
+    @staticmethod
+    def from_dict(config: Mapping, *, name: str | None = None) -> "Policy":
+        check_mapping(config, "policy", _TOP_KEYS)
+        version = config.get("version", POLICY_VERSION)
+        if version != POLICY_VERSION:
+            raise PolicyError(f"version: this laqat reads policies of version {POLICY_VERSION!r}, got {version!r}")
+        if config.get("algorithm") is not None:
+            raise PolicyError(f"algorithm: laqat scales are dynamic (no calibration): must be null/None, "
+                              f"got {config['algorithm']!r}")
+        quant = _list(config.get("quant_cfg", []), "quant_cfg")
+        modules = _list(config.get("linear_attention", []), "linear_attention")
+        return Policy(
+            quant_cfg=tuple(prefixed(f"quant_cfg[{i}].", _quant_rule, e) for i, e in enumerate(quant)),
+            linear_attention=tuple(prefixed(f"linear_attention[{i}].", _module_rule, e) for i, e in enumerate(modules)),
+            name=check_str(name or config.get("name", "custom"), "name"),
+            description=_description(config.get("description", "")),
+        )
+
+    @staticmethod
+    def from_file(path: str | os.PathLike) -> "Policy":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PolicyError(f"policy file {str(path)!r}: cannot read it ({e.strerror})") from None
+        if path.suffix == ".json":
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise PolicyError(f"policy file {str(path)!r}: not valid JSON ({e})") from None
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                config = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise PolicyError(f"policy file {str(path)!r}: not valid YAML ({e})") from None
+        else:
+            raise PolicyError(f"policy file {str(path)!r}: the suffix must be .yaml, .yml or .json")
+        try:
+            config = config if config is not None else {}
+            return Policy.from_dict(config, name=None if isinstance(config, Mapping) and "name" in config else path.stem)
+        except PolicyError as e:
+            raise PolicyError(f"policy file {str(path)!r}: {e}") from None
+
+    def to_dict(self) -> dict:
+        out = {"version": POLICY_VERSION, "name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out["quant_cfg"] = [r.to_dict() for r in self.quant_cfg]
+        out["linear_attention"] = [r.to_dict() for r in self.linear_attention]
+        return out
+
+    # ---- resolution ------------------------------------------------------------------------
+    def module_rule(self, module: str) -> tuple[int, ModuleRule] | None:
+        """The last ``linear_attention`` rule matching ``module`` and its index."""
+        found = None
+        for i, rule in enumerate(self.linear_attention):
+            if fnmatch.fnmatchcase(module, rule.module_name):
+                found = (i, rule)
+        return found
+
+    def quantizer(self, name: str) -> tuple[int | None, QuantRule | None, bool]:
+        """(index of the entry whose cfg applies, that entry, enabled) for one quantizer name."""
+        cfg_at, cfg_rule, enabled = None, None, False
+        for i, rule in enumerate(self.quant_cfg):
+            if fnmatch.fnmatchcase(name, rule.quantizer_name):
+                if rule.cfg is not None:
+                    cfg_at, cfg_rule = i, rule
+                enabled = rule.enables
+        return cfg_at, cfg_rule, enabled
 
     def resolve(self, module: str, kind: str) -> Resolution:
-        return Resolution(rules=("default: exact, no quantization",))
+        if kind not in KINDS:
+            raise PolicyError(f"kind must be one of {KINDS}, got {kind!r}")
+        where = f"module {module or '<top>'!r}"
+        matched = self.module_rule(module)
+        la_key = f"linear_attention[{matched[0]}].cfg" if matched else None
+        la = matched[1].cfg if matched else LinearAttentionCfg()
+        rules = []
+        if matched:
+            rules.append(f"{la_key[:-4]} (module_name {matched[1].module_name!r}) sets the execution policy")
+
+        quant = {}
+        for qname, site in quantizer_sites(kind).items():
+            full = quantizer_name(module, qname)
+            at, rule, enabled = self.quantizer(full)
+            if not enabled:
+                continue
+            if rule is None:
+                raise PolicyError(f"quant_cfg: quantizer {full!r} is enabled but no quant_cfg entry gives it a cfg")
+            fmt = _site_format(at, rule, site, la.state.block_v, la_key)
+            quant[site] = fmt
+            rules.append(f"quant_cfg[{at}] ({rule.quantizer_name!r}) -> {site}={fmt}")
+
+        w_alias = quant.pop("state_read.lhs", None)  # W is state_read's lhs: one rounding, spelt "w" in the spec
+        if w_alias is not None and quant.setdefault("w", w_alias) != w_alias:
+            raise PolicyError(f"quant_cfg: {where}: the {kind}_w_quantizer and linear_attn_sites.state_read."
+                              f"lhs_quantizer round the same operand (W) but are set to {quant['w']} and {w_alias}")
+
+        acc = {site: a.canonical() for site, a in la.matmul if a.canonical() is not None}
+        if not rules:
+            rules.append("no policy rule matched: exact numerics, no quantization")
+        return Resolution(
+            quant=tuple(sorted(quant.items())), acc=tuple(sorted(acc.items())),
+            solve=la.solve.method, degree=la.solve.degree, chunk=la.chunk_size, phase=la.decode.mode,
+            extra=_extras(la, quant.get("state"), la_key, where), backend=la.requested_backend, rules=tuple(rules),
+            backend_key=f"{la_key}.backend" if la.requested_backend else None,
+            implementation=la.implementation[1] if la.implementation else None,
+            implementation_key=f"{la_key}.{la.implementation[0]}" if la.implementation else None,
+        )
 
     def unmatched_rules(self, seen) -> list[str]:
+        """Messages for the rules that matched no quantizer / module of the (module, kind) pairs seen."""
+        seen = list(seen)
+        names = [quantizer_name(m, q) for m, kind in seen for q in quantizer_sites(kind)]
+        out = []
+        for i, rule in enumerate(self.quant_cfg):
+            if not any(fnmatch.fnmatchcase(n, rule.quantizer_name) for n in names):
+                out.append(f"policy {self.name!r}: quant_cfg[{i}] (quantizer_name {rule.quantizer_name!r}) "
+                           f"matched no quantizer in this graph")
+        for i, rule in enumerate(self.linear_attention):
+            if not any(fnmatch.fnmatchcase(m, rule.module_name) for m, _ in seen):
+                out.append(f"policy {self.name!r}: linear_attention[{i}] (module_name {rule.module_name!r}) "
+                           f"matched no module in this graph")
+        return out
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _list(value, key: str) -> list:
+    if value is None:
         return []
+    if not isinstance(value, (list, tuple)):
+        raise PolicyError(f"{key}: must be a list of entries, got {type(value).__name__} {value!r}")
+    return list(value)
+
+
+def _description(value) -> str:
+    if not isinstance(value, str):
+        raise PolicyError(f"description: must be a string, got {type(value).__name__}")
+    return value
+
+
+def _quant_rule(entry) -> QuantRule:
+    check_mapping(entry, "entry", ("quantizer_name", "cfg", "enable"))
+    if "quantizer_name" not in entry:
+        raise PolicyError("quantizer_name: required (a glob over quantizer names, e.g. '*gdn_state_quantizer')")
+    cfg = entry.get("cfg")
+    if cfg is not None and not isinstance(cfg, Mapping):
+        raise PolicyError(f"cfg: must be a mapping of ModelOpt quantizer attributes, got {type(cfg).__name__} {cfg!r}")
+    return QuantRule(entry["quantizer_name"], None if cfg is None else _FrozenCfg.of(cfg), entry.get("enable"))
+
+
+def _module_rule(entry) -> ModuleRule:
+    check_mapping(entry, "entry", ("module_name", "cfg"))
+    if "module_name" not in entry:
+        raise PolicyError("module_name: required (a glob over module names, e.g. 'model.layers.*.attn')")
+    return ModuleRule(entry["module_name"], prefixed("cfg.", LinearAttentionCfg.from_dict, entry.get("cfg") or {}))
+
+
+def _probe_sites(glob: str) -> set[str]:
+    """The quant sites whose quantizers a glob evidently targets (checked at load time; any
+    other match is checked when the policy is resolved for a module)."""
+    sites = set()
+    for kind in KINDS:
+        for qname, site in quantizer_sites(kind).items():
+            if fnmatch.fnmatchcase(qname, glob) or fnmatch.fnmatchcase(f"model.layers.0.attn.{qname}", glob):
+                sites.add(site)
+    return sites
+
+
+def _check_rule_cfg(i: int, rule: QuantRule) -> None:
+    for site in sorted(_probe_sites(rule.quantizer_name)):
+        _site_format(i, rule, site, 64, None)
+
+
+def _site_format(i: int, rule: QuantRule, site: str, block_v: int, la_key: str | None) -> str:
+    """The canonical format string of a quant_cfg entry's cfg at one site."""
+    key = f"quant_cfg[{i}].cfg (quantizer_name {rule.quantizer_name!r}, site {site!r})"
+    try:
+        cfg = QuantConfig.from_modelopt(rule.quant_cfg(), site, state_block_v=block_v)
+    except QuantConfigError as e:
+        hint = f" (state.block_v={block_v} from {la_key})" if la_key and site == "state" else ""
+        raise PolicyError(f"{key}: {e}{hint}") from None
+    allowed = _SITE_GROUPS.get(site, _OPERAND_GROUPS)
+    if cfg.group not in allowed:
+        how = {"tile": "axis (0, 1): one scale per [K x BV] state tile", "row": "axis (0, 1, 2): one scale per row",
+               "block": "block_sizes {-1: N}"}
+        raise PolicyError(f"{key}: the {site} site takes scale groups {list(allowed)} "
+                          f"({'; '.join(how[g] for g in allowed)}), got {cfg.to_string()!r}")
+    return cfg.to_string()
+
+
+def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where: str) -> tuple[tuple[str, str], ...]:
+    """The spec's ``x.<key>`` decode options (docs/policy.md, "Spec encoding"; read by
+    kernels/decode_options.py). Only a decode phase has any."""
+    d = la.decode
+    if d.mode == "none":
+        return ()
+    extra = {"readout": d.readout}
+    codec = STATE_CODECS[d.state_codec]
+    if codec is not None:
+        extra["state_codec"] = QuantConfig(codec, "tile", block_v=la.state.block_v).to_string()
+    if d.decay_log_step is not None:
+        extra["decay_log_step"] = repr(float(d.decay_log_step))
+    if d.replay is not None:
+        extra["replay_window"] = str(d.replay.window)
+        if d.replay.factor_qdq:
+            codec_fmt = codec or (QuantConfig.parse(state).format if state else None)
+            if codec_fmt is None:
+                raise PolicyError(f"{la_key}.decode.replay.factor_qdq: true rounds the replay factors in the state "
+                                  f"codec's format, but {where} has no state quantizer or decode.state_codec")
+            extra["factor_qdq"] = "int8" if codec_fmt == "int8_h32" else codec_fmt
+    return tuple(sorted(extra.items()))
 
 
 def load_policy(policy) -> Policy:
+    """None (exact) | Policy | dict | path to .yaml/.json | shipped recipe name -> Policy."""
     if policy is None:
         return Policy.exact()
     if isinstance(policy, Policy):
         return policy
-    raise PolicyError(f"options['policy']: policy tables are not supported yet, got {type(policy).__name__}")
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(policy)
+    if isinstance(policy, (str, os.PathLike)):
+        from la_compiler.recipes import recipe_names, recipe_path
+
+        text = os.fspath(policy)
+        if text in recipe_names():
+            return Policy.from_file(recipe_path(text))
+        if Path(text).suffix in (".yaml", ".yml", ".json") or os.sep in text:
+            return Policy.from_file(text)
+        raise PolicyError(f"options['policy']: {text!r} is neither a recipe name nor a .yaml/.json file; "
+                          f"recipes: {recipe_names()}")
+    raise PolicyError(f"options['policy']: must be None, a Policy, a dict, a path or a recipe name, "
+                      f"got {type(policy).__name__}")

@@ -18,7 +18,8 @@ def lower(gm: torch.fx.GraphModule) -> int:
         q, v = (a.meta.get("example_value", a.meta.get("val")) for a in node.args[:3:2])
         try:
             choice = select_kernel(meta.spec.replace(kernel="auto"), device=q.device.type, dtype=q.dtype,
-                                   head_k=q.shape[-1], head_v=v.shape[-1], requested=meta.requested_backend)
+                                   head_k=q.shape[-1], head_v=v.shape[-1], requested=meta.requested_backend,
+                                   family=meta.requested_family)
         except KernelSelectionError as e:
             raise KernelSelectionError(f"laqat node for module {meta.module or '<top>'!r}: {e}") from None
         meta.spec = meta.spec.replace(kernel=choice.variant)

@@ -9,6 +9,7 @@ from la_compiler.passes.annotate import annotate
 from la_compiler.passes.attach_meta import attach_meta
 from la_compiler.passes.frontends import GRAPH_FRONTENDS
 from la_compiler.passes.lower import lower
+from la_compiler.passes.phase import split_phases
 from la_compiler.passes.verify import verify_ir
 from la_compiler.policy import Policy
 from la_compiler.record import GraphRecord, Match
@@ -28,6 +29,7 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
     timed("annotate", annotate, gm, policy, record)
     timed("verify", verify_ir, gm)
     timed("lower", lower, gm)
+    timed("phase", split_phases, gm)
     gm.graph.lint()
     gm.recompile()
     _record_matches(gm, record)
@@ -36,9 +38,10 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
 
 def _record_matches(gm: torch.fx.GraphModule, record: GraphRecord) -> None:
     from la_compiler.ir import is_delta_rule
+    from la_compiler.ir_phase import is_delta_rule_phased
 
     for node in gm.graph.nodes:
-        if is_delta_rule(node):
+        if is_delta_rule(node) or is_delta_rule_phased(node):
             meta = node.meta["laqat"]
             record.matches.append(Match(
                 kind=meta.kind, frontend=meta.frontend, module=meta.module, spec=meta.spec.to_string(),

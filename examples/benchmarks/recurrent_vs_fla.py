@@ -1,0 +1,217 @@
+"""The generated fused recurrent kernels against FLA's, on CUDA: equality and timing.
+
+    OUT=./out python examples/benchmarks/recurrent_vs_fla.py [--quick]
+
+1. exactness on the GPU: fp32 forward and every gradient of small cases (varlen, grouped heads,
+   initial state, both state layouts) against the fp64 reference (relative L2 <= 1e-5);
+2. at [B, T, H, D] = [1, 1024, 4, 64] and [1, 4096, 16, 128] (bf16, BASELINES.md's inputs):
+   the generated kernel vs FLA's fused_recurrent_gated_delta_rule / fused_recurrent_kda forward
+   (and vs FLA's chunk kernels), relative L2 of o and the final state, and
+   triton.testing.do_bench medians of forward and forward+backward.
+Prints a table and writes $OUT/recurrent_vs_fla.json. Works without ``pip install -e .``
+(it maps the repo's folders onto ``la_compiler`` itself).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bootstrap_la_compiler():
+    """Import la_compiler from this checkout, mapping kernels/ and passes/ like pyproject's package-dir."""
+    try:
+        import la_compiler.kernels.fused_recurrent  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO))
+    import la_compiler  # noqa: F401
+
+    for sub, folder in (("kernels", "kernels"), ("passes", "passes")):
+        name = f"la_compiler.{sub}"
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+_bootstrap_la_compiler()
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from la_compiler.kernels import cache  # noqa: E402
+from la_compiler.kernels.codegen import FusedRecurrentParams  # noqa: E402
+from la_compiler.kernels.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd  # noqa: E402
+from la_compiler.kernels.reference import delta_rule_reference  # noqa: E402
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(kind, B, T, H, HV, K, V, dtype, *, h0=False, n_seqs=None, state="kv", device="cuda"):
+    q = torch.randn(B, T, H, K, device=device)
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    v = torch.randn(B, T, HV, V, device=device)
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
+    beta = torch.rand(B, T, HV, device=device).sigmoid()
+    N = n_seqs or B
+    shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
+    initial = torch.randn(shape, device=device) if h0 else None
+    return [x.to(dtype) for x in (q, k, v, g, beta)], initial
+
+
+# ---- 1. exactness against the fp64 reference ------------------------------------------------
+EXACT_CASES = [
+    dict(kind="gdn", state="kv", B=2, T=100, H=2, HV=2, K=64, V=64, h0=True, cu=None),
+    dict(kind="gdn", state="vk", B=1, T=150, H=2, HV=4, K=128, V=128, h0=True, cu=(0, 37, 101, 150)),
+    dict(kind="kda", state="kv", B=1, T=130, H=1, HV=2, K=128, V=96, h0=False, cu=None),
+    dict(kind="kda", state="vk", B=1, T=90, H=2, HV=4, K=100, V=256, h0=True, cu=(0, 1, 70, 90)),
+]
+
+
+def exactness(case, device="cuda") -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = dict(case)
+    cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.int32, device=device)
+    (q, k, v, g, beta), h0 = make_inputs(c["kind"], c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"], torch.float32,
+                                         h0=c["h0"], n_seqs=None if cu is None else len(c["cu"]) - 1,
+                                         state=c["state"], device=device)
+    params = FusedRecurrentParams(c["kind"], c["state"])
+    scale = c["K"] ** -0.5
+    o, ht = fused_recurrent_fwd(params, q, k, v, g, beta, scale, h0, cu)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = fused_recurrent_bwd(params, q, k, v, g, beta, scale, do, dht, h0, cu)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0_ref = None if h0 is None else h0.double().requires_grad_(True)
+    ro, rht = delta_rule_reference(*leaves, kind=c["kind"], scale=scale, initial_state=h0_ref, cu_seqlens=cu,
+                                   state_layout=c["state"])
+    wrt = leaves + ([h0_ref] if h0_ref is not None else [])
+    ref = torch.autograd.grad([ro, rht], wrt, [do.double(), dht.double()])
+    errors = {"o": rel_l2(o, ro), "ht": rel_l2(ht, rht)}
+    errors.update({n: rel_l2(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, ref)})
+    return {"case": {k: v for k, v in c.items()}, "rel_l2": errors, "ok": max(errors.values()) <= 1e-5}
+
+
+# ---- 2. against FLA ----------------------------------------------------------------------------
+def peak_extra_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def versus_fla(kind: str, B: int, T: int, H: int, D: int) -> dict:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+
+    (q, k, v, g, beta), _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
+    params = FusedRecurrentParams(kind, "kv")
+    scale = D ** -0.5
+    fla_recurrent = fused_recurrent_gated_delta_rule if kind == "gdn" else fused_recurrent_kda
+    fla_chunk = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    fla_kw = dict(scale=scale, output_final_state=True)
+
+    ours = lambda: fused_recurrent_fwd(params, q, k, v, g, beta, scale)  # noqa: E731
+    theirs = lambda: fla_recurrent(q=q, k=k, v=v, g=g, beta=beta, **fla_kw)  # noqa: E731
+    chunk = lambda: fla_chunk(q, k, v, g, beta, **fla_kw)  # noqa: E731
+    o, ht = ours()
+    fo, fht = theirs()
+    co, cht = chunk()
+    row = {
+        "kind": kind, "shape": [B, T, H, D],
+        "rel_l2_o_vs_fla_recurrent": rel_l2(o, fo), "rel_l2_ht_vs_fla_recurrent": rel_l2(ht, fht),
+        "rel_l2_o_vs_fla_chunk": rel_l2(o, co), "rel_l2_ht_vs_fla_chunk": rel_l2(ht, cht),
+        "ms_fwd_laqat": do_bench(ours, return_mode="median"),
+        "ms_fwd_fla_recurrent": do_bench(theirs, return_mode="median"),
+        "ms_fwd_fla_chunk": do_bench(chunk, return_mode="median"),
+    }
+
+    do = torch.ones_like(o)  # backward of o.float().sum()
+
+    def ours_fwd_bwd():
+        o, _ = fused_recurrent_fwd(params, q, k, v, g, beta, scale)
+        return fused_recurrent_bwd(params, q, k, v, g, beta, scale, do)
+
+    row["ms_fwd_bwd_laqat"] = do_bench(ours_fwd_bwd, return_mode="median")
+    row["extra_mib_fwd_bwd_laqat"] = peak_extra_mib(ours_fwd_bwd)
+    blocked = gdn_backward_blocker() if kind == "gdn" else None
+    if blocked is None:
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+        def chunk_fwd_bwd():
+            for x in leaves:
+                x.grad = None
+            o, _ = fla_chunk(*leaves, **fla_kw)
+            o.float().sum().backward()
+
+        row["ms_fwd_bwd_fla_chunk"] = do_bench(chunk_fwd_bwd, return_mode="median")
+        row["extra_mib_fwd_bwd_fla_chunk"] = peak_extra_mib(chunk_fwd_bwd)
+        chunk_fwd_bwd()
+        ours_grads = ours_fwd_bwd()
+        for name, a, x in zip(["dq", "dk", "dv", "dg", "dbeta"], ours_grads, leaves):
+            row[f"rel_l2_{name}_vs_fla_chunk"] = rel_l2(a, x.grad)
+    else:
+        row["fla_chunk_backward"] = f"not run: {blocked}"
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the smaller comparison shape")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("recurrent_vs_fla.py needs a CUDA device")
+    torch.manual_seed(0)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "exactness": [], "versus_fla": []}
+
+    print("exactness (fp32, generated kernel vs fp64 reference, max relative L2 over o, ht and every gradient)")
+    for case in EXACT_CASES:
+        r = exactness(case)
+        result["exactness"].append(r)
+        worst = max(r["rel_l2"], key=r["rel_l2"].get)
+        print(f"  {case['kind']} {case['state']} T={case['T']} HV={case['HV']} K={case['K']} V={case['V']}"
+              f" varlen={case['cu'] is not None}: max {r['rel_l2'][worst]:.2e} ({worst})"
+              f" {'ok' if r['ok'] else 'FAIL'}")
+
+    shapes = [(1, 1024, 4, 64)] + ([] if args.quick else [(1, 4096, 16, 128)])
+    header = (f"{'kind':4} {'[B,T,H,D]':>16} {'laqat fwd':>10} {'FLA rec fwd':>11} {'FLA chunk fwd':>13}"
+              f" {'laqat f+b':>10} {'FLA chunk f+b':>13} {'o vs FLA rec':>12} {'o vs chunk':>10}")
+    print("\nbf16, do_bench median ms\n" + header)
+    for kind in ("gdn", "kda"):
+        for shape in shapes:
+            row = versus_fla(kind, *shape)
+            result["versus_fla"].append(row)
+            chunk_fb = row.get("ms_fwd_bwd_fla_chunk")
+            print(f"{kind:4} {str(list(shape)):>16} {row['ms_fwd_laqat']:10.3f} {row['ms_fwd_fla_recurrent']:11.3f}"
+                  f" {row['ms_fwd_fla_chunk']:13.3f} {row['ms_fwd_bwd_laqat']:10.3f}"
+                  f" {('%.3f' % chunk_fb) if chunk_fb else 'blocked':>13}"
+                  f" {row['rel_l2_o_vs_fla_recurrent']:12.2e} {row['rel_l2_o_vs_fla_chunk']:10.2e}")
+    result["generated_files"] = [str(m.__file__) for m in cache.loaded_modules().values()]
+    path = out / "recurrent_vs_fla.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

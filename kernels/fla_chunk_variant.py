@@ -1,0 +1,90 @@
+"""The "fla_chunk" kernel variant: FLA's own chunk kernels (exact numerics, CUDA only).
+
+Forward calls ``chunk_gated_delta_rule`` / ``chunk_kda`` on the canonical inputs; backward
+reruns that forward under torch autograd and differentiates it (FLA's autograd function
+recomputes what its backward needs). Registered by ``variants.py`` only where ``fla`` is
+installed; FLA itself is imported at the first call (importing it costs seconds).
+
+FLA's GDN chunk backward refuses to run with Triton >= 3.4, < 3.7.1 on Hopper (it
+miscompiles ``chunk_bwd_dqkwg``); ``gdn_backward_blocker()`` says so before the selection
+table picks this variant, and the backward raises the same reason rather than run anything else.
+"""
+from __future__ import annotations
+
+import torch
+
+from la_compiler.kernels.autograd_inside_op import autograd_enabled
+from la_compiler.kernels.registry import register_variant, spec_of
+
+
+def _fla_chunk(kind: str):
+    if kind == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda
+
+
+def gdn_backward_blocker() -> str | None:
+    """Why FLA's GDN chunk backward cannot run on this machine, or None if it can (FLA's own guard)."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
+        import triton
+
+        return (f"FLA's GDN chunk backward refuses Triton {triton.__version__} on Hopper "
+                "(>= 3.4, < 3.7.1 miscompiles chunk_bwd_dqkwg)")
+    return None
+
+
+def _check(spec, q):
+    if q.device.type != "cuda":
+        raise RuntimeError(f"kernel variant fla_chunk needs CUDA tensors, got device {q.device}")
+    if not spec.is_exact:
+        raise RuntimeError(f"kernel variant fla_chunk computes exact numerics only; {spec} asks for rounding")
+
+
+def _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    o, ht = _fla_chunk(spec.kind)(
+        q, k, v, g, beta,
+        scale=scale, initial_state=initial_state, output_final_state=True,
+        state_v_first=spec.state == "vk", cu_seqlens=cu_seqlens,
+    )
+    return o, ht
+
+
+def fla_chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    spec = spec_of(spec)
+    _check(spec, q)
+    o, ht = _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    return o.to(q.dtype), ht.to(torch.float32)
+
+
+def fla_chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):
+    spec = spec_of(spec)
+    _check(spec, q)
+    if spec.kind == "gdn" and (why := gdn_backward_blocker()) is not None:
+        raise RuntimeError(f"kernel variant fla_chunk cannot differentiate {spec}: {why}; "
+                           "select kernel=fused_recurrent (policy backend) for GDN training here")
+    inputs = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0 = None if initial_state is None else initial_state.detach().requires_grad_(True)
+    wrt = inputs + ([h0] if h0 is not None else [])
+    with autograd_enabled():
+        o, ht = _run(spec, *inputs, h0, cu_seqlens, scale)
+        outs, grads = [o], [do.to(o.dtype)]
+        if dht is not None:
+            outs.append(ht)
+            grads.append(dht.to(ht.dtype))
+        result = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    result = [torch.zeros_like(x) if r is None else r.to(x.dtype) for r, x in zip(result, wrt)]
+    return (*result[:5], result[5] if h0 is not None else None)
+
+
+register_variant(
+    "fla_chunk",
+    fla_chunk_forward,
+    fla_chunk_backward,
+    "FLA's chunk_gated_delta_rule / chunk_kda (CUDA; exact numerics)",
+)

@@ -1,0 +1,49 @@
+"""The ``laqat`` command line: look at specs, kernel variants and the selection table.
+
+    laqat spec 'gdn[src=fla; state=kv; q.state=fp8_e4m3/tile64]'
+    laqat kernels
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def _cmd_spec(args) -> int:
+    from la_compiler.spec import RecurrenceSpec
+
+    spec = RecurrenceSpec.parse(args.spec)
+    print(spec.to_string())
+    for field in dataclasses.fields(spec):
+        print(f"  {field.name:7s} {getattr(spec, field.name)!r}")
+    return 0
+
+
+def _cmd_kernels(args) -> int:
+    from la_compiler.kernels.registry import get_variant, variant_names
+    from la_compiler.kernels.selection import TABLE
+
+    print("kernel variants:")
+    for name in variant_names():
+        print(f"  {name:18s} {get_variant(name).description}")
+    print("selection table (first accepted row wins):")
+    for i, row in enumerate(TABLE):
+        print(f"  {i}. {row.variant:18s} {row.summary}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="laqat", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("spec", help="parse a spec string and show its fields")
+    p.add_argument("spec")
+    p.set_defaults(fn=_cmd_spec)
+    p = sub.add_parser("kernels", help="list kernel variants and the selection table")
+    p.set_defaults(fn=_cmd_kernels)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

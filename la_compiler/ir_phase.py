@@ -1,0 +1,124 @@
+"""The decode-phase IR: a laqat node whose sequences split into a prefix and a decode suffix.
+
+    laqat::phase_lengths(q, cu_seqlens?) -> (prefill_lengths, valid_lengths)     int32 [N], on q's device
+    laqat::delta_rule_phased(q, k, v, g, beta, initial_state?, cu_seqlens?,
+                             prefill_lengths, valid_lengths, scale, spec) -> (o, final_state)
+
+``delta_rule`` keeps its signature; the phase pass (``passes/phase.py``) rewrites every
+``delta_rule`` node whose spec has ``phase=token|replay`` into ``phase_lengths`` +
+``delta_rule_phased``. Why this shape (docs/decode_phase.md):
+
+- ``phase_lengths`` reads ``la_compiler.phase`` when it *runs*. It sits in the graph the
+  backend compiles, below Dynamo, so Dynamo never sees (nor guards on) the lengths: changing
+  them between steps recompiles nothing. It takes ``q`` only so that it is not a constant
+  (Inductor would fold an op without runtime inputs).
+- The lengths are ordinary inputs of ``delta_rule_phased``: its autograd saves them with the
+  other inputs, so the backward uses the forward's lengths even after the context exited.
+  A region recomputed in the backward (activation checkpointing) re-reads the context,
+  which must then still be active (it is an error, not a silent change, if it is not).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from la_compiler.ir import _num_sequences, _state_shape, _variant_for
+from la_compiler.spec import RecurrenceSpec
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("laqat::phase_lengths", mutates_args=())
+def phase_lengths(q: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    from la_compiler.phase import PhaseError, current
+
+    active = current()
+    if active is None:
+        raise PhaseError("a laqat node with spec phase=token|replay ran outside a phase context: wrap the forward "
+                         "(and its backward) in `with la_compiler.phase(prefill_lengths=[...], sequence_lengths=[...])`")
+    if cu_seqlens is None:
+        storage = [q.shape[1]] * q.shape[0]
+    else:
+        bounds = cu_seqlens.tolist()
+        storage = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    prefill, valid = active.resolve(storage)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32).to(q.device)  # noqa: E731
+    return as_tensor(prefill), as_tensor(valid)
+
+
+@phase_lengths.register_fake
+def _(q, cu_seqlens):
+    n = _num_sequences(q, cu_seqlens)
+    return q.new_empty((n,), dtype=torch.int32), q.new_empty((n,), dtype=torch.int32)
+
+
+@torch.library.custom_op("laqat::delta_rule_phased", mutates_args=())
+def delta_rule_phased(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str,
+) -> tuple[Tensor, Tensor]:
+    parsed = RecurrenceSpec.parse(spec)
+    return _variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                              prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
+
+
+@delta_rule_phased.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
+    parsed = RecurrenceSpec.parse(spec)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = q.new_empty((B, T, HV, V))
+    ht = q.new_empty(_state_shape(parsed, _num_sequences(q, cu_seqlens), HV, K, V), dtype=torch.float32)
+    return o, ht
+
+
+@torch.library.custom_op("laqat::delta_rule_phased_backward", mutates_args=())
+def delta_rule_phased_backward(
+    do: Tensor, dht: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    parsed = RecurrenceSpec.parse(spec)
+    dq, dk, dv, dg, dbeta, dh0 = _variant_for(parsed, q, v).backward(
+        parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht,
+        prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
+    if dh0 is None:
+        dh0 = q.new_empty((0,), dtype=torch.float32)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dg.contiguous(), dbeta.contiguous(), dh0.contiguous()
+
+
+@delta_rule_phased_backward.register_fake
+def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths)
+    ctx.scale, ctx.spec = scale, spec
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths = ctx.saved_tensors
+    if dht is None:
+        dht = q.new_zeros(_state_shape(RecurrenceSpec.parse(ctx.spec), _num_sequences(q, cu_seqlens),
+                                       v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+    if do is None:
+        do = torch.zeros_like(v, dtype=q.dtype)
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.laqat.delta_rule_phased_backward(
+        do, dht, q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, ctx.scale, ctx.spec)
+    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
+
+
+delta_rule_phased.register_autograd(_backward, setup_context=_setup_context)
+
+DELTA_RULE_PHASED = torch.ops.laqat.delta_rule_phased.default
+PHASE_LENGTHS = torch.ops.laqat.phase_lengths.default
+
+
+def is_delta_rule_phased(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (DELTA_RULE_PHASED, torch.ops.laqat.delta_rule_phased)

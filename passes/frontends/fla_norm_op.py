@@ -1,0 +1,126 @@
+"""``laqat::layer_norm_gated``: FLA's gated RMSNorm / LayerNorm as one opaque custom op.
+
+``FusedRMSNormGated`` (the output norm of FLA's GDN and KDA layers) calls
+``fla.modules.norm.fused_norm_gate.rms_norm_gated``, an ``autograd.Function`` around autotuned
+Triton kernels that Dynamo cannot trace. The FLA frontend substitutes ``rms_norm_gated`` and
+``layer_norm_gated`` with a call to this op.
+
+    laqat::layer_norm_gated(x [..., D], g [..., D], weight? [D], bias? [D], activation, eps, is_rms_norm)
+        -> y [..., D] in x.dtype
+
+    x_hat = x * rsqrt(mean(x^2) + eps)                 (RMSNorm; LayerNorm centres x first)
+    y     = (x_hat * weight + bias) * act(g),  act = silu ("swish", "silu") or sigmoid ("sigmoid")
+
+computed in fp32 (fla/modules/norm/fused_norm_gate.py, ``layer_norm_gated_fwd_kernel``).
+On CUDA the op runs FLA's own ``layer_norm_gated_fwd`` / ``layer_norm_gated_bwd`` kernels
+(the backward recomputes the row statistics with the forward kernel); elsewhere the fp32
+torch reference below, differentiated by torch autograd. It is checked against FLA's own
+torch reference ``fla.modules.norm.layernorm_gated.rms_norm_ref`` in the tests.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from la_compiler.kernels.autograd_inside_op import autograd_enabled
+
+Tensor = torch.Tensor
+ACTIVATIONS = ("swish", "silu", "sigmoid")
+
+
+def layer_norm_gated_reference(x, g, weight, bias, activation: str, eps: float, is_rms_norm: bool) -> Tensor:
+    xf = x.float()
+    if not is_rms_norm:
+        xf = xf - xf.mean(-1, keepdim=True)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    gf = g.float()
+    y = y * (F.silu(gf) if activation in ("swish", "silu") else torch.sigmoid(gf))
+    return y.to(x.dtype)
+
+
+def _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm):
+    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
+
+    x2, g2 = x.reshape(-1, x.shape[-1]).contiguous(), g.reshape(-1, g.shape[-1]).contiguous()
+    y, mean, rstd, _ = layer_norm_gated_fwd(x=x2, g=g2, weight=weight, bias=bias, activation=activation, eps=eps,
+                                            is_rms_norm=is_rms_norm)
+    return x2, g2, y, mean, rstd
+
+
+@torch.library.custom_op("laqat::layer_norm_gated", mutates_args=())
+def layer_norm_gated(
+    x: Tensor,
+    g: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    activation: str,
+    eps: float,
+    is_rms_norm: bool,
+) -> Tensor:
+    if x.is_cuda:
+        y = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)[2]
+        return y.reshape(x.shape)
+    return layer_norm_gated_reference(x, g, weight, bias, activation, eps, is_rms_norm).contiguous()
+
+
+@layer_norm_gated.register_fake
+def _(x, g, weight, bias, activation, eps, is_rms_norm):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("laqat::layer_norm_gated_backward", mutates_args=())
+def layer_norm_gated_backward(
+    dy: Tensor,
+    x: Tensor,
+    g: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    activation: str,
+    eps: float,
+    is_rms_norm: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dx, dg, dweight, dbias); an empty tensor for an absent weight or bias."""
+    if x.is_cuda:
+        from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd
+
+        x2, g2, _, mean, rstd = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)
+        dx, dg, dw, db, _ = layer_norm_gated_bwd(dy=dy.reshape(x2.shape).contiguous(), x=x2, g=g2, weight=weight,
+                                                 bias=bias, activation=activation, eps=eps, mean=mean, rstd=rstd,
+                                                 is_rms_norm=is_rms_norm, x_dtype=x.dtype)
+        dx, dg = dx.reshape(x.shape), dg.reshape(g.shape)
+    else:
+        inputs = [t.detach().requires_grad_(True) if t is not None else None for t in (x, g, weight, bias)]
+        with autograd_enabled():
+            y = layer_norm_gated_reference(*inputs, activation, eps, is_rms_norm)
+            wrt = [t for t in inputs if t is not None]
+            got = iter(torch.autograd.grad([y], wrt, [dy], allow_unused=True))
+        grads = [None if t is None else next(got) for t in inputs]
+        dx, dg, dw, db = [gr if gr is not None or t is None else torch.zeros_like(t) for gr, t in zip(grads, inputs)]
+    return tuple(x.new_empty((0,)) if gr is None else gr.contiguous() for gr in (dx, dg, dw, db))
+
+
+@layer_norm_gated_backward.register_fake
+def _(dy, x, g, weight, bias, activation, eps, is_rms_norm):
+    return tuple(x.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, g, weight, bias))
+
+
+def _setup_context(ctx, inputs, output):
+    x, g, weight, bias, activation, eps, is_rms_norm = inputs
+    ctx.save_for_backward(x, g, weight, bias)
+    ctx.options = (activation, eps, is_rms_norm)
+
+
+def _backward(ctx, dy):
+    x, g, weight, bias = ctx.saved_tensors
+    dx, dg, dw, db = torch.ops.laqat.layer_norm_gated_backward(dy, x, g, weight, bias, *ctx.options)
+    return dx, dg, dw if weight is not None else None, db if bias is not None else None, None, None, None
+
+
+layer_norm_gated.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,327 @@
+"""Chain discovery: unrolled loops, their steps, the loop-carried state and the step outputs.
+
+Dynamo unrolls ``for i in range(n)``: iteration ``i`` becomes a contiguous run of nodes (a
+*window*) that reads ``x[..., i, ...]`` slices (``slices.py``). A loop is found from its
+slice families alone (linear in the graph); its windows are then compared position by
+position with the previous window, which is an exact step isomorphism: same ops, same
+shapes, same loop invariants, literals equal except the time index (which must advance by
+exactly one), and references to the previous window only through loop-carried values.
+The last window is aligned as a subsequence (Dynamo drops a dead last state update when
+the final state is not used).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import defaultdict
+
+import torch
+
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value, value
+from la_compiler.passes.frontends.torch_recurrence.slices import TimeSlice, time_slices
+
+
+class NotARecurrence(Exception):
+    """A loop that fails a structural check; ``candidate`` says whether to report it."""
+
+    def __init__(self, reason: str, candidate: bool = True, nodes=()):
+        super().__init__(reason)
+        self.reason, self.candidate, self.nodes = reason, candidate, tuple(nodes)
+
+
+@dataclasses.dataclass
+class Loop:
+    first: int  # index range first..last
+    last: int
+    starts: dict  # index -> min graph position of its slices
+    ends: dict  # index -> max graph position of its slices
+    slices: list  # TimeSlice
+
+
+@dataclasses.dataclass
+class LoopBody:
+    loop: Loop
+    windows: list  # list[list[Node | None]] aligned to the template offsets (None: dead in the last step)
+    state_offset: int
+    init: torch.fx.Node  # the state entering the first step
+    o_offset: int  # offset of the per-step output value
+    o_buffer: torch.fx.Node | None  # the tensor written by `o[..., t] = ...`, or None
+    o_collector: torch.fx.Node | None  # stack/cat of the per-step outputs, or None
+    o_time_dim: int  # time dim of the collected output (buffer or collector)
+    final_state: torch.fx.Node | None  # the last state, when read after the loop
+
+    @property
+    def steps(self) -> int:
+        return len(self.windows)
+
+    @property
+    def states(self):
+        return [w[self.state_offset] for w in self.windows]
+
+    @property
+    def outputs(self):
+        return [w[self.o_offset] for w in self.windows]
+
+    def nodes(self):
+        return [n for w in self.windows for n in w if n is not None]
+
+    def external_inputs(self) -> list[torch.fx.Node]:
+        inside = set(self.nodes())
+        seen, out = set(), []
+        for n in self.nodes():
+            for a in n.all_input_nodes:
+                if a not in inside and a not in seen:
+                    seen.add(a)
+                    out.append(a)
+        return out
+
+
+def find_loops(flow: Dataflow) -> list[Loop]:
+    """Unrolled loops of at least two iterations, outermost first (linear in the graph)."""
+    families: dict[tuple, list[TimeSlice]] = defaultdict(list)
+    for n in flow.nodes:
+        for s in time_slices(n):
+            families[s.key].append(s)
+    valid = []
+    for fam in families.values():
+        fam.sort(key=lambda s: flow.pos[s.node])
+        idx = [s.index for s in fam]
+        if len(fam) >= 2 and idx == list(range(idx[0], idx[0] + len(idx))):
+            valid.append(fam)
+    valid.sort(key=lambda f: flow.pos[f[0].node])
+    loops: list[Loop] = []
+    for fam in valid:
+        a, b = fam[0].index, fam[-1].index
+        pos = {s.index: flow.pos[s.node] for s in fam}
+        for lp in loops:
+            if (lp.first, lp.last) != (a, b):
+                continue
+            starts = {i: min(lp.starts[i], pos[i]) for i in pos}
+            ends = {i: max(lp.ends[i], pos[i]) for i in pos}
+            if all(ends[i] < starts[i + 1] for i in range(a, b)):
+                lp.starts, lp.ends = starts, ends
+                lp.slices.extend(fam)
+                break
+        else:
+            loops.append(Loop(a, b, dict(pos), dict(pos), list(fam)))
+    loops.sort(key=lambda lp: (flow.pos[lp.slices[0].node], -(lp.last - lp.first)))
+    return loops
+
+
+def _flatten(x, out):
+    if isinstance(x, (tuple, list)):
+        out.append(("seq", type(x).__name__, len(x)))
+        for y in x:
+            _flatten(y, out)
+    elif isinstance(x, dict):
+        out.append(("dict", tuple(sorted(x))))
+        for k in sorted(x):
+            _flatten(x[k], out)
+    elif isinstance(x, slice):
+        out.append(("slice",))
+        for y in (x.start, x.stop, x.step):
+            _flatten(y, out)
+    else:
+        out.append(x)
+    return out
+
+
+class _Windows:
+    """Where each node sits: (window index, offset)."""
+
+    def __init__(self):
+        self.where: dict[torch.fx.Node, tuple[int, int]] = {}
+
+    def classify(self, leaf, w: int):
+        at = self.where.get(leaf)
+        if at is None:
+            return ("ext", leaf)
+        if at[0] == w:
+            return ("loc", at[1])
+        if at[0] == w - 1:
+            return ("prev", at[1])
+        return ("far", at)
+
+
+def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, where: _Windows, carried: dict) -> str | None:
+    """None when ``cur`` (window w) is ``prev`` (window w-1) one step later; else what differs."""
+    if cur.op != prev.op or cur.target != prev.target:
+        return f"op {cur.format_node()} vs {prev.format_node()}"
+    vc, vp = tensor_value(cur), tensor_value(prev)
+    if (vc is None) != (vp is None) or (vc is not None and (vc.shape != vp.shape or vc.dtype != vp.dtype)):
+        return f"shape of {cur.name} differs from {prev.name}"
+    lc, lp = _flatten((cur.args, cur.kwargs), []), _flatten((prev.args, prev.kwargs), [])
+    if len(lc) != len(lp):
+        return f"arguments of {cur.name} differ from {prev.name}"
+    for a, b in zip(lc, lp):
+        if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
+            if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+                return f"arguments of {cur.name} differ from {prev.name}"
+            ca, cb = where.classify(a, w), where.classify(b, w - 1)
+            if ca[0] == "far":
+                return f"{cur.name} reads {a.name} from an earlier step than the previous one"
+            if ca == cb:
+                continue
+            if ca[0] == "prev" and cb[0] == "ext" and w - 1 == first:
+                if carried.setdefault(ca[1], b) is not b:
+                    return f"loop-carried value at offset {ca[1]} enters the first step as two different nodes"
+                continue
+            if ca[0] == "prev" and cb[0] == "prev" and ca[1] == cb[1]:
+                continue
+            return f"{cur.name} reads {a.name} where the previous step read {b.name}"
+        elif a != b:
+            if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a - b == 1:
+                continue  # the time index advances by one
+            return f"literal {a!r} of {cur.name} vs {b!r} one step earlier"
+    return None
+
+
+def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
+    """Windows, step isomorphism, carried state, outputs; raises ``NotARecurrence``."""
+    nodes, a, b = flow.nodes, loop.first, loop.last
+    starts = [loop.starts[i] for i in range(a, b + 1)]
+    lengths = {starts[i + 1] - starts[i] for i in range(len(starts) - 1)}
+    candidate = _has_state_like_carry(flow, nodes[starts[0]:starts[1]], starts[1], starts[-1] if len(starts) > 2 else None)
+    if len(lengths) != 1:
+        raise NotARecurrence(f"loop over index {a}..{b}: steps have different node counts {sorted(lengths)[:4]}",
+                             candidate)
+    period = lengths.pop()
+    where = _Windows()
+    windows = [nodes[starts[0]:starts[0] + period]]
+    for off, n in enumerate(windows[0]):
+        where.where[n] = (0, off)
+    carried: dict[int, torch.fx.Node] = {}
+    for w in range(1, len(starts) - 1):
+        win = nodes[starts[w]:starts[w] + period]
+        for off, n in enumerate(win):
+            where.where[n] = (w, off)
+        for off, n in enumerate(win):
+            why = _same_step(n, windows[w - 1][off], w, 0, where, carried)
+            if why:
+                raise NotARecurrence(f"step {a + w} is not isomorphic to step {a + w - 1}: {why}", candidate, [n.name])
+        windows.append(win)
+    # the last step, aligned as a subsequence of the one before (a dead final update may be missing)
+    w, cursor, last = len(starts) - 1, starts[-1], []
+    for off, tmpl in enumerate(windows[-1]):
+        if cursor < len(nodes) and nodes[cursor].op != "output":
+            where.where[nodes[cursor]] = (w, off)
+            if _same_step(nodes[cursor], tmpl, w, 0, where, carried) is None:
+                last.append(nodes[cursor])
+                cursor += 1
+                continue
+            del where.where[nodes[cursor]]
+        last.append(None)
+    windows.append(last)
+
+    if len(carried) != 1:
+        what = "no loop-carried value" if not carried else \
+            f"{len(carried)} loop-carried values ({', '.join(windows[0][o].name for o in sorted(carried))})"
+        raise NotARecurrence(f"loop over index {a}..{b}: {what}; a recurrence carries exactly one state",
+                             candidate and bool(carried))
+    (state_offset, init), = carried.items()
+    sv = tensor_value(windows[0][state_offset])
+    if sv is None or sv.dim() < 3 or not sv.dtype.is_floating_point:
+        raise NotARecurrence("loop-carried value is not a floating tensor of rank >= 3", False)
+    return _outputs(flow, loop, windows, state_offset, init)
+
+
+def _has_state_like_carry(flow, first_window, second_start, third_start) -> bool:
+    inside = set(first_window)
+    hi = third_start if third_start is not None else second_start + 4 * len(first_window)
+    for n in first_window:
+        v = tensor_value(n)
+        if v is None or v.dim() < 3 or not v.dtype.is_floating_point:
+            continue
+        for r in flow.readers(n):
+            if r not in inside and second_start <= flow.pos[r] < hi and not is_inplace_write(r):
+                return True
+    return False
+
+
+def _outputs(flow: Dataflow, loop: Loop, windows, state_offset, init) -> LoopBody:
+    a = loop.first
+    members = {n: (w, off) for w, win in enumerate(windows) for off, n in enumerate(win) if n is not None}
+    loop_end = max(flow.pos[n] for n in members)
+    tmpl = windows[0]
+    writes = [off for off, n in enumerate(tmpl) if is_inplace_write(n) and n.args[0] not in members]
+    o_offset, o_buffer, o_collector, o_time_dim = None, None, None, None
+    if writes:
+        if len(writes) != 1:
+            raise NotARecurrence(f"each step writes {len(writes)} outside tensors; expected one output write")
+        o_offset = writes[0]
+        o_buffer = tmpl[o_offset].args[0]
+        for w, win in enumerate(windows):
+            if win[o_offset] is None:
+                raise NotARecurrence(f"step {a + w} does not write its output")
+        o_time_dim = _write_time_dim(windows, o_offset, a)
+    escaping = defaultdict(list)  # offset -> readers after the loop
+    for n, (w, off) in members.items():
+        for r in flow.readers(n):
+            if r not in members:
+                if flow.pos[r] < loop_end and not (r.op == "output"):
+                    raise NotARecurrence(f"intermediate {n.name} of step {a + w} is read by {r.name} inside the loop "
+                                         f"but outside the recurrence", nodes=[n.name, r.name])
+                escaping[off].append((w, r))
+    final_state = None
+    for off, rs in escaping.items():
+        if off == state_offset and all(w == len(windows) - 1 for w, _ in rs):
+            final_state = windows[-1][state_offset]
+            continue
+        if off == o_offset:
+            continue
+        collectors = {r for _, r in rs}
+        if o_buffer is None and o_offset is None and len(collectors) == 1:
+            (col,), steps = collectors, sorted(w for w, _ in rs)
+            if steps == list(range(len(windows))) and _is_collector(col, [win[off] for win in windows]):
+                o_offset, o_collector = off, col
+                o_time_dim = _collector_dim(col)
+                continue
+        w, r = rs[0]
+        raise NotARecurrence(f"intermediate {windows[w][off].name} of step {a + w} is read outside the recurrence "
+                             f"by {r.name}", nodes=[windows[w][off].name, r.name])
+    if o_offset is None:
+        raise NotARecurrence("the steps produce no per-step output (no `o[:, t] = ...` and no stacked list)")
+    return LoopBody(loop, windows, state_offset, init, o_offset, o_buffer, o_collector, o_time_dim, final_state)
+
+
+def _write_time_dim(windows, off, first) -> int:
+    """The dim of the buffer that ``o[..., t] = x`` indexes with the step index."""
+    dims = None
+    for w, win in enumerate(windows):
+        n = win[off]
+        here = {d for d, i in time_slices_of_index(n.args[0], n.args[1]) if i == first + w}
+        dims = here if dims is None else dims & here
+    if not dims or len(dims) != 1:
+        raise NotARecurrence(f"output write {windows[0][off].name} does not index the buffer with the step index")
+    return dims.pop()
+
+
+def time_slices_of_index(buf: torch.fx.Node, index) -> list[tuple[int, int]]:
+    """(dim, index) of every int in a setitem index."""
+    from la_compiler.passes.frontends.torch_recurrence.slices import _index_dims
+
+    bv = tensor_value(buf)
+    index = index if isinstance(index, tuple) else (index,)
+    out = []
+    for p, d in _index_dims(index, bv.dim()):
+        item = index[p]
+        if d is not None and isinstance(item, int) and not isinstance(item, bool):
+            out.append((d, item % bv.shape[d]))
+        elif d is not None and isinstance(item, slice) and isinstance(item.start, int) and item.stop == item.start + 1:
+            out.append((d, item.start))
+    return out
+
+
+def _is_collector(col: torch.fx.Node, items) -> bool:
+    name = getattr(col.target, "__name__", col.target)
+    if name not in ("stack", "cat") or not col.args or list(col.args[0]) != list(items):
+        return False
+    if name == "cat":
+        d = _collector_dim(col)
+        return all(tensor_value(x) is not None and tensor_value(x).shape[d] == 1 for x in items)
+    return True
+
+
+def _collector_dim(col: torch.fx.Node) -> int:
+    d = col.kwargs.get("dim", col.args[1] if len(col.args) > 1 else 0)
+    return d % tensor_value(col).dim()

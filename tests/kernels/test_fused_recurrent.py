@@ -1,0 +1,143 @@
+"""The generated fused recurrent kernels against the fp64 reference: forward and every gradient."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from la_compiler.kernels.codegen import CodegenError, FusedRecurrentParams
+from la_compiler.kernels.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd
+from la_compiler.kernels.reference import delta_rule_reference
+from tests.helpers import assert_close_rel
+
+EXACT_FP32 = 1e-5
+# bf16 inputs: FLA's relative-error ratios (NUMERICS.md)
+BF16_TOL = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 8e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str
+    state: str
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    cu_seqlens: tuple | None = None
+    initial_state: bool = True
+    final_state_grad: bool = True
+    dtype: torch.dtype = torch.float32
+    block_v: int | None = None  # None: the launcher's default
+    checkpoint_interval: int = 64
+
+
+CASES = [
+    # two value blocks in forward and backward; 4-token checkpoints, the last chunk partial
+    Case("gdn", "kv", B=2, T=7, H=1, HV=2, K=16, V=16, block_v=8, checkpoint_interval=4),
+    Case("gdn", "vk", B=1, T=13, H=2, HV=4, K=16, V=8, cu_seqlens=(0, 5, 13), checkpoint_interval=4),
+    Case("kda", "kv", B=1, T=13, H=2, HV=2, K=16, V=16, initial_state=False, final_state_grad=False),
+    # head dims that are not powers of two (masked tails), grouped heads, varlen, one 1-token sequence
+    Case("kda", "vk", B=1, T=13, H=1, HV=2, K=12, V=10, cu_seqlens=(0, 1, 9, 13), block_v=4, checkpoint_interval=4),
+    Case("gdn", "kv", B=1, T=9, H=1, HV=2, K=16, V=16, dtype=torch.bfloat16, block_v=8),
+]
+
+
+def make_inputs(c: Case):
+    q = torch.randn(c.B, c.T, c.H, c.K)
+    k = F.normalize(torch.randn(c.B, c.T, c.H, c.K), dim=-1)
+    v = torch.randn(c.B, c.T, c.HV, c.V)
+    g_shape = (c.B, c.T, c.HV) if c.kind == "gdn" else (c.B, c.T, c.HV, c.K)
+    g = 0.5 * F.logsigmoid(torch.randn(g_shape))
+    beta = torch.rand(c.B, c.T, c.HV).sigmoid()
+    cu = None if c.cu_seqlens is None else torch.tensor(c.cu_seqlens, dtype=torch.int32)
+    N = c.B if cu is None else len(c.cu_seqlens) - 1
+    state_shape = (N, c.HV, c.K, c.V) if c.state == "kv" else (N, c.HV, c.V, c.K)
+    h0 = torch.randn(state_shape) if c.initial_state else None
+    return [x.to(c.dtype) for x in (q, k, v, g, beta)], h0, cu, state_shape
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: f"{c.kind}-{c.state}-T{c.T}-HV{c.HV}-{str(c.dtype)[6:]}"
+                         f"{'-varlen' if c.cu_seqlens else ''}{'-h0' if c.initial_state else ''}")
+def test_fused_recurrent_matches_reference(c):
+    (q, k, v, g, beta), h0, cu, state_shape = make_inputs(c)
+    params = FusedRecurrentParams(c.kind, c.state)
+    scale = 0.7 * c.K**-0.5
+
+    o, ht = fused_recurrent_fwd(params, q, k, v, g, beta, scale, h0, cu, block_v=c.block_v)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0_ref = None if h0 is None else h0.double().requires_grad_(True)
+    ro, rht = delta_rule_reference(*leaves, kind=c.kind, scale=scale, initial_state=h0_ref, cu_seqlens=cu,
+                                   state_layout=c.state)
+    tol = (lambda name: EXACT_FP32) if c.dtype == torch.float32 else BF16_TOL.get
+    assert o.dtype == q.dtype and ht.dtype == torch.float32
+    assert_close_rel(o, ro, tol("o"), "o")
+    assert_close_rel(ht, rht, tol("ht"), "final state")
+
+    do = torch.randn_like(o)
+    dht = torch.randn(state_shape) if c.final_state_grad else None
+    grads = fused_recurrent_bwd(params, q, k, v, g, beta, scale, do, dht, h0, cu,
+                                block_v=c.block_v, checkpoint_interval=c.checkpoint_interval)
+    outs, seeds = [ro], [do.double()]
+    if dht is not None:
+        outs, seeds = outs + [rht], seeds + [dht.double()]
+    wrt = leaves + ([h0_ref] if h0_ref is not None else [])
+    ref_grads = torch.autograd.grad(outs, wrt, seeds)
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for name, got, ref in zip(names, grads, ref_grads):
+        assert got.dtype == (torch.float32 if name == "dh0" else c.dtype), name
+        assert_close_rel(got, ref, tol(name), name)
+    if h0 is None:
+        assert grads[5] is None
+
+
+def test_ir_op_runs_the_generated_kernel_forward_and_backward():
+    import la_compiler.ir  # noqa: F401  (registers torch.ops.laqat)
+
+    c = Case("kda", "kv", B=1, T=7, H=1, HV=2, K=8, V=8, cu_seqlens=(0, 3, 7))
+    (q, k, v, g, beta), h0, cu, state_shape = make_inputs(c)
+    spec = "kda[src=user; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=fused_recurrent]"
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, ht = torch.ops.laqat.delta_rule(*leaves, cu, 0.4, spec)
+    w_o, w_h = torch.randn_like(o), torch.randn_like(ht)
+    ((o * w_o).sum() + (ht * w_h).sum()).backward()
+
+    ref_leaves = [x.double().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    ro, rht = delta_rule_reference(*ref_leaves[:5], kind="kda", scale=0.4, initial_state=ref_leaves[5],
+                                   cu_seqlens=cu)
+    ((ro * w_o.double()).sum() + (rht * w_h.double()).sum()).backward()
+    assert_close_rel(o, ro, EXACT_FP32, "o")
+    assert_close_rel(ht, rht, EXACT_FP32, "final state")
+    for name, x, r in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], leaves, ref_leaves):
+        assert_close_rel(x.grad, r.grad, EXACT_FP32, name)
+
+
+def test_non_exact_spec_is_refused():
+    spec = "gdn[src=user; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=fused_recurrent; " \
+           "q.state=fp8_e4m3/tile64]"
+    with pytest.raises(CodegenError, match="exact numerics only"):
+        FusedRecurrentParams.from_spec(spec)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("g", r"GDN g must be"),
+    ("beta", r"beta must be"),
+    ("h0", r"initial_state must be"),
+    ("hv", r"multiple of H"),
+    ("cu_batch", r"cu_seqlens needs batch size 1"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    (q, k, v, g, beta), h0, cu, _ = make_inputs(Case("gdn", "kv", B=2, T=3, H=2, HV=2, K=4, V=4))
+    if bad == "g":
+        g = g[..., None].expand(-1, -1, -1, 4)
+    elif bad == "beta":
+        beta = beta[:, :2]
+    elif bad == "h0":
+        h0 = h0.transpose(-1, -2)[..., :3]
+    elif bad == "hv":
+        v, beta, g = v[:, :, :1].repeat(1, 1, 3, 1), beta[:, :, :1].repeat(1, 1, 3), g[:, :, :1].repeat(1, 1, 3)
+    elif bad == "cu_batch":
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        fused_recurrent_fwd(FusedRecurrentParams("gdn", "kv"), q, k, v, g, beta, 0.5, h0, cu)

@@ -1,0 +1,100 @@
+"""The code cache and the code generator: atomic writes, LAQAT_CACHE_DIR, real module files, keys."""
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+
+from la_compiler.kernels import cache
+from la_compiler.kernels.codegen import (CodegenError, FusedRecurrentParams, fused_recurrent_source,
+                                         generated_module_for_spec, render)
+
+SPEC = "{kind}[src=user; layout=bthd; state={state}; chunk=64; solve=exact; phase=none; kernel=fused_recurrent]"
+
+
+def _source(tag: str) -> str:
+    return f"TAG = {tag!r}\n\ndef answer():\n    return 41 + 1\n"
+
+
+def test_cache_dir_env_is_honoured(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    module = cache.load_source("probe", _source(str(tmp_path)), {"tag": "env"})
+    assert Path(module.__file__).is_relative_to(tmp_path)
+    assert cache.cache_dir() == tmp_path
+
+
+def test_module_has_its_real_file_and_loads_once(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    text = _source(f"real-file-{tmp_path}")
+    module = cache.load_source("probe", text, {"tag": "file"})
+    path = Path(module.__file__)
+    assert path.read_text() == text
+    assert inspect.getsource(module.answer).strip().startswith("def answer")
+    assert inspect.getsourcefile(module.answer) == str(path)
+    assert module.answer() == 42
+    assert cache.load_source("probe", text, {"tag": "file"}) is module
+    assert cache.path_of(module) == path and cache.source_of(module) == text
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    target = tmp_path / "sub" / "kernel.py"
+    cache.write_atomic(target, "first\n")
+    assert target.read_text() == "first\n"
+
+    def fail(src, dst):
+        assert Path(src).read_text() == "second\n" and Path(dst) == target  # written in full, then renamed
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        cache.write_atomic(target, "second\n")
+    assert target.read_text() == "first\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["kernel.py"]  # no temporary file left
+
+
+def test_key_covers_source_params_and_versions(monkeypatch):
+    base = cache.cache_key("src", {"kind": "gdn"})
+    assert cache.cache_key("src", {"kind": "gdn"}) == base
+    assert cache.cache_key("src2", {"kind": "gdn"}) != base
+    assert cache.cache_key("src", {"kind": "kda"}) != base
+    monkeypatch.setattr(cache, "versions", lambda: {"torch": "0", "triton": "0", "laqat": "0"})
+    assert cache.cache_key("src", {"kind": "gdn"}) != base
+
+
+def test_generated_module_per_spec(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    gdn_kv = generated_module_for_spec(SPEC.format(kind="gdn", state="kv"))
+    others = [generated_module_for_spec(SPEC.format(kind=k, state=s)) for k, s in (("kda", "kv"), ("gdn", "vk"))]
+    keys = {m.__laqat_key__ for m in [gdn_kv, *others]}
+    assert len(keys) == 3 and len({cache.path_of(m) for m in [gdn_kv, *others]}) == 3
+    # a spec field the kernel does not depend on (src, chunk) gives the same module
+    assert generated_module_for_spec(SPEC.format(kind="gdn", state="kv").replace("src=user", "src=fla")) is gdn_kv
+    text = cache.source_of(SPEC.format(kind="gdn", state="kv"))
+    assert text == fused_recurrent_source(FusedRecurrentParams("gdn", "kv"))
+    assert "def fused_recurrent_fwd_kernel" in text and "def fused_recurrent_bwd_kernel" in text
+    assert "tl.exp(b_g)[:, None]" in cache.source_of(others[0]) and "tl.exp(b_g)[:, None]" not in text
+    assert inspect.getsourcefile(gdn_kv.fused_recurrent_fwd_kernel.fn) == str(cache.path_of(gdn_kv))
+
+
+def test_spec_without_a_generated_family_is_refused():
+    with pytest.raises(CodegenError, match="not a generated kernel family"):
+        generated_module_for_spec(SPEC.format(kind="gdn", state="kv").replace("fused_recurrent", "reference"))
+
+
+def test_render_checks_placeholders():
+    assert render("a\n    ${BLOCK}\nb = ${EXPR}\n", {"BLOCK": "x = 1\ny = 2", "EXPR": "3"}) == \
+        "a\n    x = 1\n    y = 2\nb = 3\n"
+    assert render("    ${HOOK}\n", {"HOOK": ""}) == "    # hook HOOK: none\n"
+    with pytest.raises(CodegenError, match="no value for placeholder"):
+        render("${MISSING}", {})
+    with pytest.raises(CodegenError, match="not used"):
+        render("x", {"EXTRA": "1"})
+    with pytest.raises(CodegenError, match="multi-line"):
+        render("y = ${E}", {"E": "1\n2"})
+
+
+def test_params_are_validated():
+    with pytest.raises(CodegenError, match="kind"):
+        FusedRecurrentParams("gla", "kv")
+    with pytest.raises(CodegenError, match="state layout"):
+        FusedRecurrentParams("gdn", "kk")

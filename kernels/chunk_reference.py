@@ -58,12 +58,15 @@ def chunk_delta_rule_reference(
     cu_seqlens: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
     rounding: ChunkRounding | None = None,
+    record: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns (o [B, T, HV, V], final_state [N, HV, K, V] or V-first), both in ``dtype``.
 
     ``spec`` gives the kind, chunk size, solve, state layout and (unless ``rounding`` is
     passed) the quant sites. Differentiable with torch autograd; every QDQ passes gradients
-    straight through (that comes from the rounding callables).
+    straight through (that comes from the rounding callables). ``record``, if given, receives
+    the rounded intermediates the kernels also hold: "w" [N, HV, NC, C, K] and "h" (the
+    chunk-start states) [N, HV, NC, K, V], for counting rounding flips in tests.
     """
     spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
     if spec.phase != "none":
@@ -121,8 +124,9 @@ def chunk_delta_rule_reference(
     if rounding.state is not None:
         S = rounding.state(S)
     active = torch.tensor([[c * C < n for c in range(NC)] for n in lengths], device=q.device)
-    outputs = []
+    outputs, starts = [], []
     for c in range(NC):
+        starts.append(S)
         W_c = W[:, :, c]
         v_new = U[:, :, c] - _gemm(rounding, "state_read", W_c, S, lhs_rounded=True)
         o_c = scale * _gemm(rounding, "output_state", Q_decayed[:, :, c], S) \
@@ -134,6 +138,8 @@ def chunk_delta_rule_reference(
         S = torch.where(active[:, c, None, None, None], S_next, S)
 
     O = torch.stack(outputs, 2)  # [N, HV, NC, C, V]
+    if record is not None:
+        record.update(w=W, h=torch.stack(starts, 2))
     o = _from_chunks(O, seqs, B, T)
     final = S.transpose(-1, -2) if spec.state == "vk" else S
     return o, final

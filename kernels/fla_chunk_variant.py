@@ -40,10 +40,10 @@ def gdn_backward_blocker() -> str | None:
 
 
 def _check(spec, q):
-    if q.device.type != "cuda":
-        raise RuntimeError(f"kernel variant fla_chunk needs CUDA tensors, got device {q.device}")
     if not spec.is_exact:
         raise RuntimeError(f"kernel variant fla_chunk computes exact numerics only; {spec} asks for rounding")
+    if q.device.type != "cuda":
+        raise RuntimeError(f"kernel variant fla_chunk needs CUDA tensors, got device {q.device}")
 
 
 def _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
@@ -64,10 +64,10 @@ def fla_chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
 
 def fla_chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):
     spec = spec_of(spec)
-    _check(spec, q)
     if spec.kind == "gdn" and (why := gdn_backward_blocker()) is not None:
         raise RuntimeError(f"kernel variant fla_chunk cannot differentiate {spec}: {why}; "
                            "select kernel=fused_recurrent (policy backend) for GDN training here")
+    _check(spec, q)
     inputs = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
     h0 = None if initial_state is None else initial_state.detach().requires_grad_(True)
     wrt = inputs + ([h0] if h0 is not None else [])

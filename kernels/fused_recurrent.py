@@ -6,6 +6,8 @@ docs/kernels-fused-recurrent.md for the backward's math and its memory cost.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -16,6 +18,9 @@ CHECKPOINT_INTERVAL = 64  # tokens between stored states in the backward (docs: 
 
 
 def _check_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, state):
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"fused_recurrent runs Triton kernels: it needs CUDA tensors (got {q.device}), "
+                           "or TRITON_INTERPRET=1 set before triton is imported")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if k.shape != q.shape:

@@ -15,6 +15,7 @@ are written with ``tl.where`` so NaN passes through on every backend.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -204,8 +205,12 @@ def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, B
     tl.store(y_ptr + o_i, b_y, mask=m_i)
 
 
-def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0, block: int = 1 << 20):
-    """Elementwise QDQ of fp32 x with a per-element scale (fmt fp8_e4m3 / int8 / e2m1) or a grid step (log_grid)."""
+def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0, block: int | None = None):
+    """Elementwise QDQ of fp32 x with a per-element scale (fmt fp8_e4m3 / int8 / e2m1) or a grid step (log_grid).
+
+    The default block is one huge program in the interpreter (fast there) and 1024 on a GPU."""
+    if block is None:
+        block = 1 << 20 if x.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1" else 1024
     x = x.contiguous().float()
     y = torch.full_like(x, float("nan"))
     s = x if scale is None else scale.to(torch.float32).expand(x.shape).contiguous()

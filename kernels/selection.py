@@ -58,10 +58,9 @@ def _fla_available() -> bool:
 
 
 def _needs(*checks: tuple[bool, str]) -> str | None:
-    for ok, why in checks:
-        if not ok:
-            return why
-    return None
+    """None when every check holds, else every failed check's reason (explain shows them all)."""
+    failed = [why for ok, why in checks if not ok]
+    return "; ".join(failed) if failed else None
 
 
 def _fla_chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
@@ -78,6 +77,14 @@ def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
         (spec.is_exact, "the generated recurrent kernel has no quant sites, solve or phase support yet"),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
     )
+
+
+def _chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    from la_compiler.kernels.chunk_codegen import unsupported
+
+    return _needs(
+        (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
+    ) or unsupported(spec)
 
 
 def _reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
@@ -116,6 +123,8 @@ def _decode_reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None
 TABLE: tuple[Row, ...] = (
     Row("fla_chunk", _fla_chunk, "FLA's own chunk kernel: exact numerics on CUDA"),
     Row("fused_recurrent", _fused_recurrent, "generated token-by-token Triton kernel, fp32 state"),
+    Row("chunk", _chunk, "generated chunked (WY) Triton forward with state/W QDQ; backward recomputes "
+        "the torch chunk reference (intermediate)"),
     Row("decode_fused", _decode_fused, "fused Triton decode-phase kernel (token / replay), fwd + bwd"),
     Row("decode_reference", _decode_reference, "fp64 torch reference of decode-phase training (slow)", "torch"),
     Row("reference", _reference, "fp64 torch reference: any prefill spec, any device, slow", "torch"),

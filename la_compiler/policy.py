@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from la_compiler.policy_schema import STATE_CODECS, LinearAttentionCfg, PolicyError, check_bool, check_mapping, check_str, prefixed
+from la_compiler.policy_schema import LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError, check_bool, check_mapping, check_str, prefixed
 from la_compiler.quant import QuantConfig, QuantConfigError
 from la_compiler.spec import GEMM_SITES, KINDS
 
@@ -96,7 +96,7 @@ class QuantRule:
     def __post_init__(self):
         check_str(self.quantizer_name, "quantizer_name")
         if self.cfg is None and self.enable is None:
-            raise PolicyError("needs 'cfg' or 'enable' (or both)")
+            raise PolicyError("cfg: an entry needs 'cfg' or 'enable' (or both)")
         if self.enable is not None:
             check_bool(self.enable, "enable")
         if self.cfg is not None:
@@ -104,7 +104,7 @@ class QuantRule:
                 object.__setattr__(self, "cfg", _FrozenCfg.of(check_mapping(self.cfg, "cfg", tuple(self.cfg))))
             inner = dict(self.cfg).get("enable")
             if inner is not None and self.enable is not None and inner != self.enable:
-                raise PolicyError(f"enable={self.enable!r} contradicts cfg.enable={inner!r}")
+                raise PolicyError(f"enable: {self.enable!r} contradicts cfg.enable={inner!r}")
 
     @property
     def enables(self) -> bool:
@@ -203,8 +203,8 @@ class Policy:
         quant = _list(config.get("quant_cfg", []), "quant_cfg")
         modules = _list(config.get("linear_attention", []), "linear_attention")
         return Policy(
-            quant_cfg=tuple(prefixed(f"quant_cfg[{i}].", _quant_rule, e) for i, e in enumerate(quant)),
-            linear_attention=tuple(prefixed(f"linear_attention[{i}].", _module_rule, e) for i, e in enumerate(modules)),
+            quant_cfg=tuple(_quant_rule(f"quant_cfg[{i}]", e) for i, e in enumerate(quant)),
+            linear_attention=tuple(_module_rule(f"linear_attention[{i}]", e) for i, e in enumerate(modules)),
             name=check_str(name or config.get("name", "custom"), "name"),
             description=_description(config.get("description", "")),
         )
@@ -286,6 +286,8 @@ class Policy:
             quant[site] = fmt
             rules.append(f"quant_cfg[{at}] ({rule.quantizer_name!r}) -> {site}={fmt}")
 
+        if la.decode.state_codec == "hadamard32":
+            quant["state"] = _hadamard_state(quant.get("state"), la, la_key, where)
         w_alias = quant.pop("state_read.lhs", None)  # W is state_read's lhs: one rounding, spelt "w" in the spec
         if w_alias is not None and quant.setdefault("w", w_alias) != w_alias:
             raise PolicyError(f"quant_cfg: {where}: the {kind}_w_quantizer and linear_attn_sites.state_read."
@@ -335,21 +337,25 @@ def _description(value) -> str:
     return value
 
 
-def _quant_rule(entry) -> QuantRule:
-    check_mapping(entry, "entry", ("quantizer_name", "cfg", "enable"))
+def _quant_rule(key: str, entry) -> QuantRule:
+    check_mapping(entry, key, ("quantizer_name", "cfg", "enable"))
     if "quantizer_name" not in entry:
-        raise PolicyError("quantizer_name: required (a glob over quantizer names, e.g. '*gdn_state_quantizer')")
+        raise PolicyError(f"{key}.quantizer_name: required (a glob over quantizer names, e.g. '*gdn_state_quantizer')")
     cfg = entry.get("cfg")
     if cfg is not None and not isinstance(cfg, Mapping):
-        raise PolicyError(f"cfg: must be a mapping of ModelOpt quantizer attributes, got {type(cfg).__name__} {cfg!r}")
-    return QuantRule(entry["quantizer_name"], None if cfg is None else _FrozenCfg.of(cfg), entry.get("enable"))
+        raise PolicyError(f"{key}.cfg: must be a mapping of ModelOpt quantizer attributes, "
+                          f"got {type(cfg).__name__} {cfg!r}")
+    return prefixed(f"{key}.", QuantRule, entry["quantizer_name"], None if cfg is None else _FrozenCfg.of(cfg),
+                    entry.get("enable"))
 
 
-def _module_rule(entry) -> ModuleRule:
-    check_mapping(entry, "entry", ("module_name", "cfg"))
+def _module_rule(key: str, entry) -> ModuleRule:
+    check_mapping(entry, key, ("module_name", "cfg"))
     if "module_name" not in entry:
-        raise PolicyError("module_name: required (a glob over module names, e.g. 'model.layers.*.attn')")
-    return ModuleRule(entry["module_name"], prefixed("cfg.", LinearAttentionCfg.from_dict, entry.get("cfg") or {}))
+        raise PolicyError(f"{key}.module_name: required (a glob over module names, e.g. 'model.layers.*.attn')")
+    cfg = check_mapping(entry.get("cfg") or {}, f"{key}.cfg", LINEAR_ATTENTION_KEYS)
+    return prefixed(f"{key}.", lambda: ModuleRule(entry["module_name"], prefixed("cfg.", LinearAttentionCfg.from_dict,
+                                                                                 cfg)))
 
 
 def _probe_sites(glob: str) -> set[str]:
@@ -385,6 +391,19 @@ def _site_format(i: int, rule: QuantRule, site: str, block_v: int, la_key: str |
     return cfg.to_string()
 
 
+def _hadamard_state(state: str | None, la: LinearAttentionCfg, la_key: str, where: str) -> str:
+    """decode.state_codec='hadamard32': the INT8 state quantizer's format becomes int8_h32/tile<BV>."""
+    key = f"{la_key}.decode.state_codec"
+    if state is None:
+        raise PolicyError(f"{key}: 'hadamard32' is a codec of the INT8 state quantizer, but {where} has no "
+                          f"enabled state quantizer")
+    cfg = QuantConfig.parse(state)
+    if cfg.format not in ("int8", "int8_h32"):
+        raise PolicyError(f"{key}: 'hadamard32' is an INT8 codec: the state quantizer needs num_bits=8, "
+                          f"got {state} for {where}")
+    return QuantConfig("int8_h32", "tile", block_v=la.state.block_v, ste=cfg.ste).to_string()
+
+
 def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where: str) -> tuple[tuple[str, str], ...]:
     """The spec's ``x.<key>`` decode options (docs/policy.md, "Spec encoding"; read by
     kernels/decode_options.py). Only a decode phase has any."""
@@ -392,19 +411,14 @@ def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where
     if d.mode == "none":
         return ()
     extra = {"readout": d.readout}
-    codec = STATE_CODECS[d.state_codec]
-    if codec is not None:
-        extra["state_codec"] = QuantConfig(codec, "tile", block_v=la.state.block_v).to_string()
     if d.decay_log_step is not None:
         extra["decay_log_step"] = repr(float(d.decay_log_step))
     if d.replay is not None:
         extra["replay_window"] = str(d.replay.window)
-        if d.replay.factor_qdq:
-            codec_fmt = codec or (QuantConfig.parse(state).format if state else None)
-            if codec_fmt is None:
-                raise PolicyError(f"{la_key}.decode.replay.factor_qdq: true rounds the replay factors in the state "
-                                  f"codec's format, but {where} has no state quantizer or decode.state_codec")
-            extra["factor_qdq"] = "int8" if codec_fmt == "int8_h32" else codec_fmt
+        extra["replay_factor_qdq"] = "1" if d.replay.factor_qdq else "0"
+        if d.replay.factor_qdq and state is None:
+            raise PolicyError(f"{la_key}.decode.replay.factor_qdq: true rounds the replay factors in the state "
+                              f"codec's format, but {where} has no enabled state quantizer")
     return tuple(sorted(extra.items()))
 
 

@@ -40,7 +40,8 @@ def check_int(value: Any, key: str, *, lo: int | None = None, hi: int | None = N
     if isinstance(value, bool) or not isinstance(value, int):
         raise PolicyError(f"{key}: must be an integer, got {type(value).__name__} {value!r}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise PolicyError(f"{key}: must be in {lo}..{hi}, got {value}")
+        bound = f"in {lo}..{hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise PolicyError(f"{key}: must be {bound}, got {value}")
     if pow2 and (value <= 0 or value & (value - 1)):
         raise PolicyError(f"{key}: must be a positive power of two, got {value}")
     return value
@@ -72,8 +73,9 @@ BACKEND_ALIASES = ("auto", "matmul")  # "matmul" is ModelOpt's "apply the policy
 IMPLEMENTATIONS = ("auto", "triton", "torch")  # constrains the kernel family; never the numerics
 DECODE_MODES = ("none", "token", "replay")
 READOUTS = ("working", "stored")  # decode readout from the unrounded working state or the stored (rounded) one
-# The decode cache's state codec: the state quantizer's format ("quantizer"), or one of these, per [K x BV] tile
-STATE_CODECS = {"quantizer": None, "fp8_e4m3": "fp8_e4m3", "int8": "int8", "hadamard32": "int8_h32"}
+# The stored state's codec: the state quantizer's format as it is, or (INT8 only) ReplaySSM's Hadamard-32.
+# It is the format of every state rounding (prefill chunks and decode writes alike): the spec's q.state.
+STATE_CODECS = ("quantizer", "hadamard32")
 STATE_BLOCK_V = (16, 32, 64, 128)
 ACCUMULATOR_DTYPES = ("fp32", "fp16", "bf16")
 REPLAY_WINDOW = (1, 64)
@@ -135,7 +137,7 @@ class DecodeCfg:
     def __post_init__(self):
         check_choice(self.mode, "decode.mode", DECODE_MODES)
         check_choice(self.readout, "decode.readout", READOUTS)
-        check_choice(self.state_codec, "decode.state_codec", tuple(STATE_CODECS))
+        check_choice(self.state_codec, "decode.state_codec", STATE_CODECS)
         check_choice(self.implementation, "decode.implementation", IMPLEMENTATIONS)
         if self.decay_log_step is not None:
             step = self.decay_log_step
@@ -147,9 +149,9 @@ class DecodeCfg:
             raise PolicyError("decode.replay: required with decode.mode='replay' (give replay.window, 1..64)")
         if self.mode != "replay" and self.replay is not None:
             raise PolicyError(f"decode.replay: only with decode.mode='replay', got decode.mode={self.mode!r}")
-        if self.mode == "none":
+        if self.mode == "none":  # the state codec is the stored state's format: it holds in every phase
             given = [f.name for f in dataclasses.fields(self)
-                     if f.name != "mode" and getattr(self, f.name) != f.default]
+                     if f.name not in ("mode", "state_codec") and getattr(self, f.name) != f.default]
             if given:
                 raise PolicyError(f"decode.{given[0]}: only with decode.mode 'token' or 'replay', "
                                   f"got decode.mode='none'")
@@ -226,7 +228,7 @@ class LinearAttentionCfg:
     # ---- dict form ---------------------------------------------------------------------
     @staticmethod
     def from_dict(cfg: Mapping) -> "LinearAttentionCfg":
-        check_mapping(cfg, "cfg", tuple(f.name for f in dataclasses.fields(LinearAttentionCfg)))
+        check_mapping(cfg, "cfg", LINEAR_ATTENTION_KEYS)
         fields: dict[str, Any] = {k: cfg[k] for k in ("backend", "chunk_size") if k in cfg}
         if "state" in cfg:
             fields["state"] = StateCfg(**check_mapping(cfg["state"], "state", ("block_v",)))
@@ -249,6 +251,9 @@ class LinearAttentionCfg:
         out = dataclasses.asdict(self)
         out["matmul"] = {site: dataclasses.asdict(acc) for site, acc in self.matmul}
         return out
+
+
+LINEAR_ATTENTION_KEYS = tuple(f.name for f in dataclasses.fields(LinearAttentionCfg))
 
 
 def _replay_fields(replay: Any) -> dict:

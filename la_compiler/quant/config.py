@@ -115,6 +115,11 @@ class QuantConfig:
                 f"{self.format!r}), got format {self.format!r}"
             )
 
+    @property
+    def qmax(self) -> float | None:
+        """Largest quantized magnitude in scaled units (None for log_grid)."""
+        return {"fp8_e4m3": 448.0, "int8": 127.0, "nvfp4": 6.0, "int8_h32": 127.0}.get(self.format)
+
     # ---- the canonical string ----------------------------------------------------------
     def to_string(self) -> str:
         if self.format == "log_grid":

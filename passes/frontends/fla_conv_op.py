@@ -133,7 +133,9 @@ def causal_conv1d_backward(
             wrt = [t for t in inputs if t is not None]
             got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
         dx, dw, db, dr, dh0 = [None if t is None else next(got) for t in inputs]
-        dx, dw, db, dr, dh0 = [g if g is not None or t is None else torch.zeros_like(t)
+        # autograd may hand back dy itself (the residual's gradient): an op output must not alias an input
+        dx, dw, db, dr, dh0 = [g.clone(memory_format=torch.contiguous_format) if g is not None
+                               else None if t is None else torch.zeros_like(t)
                                for g, t in zip((dx, dw, db, dr, dh0), inputs)]
     return tuple(_empty(x) if g is None else g.contiguous() for g in (dx, dw, db, dr, dh0))
 

@@ -38,8 +38,8 @@ CASES = [
     Case("gdn", "kv", B=2, T=7, H=1, HV=2, K=16, V=16, block_v=8, checkpoint_interval=4),
     Case("gdn", "vk", B=1, T=13, H=2, HV=4, K=16, V=8, cu_seqlens=(0, 5, 13), checkpoint_interval=4),
     Case("kda", "kv", B=1, T=13, H=2, HV=2, K=16, V=16, initial_state=False, final_state_grad=False),
-    # head dims that are not powers of two (masked tails), grouped heads, varlen, one 1-token sequence
-    Case("kda", "vk", B=1, T=13, H=1, HV=2, K=12, V=10, cu_seqlens=(0, 1, 9, 13), block_v=4, checkpoint_interval=4),
+    # head dims that are not powers of two (masked tails), grouped heads, varlen with a 1-token and an empty sequence
+    Case("kda", "vk", B=1, T=13, H=1, HV=2, K=12, V=10, cu_seqlens=(0, 1, 1, 9, 13), block_v=4, checkpoint_interval=4),
     Case("gdn", "kv", B=1, T=9, H=1, HV=2, K=16, V=16, dtype=torch.bfloat16, block_v=8),
 ]
 

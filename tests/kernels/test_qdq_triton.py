@@ -7,6 +7,8 @@ from la_compiler.quant import fake_quant
 from la_compiler.quant import formats as F
 from tests.qdq_values import mismatches, oracle_qdq_fp8, random_finite, random_near, special_values
 
+# numpy (the interpreter) warns about the inf/NaN arithmetic these tests feed it on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
 
@@ -67,8 +69,8 @@ def test_log_grid_elementwise_matches_reference():
     assert mismatches(got, F.qdq_log_grid(x, 0.1)) == 0
 
 
-def _state(gen, n: int, k: int, v: int) -> torch.Tensor:
-    x = torch.randn(n, k, v, generator=gen) * torch.exp2(torch.randint(-30, 30, (n, 1, 1), generator=gen).float())
+def _state(gen, n: int, k: int, v: int, max_exp: int) -> torch.Tensor:
+    x = torch.randn(n, k, v, generator=gen) * torch.exp2(torch.randint(-max_exp, max_exp, (n, 1, 1), generator=gen).float())
     x[0] = 0.0  # all-zero tiles
     x[1, :, :5] = -0.0
     x[2, 1, 3] = NAN  # NaN is elementwise
@@ -82,7 +84,8 @@ def _state(gen, n: int, k: int, v: int) -> torch.Tensor:
                                              ("int8_h32", 64, 96), ("int8_h32", 32, 64)])
 def test_tile_kernel_matches_fake_quant(fmt, block_v, v):
     gen = torch.Generator().manual_seed(13)
-    x = _state(gen, 12, 5, v)
+    # The Hadamard codec's fp16 scale overflows (NaN group) above amax 127 * 65504: stay below it.
+    x = _state(gen, 12, 5, v, max_exp=16 if fmt == "int8_h32" else 30)
     got = K.qdq_tile(x.to(DEVICE), fmt, block_v)
     expected = fake_quant(x, f"{fmt}/tile{block_v}")
     assert mismatches(got, expected) == 0

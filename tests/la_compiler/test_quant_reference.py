@@ -272,6 +272,13 @@ def test_int8_h32_hand_values():
     assert F.h32_scale(torch.tensor(0.0)).item() == torch.tensor(6e-8).half().float().item()  # floor, not 0
 
 
+def test_int8_h32_fp16_scale_overflow_gives_nan_group():
+    x = torch.randn(1, 2, 64)
+    x[0, 0, :32] *= 1e7  # amax > 127 * 65504: fp16(s) = inf, the group turns NaN (loudly)
+    got = fake_quant(x, "int8_h32/tile64")
+    assert torch.isnan(got[0, 0, :32]).all() and torch.isfinite(got[0, 0, 32:]).all() and torch.isfinite(got[0, 1]).all()
+
+
 def test_int8_h32_groups_are_per_key_row_and_32_values():
     x = torch.randn(2, 4, 96)
     x[0, 1, 32:64] *= 1000.0  # one loud group: only its own scale changes

@@ -1,0 +1,123 @@
+"""Launchers of the generated chunked (WY) forward kernels, and the recipe that chains them.
+
+    chunk_fwd_intra  -> g_cum, W, U, A_qk      (all chunks in parallel)
+    chunk_fwd_h      -> h (chunk-start states), V_new, final state   (sequential over chunks)
+    chunk_fwd_o      -> o                      (all chunks in parallel)
+
+Intermediates are fp32. Dots are IEEE fp32 for fp32 inputs (the exact-numerics contract:
+relative error <= 1e-5 against the fp64 reference) and TF32 for 16-bit inputs (FLA's bf16
+tolerance; FLA itself multiplies in bf16).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """Where every chunk of a (possibly packed) batch lives."""
+
+    B: int
+    T: int
+    N: int  # sequences
+    NT: int  # chunks over all sequences
+    chunk_indices: torch.Tensor | None  # [NT, 2] int32: (sequence, chunk within it), varlen only
+    chunk_offsets: torch.Tensor | None  # [N + 1] int32: first chunk of every sequence, varlen only
+
+
+def chunk_layout(B: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+    if cu_seqlens is None:
+        return ChunkLayout(B, T, B, B * triton.cdiv(T, C), None, None)
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    counts = [(n + C - 1) // C for n in lengths]
+    rows = [(n, i) for n, c in enumerate(counts) for i in range(c)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    dev = cu_seqlens.device
+    indices = torch.tensor(rows or [(0, 0)], dtype=torch.int32, device=dev).reshape(-1, 2)
+    return ChunkLayout(B, T, len(lengths), len(rows), indices, torch.tensor(offsets, dtype=torch.int32, device=dev))
+
+
+def check_inputs(kind, state, q, k, v, g, beta, initial_state, cu_seqlens):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T) or HV % H:
+        raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    if tuple(g.shape) != g_shape:
+        raise ValueError(f"{kind.upper()} g must be {g_shape}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
+    if K > 256 or V > 256:
+        raise ValueError(f"the chunk kernels support head dims up to 256, got K={K}, V={V}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    state_shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be {state_shape} (state={state}), got {tuple(initial_state.shape)}")
+    return B, T, H, K, HV, V, N, state_shape
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
+              intermediates: dict | None = None):
+    """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
+
+    ``intermediates``, if given, receives the fp32 buffers: g_cum, w, u, A_qk, v_new [B, T, HV, ..]
+    and h, the chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h)."""
+    B, T, H, K, HV, V, N, state_shape = check_inputs(p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    C = p.chunk
+    lay = chunk_layout(B, T, C, cu_seqlens)
+    module = chunk_fwd_module(p)
+    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o")}
+    w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
+    BK = max(w_block, triton.next_power_of_2(K))
+    BV_io = min(64, max(16, triton.next_power_of_2(V)))
+    BV_h = p.state_block_v or BV_io
+    dev, f32, nan = q.device, torch.float32, float("nan")
+    g_cum = torch.full(g.shape, nan, dtype=f32, device=dev)
+    w = torch.full((B, T, HV, K), nan, dtype=f32, device=dev)
+    u = torch.full((B, T, HV, V), nan, dtype=f32, device=dev)
+    A_qk = torch.full((B, T, HV, C), nan, dtype=f32, device=dev)
+    h = torch.full((max(lay.NT, 1), HV, K, V), nan, dtype=f32, device=dev)
+    v_new = torch.full((B, T, HV, V), nan, dtype=f32, device=dev)
+    o = torch.full((B, T, HV, V), nan, dtype=q.dtype, device=dev)
+    ht = torch.full(state_shape, nan, dtype=f32, device=dev)
+    common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
+                  DOT_PRECISION=dot_precision(q.dtype))
+    chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
+    heads = HV * (1 if cu_seqlens is not None else B)
+    if lay.NT:
+        kernels["intra"][(chunks_per_row, heads)](
+            q, k, v, g, beta, g_cum, w, u, A_qk, cu_seqlens, lay.chunk_indices, scale, T,
+            BV=BV_io, num_warps=4, **common)
+    kernels["h"][(triton.cdiv(V, BV_h), N * HV)](
+        k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
+        BV=BV_h, USE_INITIAL_STATE=initial_state is not None, num_warps=4, **common)
+    if lay.NT:
+        kernels["o"][(triton.cdiv(V, BV_io), chunks_per_row, heads)](
+            q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
+            BV=BV_io, num_warps=4, **common)
+    if intermediates is not None:
+        intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new)
+    return o, ht
+
+
+def _cfg(text):
+    from la_compiler.quant.config import QuantConfig
+
+    return QuantConfig.parse(text)

@@ -1,0 +1,61 @@
+"""The torch frontend: GDN/KDA recurrences written in plain PyTorch -> one laqat IR node.
+
+    rewrite_torch_recurrences(gm, record, verify=False) -> number of rewritten recurrences
+
+Steps (one module each): ``dataflow`` (networkx DiGraph with mutation edges), ``slices`` and
+``loops`` (chain discovery and step isomorphism of unrolled loops), ``region`` + ``rules``
+(what the IR node replaces, and its inputs), ``semantics`` (role assignment and the
+algebra check on fp64 probes, near-miss diagnosis), ``replace`` (emit the IR node),
+``verify_mode`` (optional whole-region check). docs/torch_frontend.md explains the design.
+"""
+from __future__ import annotations
+
+import torch
+
+from la_compiler.record import GraphRecord, NearMiss
+
+
+def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool = False) -> int:
+    from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow
+    from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
+    from la_compiler.passes.frontends.torch_recurrence.region import build_region
+    from la_compiler.passes.frontends.torch_recurrence.replace import replace_region
+    from la_compiler.passes.frontends.torch_recurrence.semantics import solve
+    from la_compiler.passes.frontends.torch_recurrence.verify_mode import verify_rewrite
+    from la_compiler.passes.module_names import module_name
+    from la_compiler.spec import RecurrenceSpec
+
+    flow = Dataflow(gm)
+    loops = find_loops(flow)
+    # outermost first: a loop nested in an accepted one is part of its region
+    loops.sort(key=lambda lp: -(lp.starts[lp.last] - lp.starts[lp.first]) * (lp.last - lp.first + 1))
+    accepted, taken = [], set()
+    for loop in loops:
+        if any(s.node in taken for s in loop.slices):
+            continue
+        where = loop.slices[0].node
+        try:
+            body = analyze_loop(flow, loop)
+            region = build_region(flow, body)
+            if region.nodes & taken:
+                raise NotARecurrence("overlaps a recurrence already matched", candidate=False)
+            assignment = solve(flow, region)
+            spec = RecurrenceSpec(kind=assignment.kind, src="torch", state=assignment.state)
+            if verify:
+                why = verify_rewrite(flow, region, assignment, spec)
+                if why:
+                    raise NotARecurrence(why, nodes=[where.name])
+        except NotARecurrence as e:
+            if e.candidate:
+                record.near_misses.append(NearMiss(frontend="torch", module=module_name(where), reason=e.reason,
+                                                   nodes=e.nodes or (where.name,)))
+            continue
+        taken |= region.nodes
+        accepted.append((region, assignment, spec))
+    # graph positions of the original nodes keep their relative order while others are inserted
+    for region, assignment, spec in accepted:
+        replace_region(gm, flow, region, assignment, spec)
+    if accepted:
+        gm.graph.lint()
+        gm.recompile()
+    return len(accepted)

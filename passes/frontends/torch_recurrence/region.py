@@ -1,0 +1,152 @@
+"""Region extraction: the loop, the nodes that only feed it, and the value it produces.
+
+``grow`` adds, latest first, every node whose readers are all in the region and that the
+frontier rules (``rules.py``) admit; what remains outside and is read by the region is the
+frontier: the candidate q, k, v, g, beta and initial state. ``output_node`` follows the
+collected output forward to the first per-token tensor of the unpadded length: the node
+whose readers the IR node's ``o`` will feed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import operator
+
+import torch
+
+from la_compiler.passes.frontends.torch_recurrence import rules
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.loops import LoopBody, NotARecurrence
+
+
+@dataclasses.dataclass
+class Region:
+    body: LoopBody
+    nodes: set  # every node the IR node replaces
+    frontier: list  # external tensor nodes the region reads, in graph order
+    seq_len: int  # T (unpadded)
+    padded_len: int
+    chunk: int  # 1 for token loops
+    output: torch.fx.Node  # the node whose readers get the IR's o (the buffer, a stack, an unpad slice)
+    final_state: torch.fx.Node | None
+
+    def ordered(self, flow: Dataflow):
+        return sorted(self.nodes, key=flow.pos.__getitem__)
+
+
+def _per_token(v, lo, hi) -> bool:
+    return v is not None and 2 <= v.dim() <= 4 and any(isinstance(s, int) and lo < s <= hi for s in v.shape)
+
+
+def chunk_geometry(body: LoopBody) -> tuple[int, int]:
+    """(chunk size, padded length): 1 and n for a token loop; C and n*C for a loop over chunks
+    (C is the dim after the indexed one in the sliced sources, the most common one)."""
+    n = body.steps
+    sizes = {}
+    for s in body.loop.slices:
+        sv = tensor_value(s.source)
+        if s.node in body.windows[0] and sv is not None and not s.keepdim and s.dim + 1 < sv.dim() and sv.dim() >= 4:
+            c = sv.shape[s.dim + 1]
+            sizes[c] = sizes.get(c, 0) + 1
+    token = all(tensor_value(s.node) is not None and tensor_value(s.node).dim() <= 3
+                for s in body.loop.slices if s.node in body.windows[0])
+    if token or not sizes:
+        return 1, n
+    c = max(sizes, key=sizes.get)
+    return c, n * c
+
+
+def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
+    chunk, padded = chunk_geometry(body)
+    lo, hi = padded - chunk, padded
+    region = set(body.nodes())
+    if body.o_buffer is not None:
+        region.add(body.o_buffer)
+    if body.o_collector is not None:
+        region.add(body.o_collector)
+    heap = []
+    queued = set()
+
+    def push_inputs(n):
+        for a in n.all_input_nodes:
+            if a not in region and a not in queued:
+                queued.add(a)
+                heapq.heappush(heap, (-flow.pos[a], id(a), a))
+
+    for n in list(region):
+        push_inputs(n)
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        if n.op in ("placeholder", "get_attr", "output") or not all(r in region for r in flow.readers(n)):
+            continue
+        if is_inplace_write(n):
+            continue
+        v = tensor_value(n)
+        if v is None:
+            continue
+        if _per_token(v, lo, hi) and n.all_input_nodes:
+            ok = rules.is_layout(n) or rules.scalar_operand(n) is not None or \
+                (rules.is_pair_mul(n) and _independent(flow, *n.args) and
+                 all(_per_token(tensor_value(a), lo, hi) for a in n.args))
+            if not ok:
+                continue
+        region.add(n)
+        for w in flow.writers.get(n, []):
+            region.add(w)
+        push_inputs(n)
+    frontier = []
+    for n in sorted(region, key=flow.pos.__getitem__):
+        for a in n.all_input_nodes:
+            if a not in region and a not in frontier:
+                frontier.append(a)
+    return region, frontier, chunk, padded
+
+
+def _independent(flow: Dataflow, x, y) -> bool:
+    return not flow.reaches(x, y, limit=48) and not flow.reaches(y, x, limit=48)
+
+
+def seq_len_of(frontier, chunk: int, padded: int) -> list[int]:
+    """Candidate unpadded lengths T: a size in (padded - chunk, padded] every per-token input has."""
+    common = None
+    for n in frontier:
+        v = tensor_value(n)
+        if v is None or not _per_token(v, padded - chunk, padded):
+            continue
+        sizes = {s for s in v.shape if padded - chunk < s <= padded}
+        common = sizes if common is None else common & sizes
+    return sorted(common or (), reverse=True)
+
+
+_CHAIN_METHODS = {"reshape", "view", "permute", "transpose", "contiguous", "flatten"}
+_CHAIN_FUNCTIONS = {torch.reshape, torch.permute, torch.transpose, torch.flatten, operator.getitem}
+
+
+def output_node(flow: Dataflow, body: LoopBody, region: set, seq_len: int) -> torch.fx.Node:
+    cur = body.o_collector if body.o_collector is not None else body.o_buffer
+    for _ in range(8):
+        v = tensor_value(cur)
+        if v is not None and v.dim() == 4 and seq_len in v.shape:
+            return cur
+        readers = [r for r in flow.readers(cur) if r not in region]
+        if len(readers) != 1:
+            break
+        (r,) = readers
+        if not ((r.op == "call_method" and r.target in _CHAIN_METHODS) or
+                (r.op == "call_function" and r.target in _CHAIN_FUNCTIONS)):
+            break
+        region.add(r)
+        cur = r
+    raise NotARecurrence(f"the collected output {cur.name} does not reach a [.., T={seq_len}, .., V] tensor through "
+                         f"reshapes and slices", nodes=[cur.name])
+
+
+def build_region(flow: Dataflow, body: LoopBody) -> Region:
+    nodes, frontier, chunk, padded = grow(flow, body)
+    lens = seq_len_of(frontier, chunk, padded)
+    if not lens:
+        raise NotARecurrence("the recurrence's inputs have no common sequence length "
+                             f"(looked for a dim in ({padded - chunk}, {padded}])")
+    seq_len = lens[0]
+    output = output_node(flow, body, nodes, seq_len)
+    return Region(body, nodes, frontier, seq_len, padded, chunk, output, body.final_state)

@@ -1,0 +1,108 @@
+"""Replacement: the region becomes one ``laqat.delta_rule`` node.
+
+Emitted in front of the IR node, as ordinary torch ops: the permutes of the inputs to
+[B, T, H, D], casts to the dtype the region computed in, and ``log`` of a pre-exponentiated
+decay. Behind it: ``getitem`` 0/1, the permute of o back to the region's output layout and
+casts to the dtypes the region produced. Every new node gets ``example_value`` (computed by
+running the op on the graph's fake tensors) and the module metadata of the region.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from la_compiler.ir import DELTA_RULE, LaqatMeta
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value, value
+from la_compiler.passes.frontends.torch_recurrence.region import Region
+from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment
+from la_compiler.passes.module_names import module_name
+from la_compiler.spec import RecurrenceSpec
+
+
+def _fake_mode(region: Region):
+    for n in region.frontier + [region.output]:
+        mode = getattr(tensor_value(n), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+class _Emitter:
+    def __init__(self, gm, anchor: torch.fx.Node, meta_from: torch.fx.Node, fake_mode):
+        self.graph, self.anchor, self.meta_from, self.fake_mode = gm.graph, anchor, meta_from, fake_mode
+        self.created = []
+
+    def _fake(self, op, target, args):
+        def load(a):
+            if isinstance(a, torch.fx.Node):
+                return value(a)
+            if isinstance(a, (tuple, list)):
+                return type(a)(load(x) for x in a)
+            return a
+
+        fargs = load(args)
+        ctx = self.fake_mode if self.fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
+        with ctx:
+            if op == "call_method":
+                return getattr(fargs[0], target)(*fargs[1:])
+            return target(*fargs)
+
+    def emit(self, op, target, args):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, tuple(args))
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in self.meta_from.meta:
+                node.meta[key] = self.meta_from.meta[key]
+        node.meta["example_value"] = self._fake(op, target, args)
+        self.created.append(node)
+        return node
+
+    def permute(self, node, perm):
+        return node if tuple(perm) == tuple(range(len(perm))) else self.emit("call_method", "permute", [node, *perm])
+
+    def cast(self, node, dtype):
+        return node if tensor_value(node).dtype == dtype else self.emit("call_method", "to", [node, dtype])
+
+
+def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: Assignment, spec: RecurrenceSpec):
+    """Rewrites the graph; returns the IR node."""
+    body = region.body
+    # new nodes go right after the last frontier node: every input exists there, and every reader of
+    # the region's outputs comes later (they follow the loop)
+    last_input = max(region.frontier, key=flow.pos.__getitem__, default=None)
+    anchor = last_input.next if last_input is not None else min(region.nodes, key=flow.pos.__getitem__)
+    meta_from = body.windows[0][body.state_offset]
+    em = _Emitter(gm, anchor, meta_from, _fake_mode(region))
+    compute = tensor_value(region.output).dtype
+    if not compute.is_floating_point:
+        compute = torch.float32
+    q, k, v, beta = (em.cast(em.permute(lay.node, lay.perm), compute) for lay in (a.q, a.k, a.v, a.beta))
+    g = em.cast(em.permute(a.g.node, a.g.perm), compute)
+    if a.decay_form == "exp":
+        g = em.emit("call_function", torch.log, [g])
+    h0 = em.cast(a.h0, compute) if a.h0 is not None else None
+    ir = em.emit("call_function", DELTA_RULE, [q, k, v, g, beta, h0, None, float(a.scale), spec.to_string()])
+    ir.meta["laqat"] = LaqatMeta(spec=spec, frontend="torch", module=module_name(meta_from),
+                                 region=[n.name for n in sorted(region.nodes, key=flow.pos.__getitem__)])
+    o = em.emit("call_function", operator.getitem, [ir, 0])
+    inverse = [0] * 4
+    for i, d in enumerate(a.out_perm):
+        inverse[d] = i
+    o = em.cast(em.permute(o, inverse), tensor_value(region.output).dtype)
+    _redirect(flow, region, region.output, o)
+    if region.final_state is not None:
+        s = em.emit("call_function", operator.getitem, [ir, 1])
+        s = em.cast(s, tensor_value(region.final_state).dtype)
+        _redirect(flow, region, region.final_state, s)
+    for n in sorted(region.nodes, key=flow.pos.__getitem__, reverse=True):
+        if n.users:
+            raise RuntimeError(f"laqat torch frontend: region node {n.name} still has users {list(n.users)}")
+        gm.graph.erase_node(n)
+    return ir
+
+
+def _redirect(flow: Dataflow, region: Region, old: torch.fx.Node, new: torch.fx.Node):
+    for user in list(old.users):
+        if user not in region.nodes:
+            user.replace_input_with(old, new)

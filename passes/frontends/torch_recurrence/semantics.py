@@ -1,0 +1,359 @@
+"""Semantic check: does the region compute the GDN/KDA delta rule, and with which inputs?
+
+The region's frontier tensors are assigned roles (q, k, v, g, beta, initial state) and
+layouts ([B, T, H, D] or [B, H, T, D], found from the sequence dim; D last). For each
+assignment the region runs on random float64 probe inputs (``probe.py``) and is compared
+with the fp64 delta rule (``reference.py``); the only free parameter, the query scale, is
+fitted by least squares and must be positive. A match below ``TOL`` relative L2 on
+independent random inputs is a randomized identity test of the algebra (the region is a
+fixed composition of polynomial, exp and masking ops; a wrong einsum string, time index,
+sign or mask changes the values at random points with probability one).
+
+Token loops are checked on their first two steps only; ``loops.py`` has proven the other
+steps isomorphic to them, so the check covers every step at a cost independent of T.
+When no assignment matches, the near-miss variants and two property probes (head locality,
+causality) name what is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import torch
+
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
+from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError, run_nodes
+from la_compiler.passes.frontends.torch_recurrence.reference import EXACT, NEAR_MISSES, Variant, delta_rule_steps
+from la_compiler.passes.frontends.torch_recurrence.region import Region, _per_token
+
+TOL = 1e-6  # float64 probes: the chunked and token orders of summation agree to ~1e-13
+TOKEN_PROBE_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a frontier tensor maps to the IR's [B, T, H, D] (or [B, T, H]): value.permute(perm)."""
+
+    node: torch.fx.Node
+    perm: tuple
+
+    def to_ir(self, x):
+        return x.permute(self.perm)
+
+
+@dataclasses.dataclass
+class Assignment:
+    kind: str
+    q: Layout
+    k: Layout
+    v: Layout
+    g: Layout
+    beta: Layout
+    decay_form: str  # "log": the graph multiplies by exp(g); "exp": it multiplies by g itself
+    h0: torch.fx.Node | None
+    state: str  # "kv" | "vk"
+    out_perm: tuple  # region output -> [B, T, HV, V]
+    scale: float = 1.0
+
+    def describe(self) -> str:
+        return (f"{self.kind}: q={self.q.node.name} k={self.k.node.name} v={self.v.node.name} "
+                f"g={self.g.node.name}({self.decay_form}) beta={self.beta.node.name} "
+                f"h0={self.h0.name if self.h0 is not None else None} state={self.state} scale={self.scale:.6g}")
+
+
+def _layouts(node, seq_len: int, rank: int):
+    v = tensor_value(node)
+    out = []
+    for td in range(v.dim()):
+        if v.shape[td] != seq_len:
+            continue
+        others = [d for d in range(v.dim()) if d != td]
+        if rank == 4 and others[-1] != 3:
+            continue
+        out.append(Layout(node, (others[0], td, *others[1:])))
+    return out
+
+
+def _shape(layout: Layout):
+    v = tensor_value(layout.node)
+    return tuple(v.shape[d] for d in layout.perm)
+
+
+def candidate_assignments(region: Region, seq_len: int):
+    """Every shape-consistent role assignment of the frontier (lazy)."""
+    per_token3, per_token4, states = [], [], []
+    for n in region.frontier:
+        v = tensor_value(n)
+        if v is None or not v.dtype.is_floating_point:
+            raise NotARecurrence(f"the recurrence reads {n.name}, which is not a floating tensor", nodes=[n.name])
+        if _per_token(v, seq_len - 1, seq_len) and v.dim() in (3, 4):
+            (per_token3 if v.dim() == 3 else per_token4).append(n)
+        elif v.dim() == 4:
+            states.append(n)
+        else:
+            raise NotARecurrence(f"the recurrence reads {n.name} of shape {tuple(v.shape)}, which is no q, k, v, g, "
+                                 f"beta or state", nodes=[n.name])
+    if len(states) > 1:
+        raise NotARecurrence(f"the recurrence reads {len(states)} state-shaped tensors "
+                             f"({', '.join(s.name for s in states)}); at most one initial state", nodes=[s.name for s in states])
+    h0 = states[0] if states else None
+    counts = (len(per_token3), len(per_token4))
+    kinds = {(2, 3): "gdn", (1, 4): "kda"}
+    if counts not in kinds:
+        raise _RoleCountError(counts, per_token3, per_token4, h0)
+    kind = kinds[counts]
+    out = []
+    for roles4 in itertools.permutations(per_token4):
+        for roles3 in itertools.permutations(per_token3):
+            if kind == "gdn":
+                (q, k, v), (g, beta) = roles4, roles3
+            else:
+                (q, k, v, g), (beta,) = roles4, roles3
+            for lq, lk, lv, lg, lb in itertools.product(*(
+                    _layouts(x, seq_len, r) for x, r in ((q, 4), (k, 4), (v, 4), (g, 4 if kind == "kda" else 3),
+                                                         (beta, 3)))):
+                sq, sk, sv, sg, sb = map(_shape, (lq, lk, lv, lg, lb))
+                B, T, H, K = sq
+                HV, V = sv[2], sv[3]
+                if sk != sq or sv[:2] != (B, T) or HV % H or sb != (B, T, HV):
+                    continue
+                if sg != ((B, T, HV) if kind == "gdn" else (B, T, HV, K)):
+                    continue
+                for state in _state_layouts(h0, region, B, HV, K, V):
+                    for out_perm in _out_perms(region, seq_len, (B, T, HV, V)):
+                        for form in ("log", "exp"):
+                            out.append(Assignment(kind, lq, lk, lv, lg, lb, form, h0, state, out_perm))
+    return out
+
+
+class _RoleCountError(NotARecurrence):
+    def __init__(self, counts, p3, p4, h0):
+        super().__init__(f"the recurrence reads {counts[0]} per-token [B, T, H] and {counts[1]} per-token "
+                         f"[B, T, H, D] tensors; GDN needs 2 + 3 (g, beta; q, k, v), KDA 1 + 4",
+                         nodes=[n.name for n in p3 + p4])
+        self.p3, self.p4, self.h0 = p3, p4, h0
+
+
+def _state_layouts(h0, region: Region, B, HV, K, V):
+    shapes = []
+    for n in (h0, region.final_state):
+        if n is not None:
+            shapes.append(tuple(tensor_value(n).shape))
+    if region.chunk == 1 and region.body.states[0] is not None:
+        shapes.append(tuple(tensor_value(region.body.states[0]).shape))
+    out = []
+    for name, shape in (("kv", (B, HV, K, V)), ("vk", (B, HV, V, K))):
+        if all(s == shape for s in shapes):
+            out.append(name)
+    return out
+
+
+def _out_perms(region: Region, seq_len, want):
+    v = tensor_value(region.output)
+    if v.dim() != 4:
+        return []
+    tdims = [region.body.o_time_dim] if region.chunk == 1 else [d for d in range(4) if v.shape[d] == seq_len]
+    out = []
+    for td in tdims:
+        others = [d for d in range(4) if d != td]
+        if others[-1] != 3:
+            continue
+        perm = (others[0], td, others[1], 3)
+        if tuple(v.shape[d] for d in perm) == want:
+            out.append(perm)
+    return out
+
+
+# ---- probing --------------------------------------------------------------------------------
+def _draws(region: Region, g_node, form, gen, device):
+    env = {}
+    for n in region.frontier:
+        v = tensor_value(n)
+        shape = tuple(v.shape)
+        if n is g_node:
+            u = torch.rand(shape, generator=gen, dtype=torch.float64)
+            x = (-0.4 + 0.38 * u) if form == "log" else (0.65 + 0.33 * u)
+        elif v.dim() == 3 and _per_token(v, region.seq_len - 1, region.seq_len):
+            x = 0.1 + 0.8 * torch.rand(shape, generator=gen, dtype=torch.float64)
+        elif _per_token(v, region.seq_len - 1, region.seq_len):
+            x = torch.randn(shape, generator=gen, dtype=torch.float64)
+            x = x / x.norm(dim=-1, keepdim=True)
+        else:
+            x = 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        env[n] = x.to(device)
+    return env
+
+
+class Probe:
+    """Runs the region on probe inputs and returns (o [B, T', HV, V] in region layout order, S)."""
+
+    def __init__(self, flow: Dataflow, region: Region):
+        self.flow, self.region = flow, region
+        body = region.body
+        self.token = region.chunk == 1
+        ordered = region.ordered(flow)
+        if self.token:
+            m = min(TOKEN_PROBE_STEPS, body.steps)
+            self.steps = m
+            stop = flow.pos[body.windows[m][0]] if m < body.steps and body.windows[m][0] is not None else None
+            window_nodes = set(n for w in body.windows[:m] for n in w if n is not None)
+            first = flow.pos[body.windows[0][0]]
+            self.nodes = [n for n in ordered if flow.pos[n] < first or n in window_nodes]
+        else:
+            self.steps = region.seq_len
+            self.nodes = [n for n in ordered if n is not region.output] + [region.output]
+
+    def __call__(self, env):
+        body, region = self.region.body, self.region
+        out = run_nodes(self.nodes, env)
+        if self.token:
+            if body.o_buffer is not None:
+                o = out[body.o_buffer].narrow(body.o_time_dim, 0, self.steps).clone()
+            else:
+                items = [out[body.windows[w][body.o_offset]] for w in range(self.steps)]
+                name = getattr(body.o_collector.target, "__name__", "")
+                o = torch.stack(items, body.o_time_dim) if name == "stack" else torch.cat(items, body.o_time_dim)
+            state = out[body.states[0]]
+        else:
+            o = out[region.output]
+            state = out[region.final_state] if region.final_state is not None else None
+        return o, state
+
+
+def _reference(a: Assignment, env, steps, variant: Variant, scale=1.0):
+    q, k, v, g, beta = (lay.to_ir(env[lay.node]) for lay in (a.q, a.k, a.v, a.g, a.beta))
+    q, k, v, g, beta = (x[:, :steps] for x in (q, k, v, g, beta))
+    HV = v.shape[2]
+    q, k = (x.repeat_interleave(HV // x.shape[2], dim=2) for x in (q, k))
+    decay = g.exp() if a.decay_form == "log" else g
+    B, K, V = q.shape[0], q.shape[-1], v.shape[-1]
+    if a.h0 is not None:
+        h0 = env[a.h0] if a.state == "kv" else env[a.h0].transpose(-1, -2)
+    else:
+        h0 = torch.zeros(B, HV, K, V, dtype=torch.float64, device=q.device)
+    o, S = delta_rule_steps(q * scale, k, v, decay, beta, h0, variant)
+    return o, (S if a.state == "kv" else S.transpose(-1, -2))
+
+
+def rel_err(x, y) -> float:
+    d = y.norm().item()
+    return (x - y).norm().item() / (d if d > 0 else 1.0)
+
+
+def _compare(a: Assignment, env, got, steps, variant: Variant, token: bool):
+    o_got, s_got = got
+    o_got = o_got.permute(a.out_perm)
+    o_ref, s_ref = _reference(a, env, steps, variant)
+    denom = (o_ref * o_ref).sum().item()
+    if denom == 0:
+        return math.inf, 0.0
+    c = (o_got * o_ref).sum().item() / denom
+    err = rel_err(o_got, c * o_ref) if c > 0 else math.inf
+    if s_got is not None:
+        if token:
+            _, s_ref = _reference(a, env, 1, variant)
+        err = max(err, rel_err(s_got, s_ref))
+    return err, c
+
+
+def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
+    """The role assignment under which the region is the delta rule; raises NotARecurrence
+    with the most specific reason otherwise."""
+    try:
+        assignments = candidate_assignments(region, region.seq_len)
+    except _RoleCountError as e:
+        raise NotARecurrence(_diagnose_counts(flow, region, e) or e.reason, nodes=e.nodes) from None
+    if not assignments:
+        raise NotARecurrence("no assignment of q, k, v, g, beta to the recurrence's inputs has consistent shapes "
+                             f"(inputs: {', '.join(f'{n.name}{tuple(tensor_value(n).shape)}' for n in region.frontier)})",
+                             nodes=[n.name for n in region.frontier])
+    probe = Probe(flow, region)
+    device = tensor_value(region.frontier[0]).device if region.frontier else "cpu"
+    groups = {}
+    for a in assignments:
+        groups.setdefault((a.g.node, a.decay_form), []).append(a)
+    best = (math.inf, None)
+    results = []
+    for (g_node, form), members in groups.items():
+        gen = torch.Generator().manual_seed(seed)
+        env = _draws(region, g_node, form, gen, device)
+        try:
+            got = probe(env)
+        except ProbeError as e:
+            raise NotARecurrence(f"the region does not run on probe inputs: {e}") from None
+        results.append((env, got, members))
+        for a in members:
+            err, c = _compare(a, env, got, probe.steps, EXACT, probe.token)
+            if err <= TOL:
+                a.scale = _snap_scale(c, tensor_value(a.q.node).shape[a.q.perm[3]])
+                return a
+            best = min(best, (err, a.describe()), key=lambda t: t[0])
+    for variant in NEAR_MISSES:
+        for env, got, members in results:
+            for a in members:
+                if _compare(a, env, got, probe.steps, variant, probe.token)[0] <= TOL:
+                    raise NotARecurrence(f"{variant.reason} (under {a.describe()})")
+    prop = _property_probes(region, probe, results)
+    if prop:
+        raise NotARecurrence(prop)
+    raise NotARecurrence(f"the region does not compute the GDN/KDA delta rule: best relative error {best[0]:.2e} "
+                         f"over {len(assignments)} role assignments ({best[1]})")
+
+
+def _snap_scale(c: float, head_k: int) -> float:
+    for nice in (head_k ** -0.5, 1.0):
+        if abs(c - nice) <= 1e-9 * nice:
+            return nice
+    return c
+
+
+def _property_probes(region: Region, probe: Probe, results) -> str | None:
+    """Head locality and causality, on the first probe inputs."""
+    if not results:
+        return None
+    env, got, members = results[0]
+    a = members[0]
+    o_perm = a.out_perm
+    base = got[0].permute(o_perm)
+    seq = probe.steps
+    # causality: change every per-token input at the last probed token
+    t_last = seq - 1
+    env2 = dict(env)
+    for lay in (a.q, a.k, a.v, a.g, a.beta):
+        x = env[lay.node].clone()
+        xi = x.permute(lay.perm)
+        xi[:, t_last] = xi[:, t_last] * 1.5 + 0.1
+        env2[lay.node] = x
+    try:
+        moved = probe(env2)[0].permute(o_perm)
+    except ProbeError:
+        return None
+    if t_last > 0 and rel_err(moved[:, :t_last], base[:, :t_last]) > TOL:
+        return "non-causal: outputs at earlier tokens change when only the last token's inputs change (mask)"
+    # head locality: change the last head of every per-token input
+    HV = base.shape[2]
+    env3 = dict(env)
+    for lay in (a.q, a.k, a.v, a.g, a.beta):
+        x = env[lay.node].clone()
+        xi = x.permute(lay.perm)
+        xi[:, :, -1] = xi[:, :, -1] * 1.5 + 0.1
+        env3[lay.node] = x
+    H = tensor_value(a.q.node).shape[a.q.perm[2]]
+    untouched = HV - HV // H
+    if untouched > 0:
+        moved = probe(env3)[0].permute(o_perm)
+        if rel_err(moved[:, :, :untouched], base[:, :, :untouched]) > TOL:
+            return "a step reads another head: outputs of other heads change when only the last head's inputs change"
+    return None
+
+
+def _diagnose_counts(flow: Dataflow, region: Region, e: _RoleCountError) -> str | None:
+    """GDN-shaped but one [B, T, H] input short: missing beta or missing decay."""
+    if (len(e.p3), len(e.p4)) == (1, 3):
+        return ("missing beta or decay: the recurrence reads q, k, v and only one per-token [B, T, H] tensor "
+                f"({e.p3[0].name}); GDN needs both g and beta")
+    if (len(e.p3), len(e.p4)) == (0, 3):
+        return "missing beta and decay: the recurrence reads q, k, v only (plain linear attention or DeltaNet)"
+    return None

@@ -1,0 +1,144 @@
+"""The generated chunked (WY) forward kernels against the fp64 chunk reference (interpreter on CPU).
+
+With QDQ, the reference rounds at the same sites in the same order; QDQ'd intermediates (the
+W tile and the chunk-start states h) must agree element for element except for rounding
+flips (fp32 vs fp64 values on either side of a rounding boundary), which are counted and
+bounded (NUMERICS.md, "How close is close").
+"""
+import pytest
+import torch
+
+from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported
+from la_compiler.kernels.chunk_fwd import chunk_fwd
+from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
+from la_compiler.kernels.codegen import CodegenError
+from la_compiler.kernels.reference import sequence_bounds
+from la_compiler.spec import RecurrenceSpec
+from tests.helpers import rel_l2
+from tests.kernels.chunk_inputs import grads_of, make_inputs
+
+EXACT_TOL = 1e-5  # fp32 kernel vs fp64 reference, no QDQ
+QDQ_TOL = 1e-3  # outputs with QDQ
+MAX_FLIP_FRACTION = 0.02  # of the QDQ'd elements compared
+
+
+def _case(kind, varlen, state, K=8, V=16):
+    if varlen:
+        cu = torch.tensor([0, 3, 3, 12, 18])  # an empty sequence; lengths not multiples of the chunk
+        xs = make_inputs(kind, B=1, T=18, H=1, HV=2, K=K, V=V, N=4, dtype=torch.float32)
+    else:
+        cu = None
+        xs = make_inputs(kind, B=2, T=11, H=1, HV=2, K=K, V=V, dtype=torch.float32)
+    q, k, v, g, beta, h0 = xs
+    if state == "vk":
+        h0 = h0.transpose(-1, -2).contiguous()
+    return (q, k, v, g, beta, h0), cu
+
+
+def _run(spec, inputs, cu, scale=0.4):
+    kernel_parts, ref_parts = {}, {}
+    o, ht = chunk_fwd(ChunkParams.from_spec(spec), *inputs[:5], scale, inputs[5], cu, intermediates=kernel_parts)
+    o_ref, ht_ref = chunk_delta_rule_reference(*inputs[:5], spec=spec, scale=scale, initial_state=inputs[5],
+                                               cu_seqlens=cu, record=ref_parts)
+    assert o.dtype == inputs[0].dtype and ht.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    return (o, ht, kernel_parts), (o_ref, ht_ref, ref_parts)
+
+
+def _kernel_chunks(parts, ref, inputs, cu, C):
+    """The kernel's w and h in the reference's [N, HV, NC, ...] layout."""
+    B, T = inputs[0].shape[:2]
+    seqs = sequence_bounds(B, T, cu)
+    NC = ref["w"].shape[2]
+    w = _to_chunks(parts["w"].double(), seqs, NC, C)
+    h_ref = ref["h"]
+    lengths = [e - s for _, s, e in seqs]
+    counts = [(n + C - 1) // C for n in lengths]
+    h = torch.zeros_like(h_ref)
+    row = 0
+    for n, c in enumerate(counts):  # kernel h rows: every sequence's chunks, in order
+        h[n, :, :c] = parts["h"][row: row + c].transpose(0, 1).double()
+        row += c
+    active = torch.tensor([[i < c for i in range(NC)] for c in counts])
+    return w, h, active
+
+
+def _flips(a, b, tile_amax):
+    """Elements that differ by more than fp32 noise: a rounding boundary was straddled."""
+    return int(((a - b).abs() > 1e-4 * b.abs() + 1e-6 * tile_amax).sum())
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("varlen,state", [(False, "kv"), (True, "vk")])
+def test_exact_forward(kind, varlen, state):
+    inputs, cu = _case(kind, varlen, state)
+    spec = RecurrenceSpec(kind=kind, chunk=4, state=state)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
+
+
+def test_neumann_forward():
+    inputs, cu = _case("kda", False, "kv")
+    spec = RecurrenceSpec(kind="kda", chunk=8, solve="neumann", degree=2)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
+    o_exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=spec.replace(solve="exact", degree=None), scale=0.4,
+                                            initial_state=inputs[5])
+    assert rel_l2(o, o_exact) > 1e-4  # degree 2 < C - 1: really a different computation
+
+
+@pytest.mark.parametrize("kind,varlen,quant", [
+    ("gdn", True, {"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"}),
+    ("kda", False, {"state": "int8/tile16", "w": "int8/block16"}),
+    ("gdn", False, {"state": "int8_h32/tile32", "state_read.lhs": "nvfp4/block16"}),
+    ("kda", True, {"state": "fp8_e4m3/tile16", "w": "nvfp4/block16"}),
+])
+def test_qdq_forward_rounds_like_the_reference(kind, varlen, quant):
+    V = 32 if "int8_h32" in quant["state"] else 16
+    inputs, cu = _case(kind, varlen, "kv", K=16, V=V)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant)
+    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
+    w, h, active = _kernel_chunks(parts, ref, inputs, cu, 8)
+    w_flips = _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
+    h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]  # [chunks, HV, K, V]
+    h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
+    print(f"{kind} {quant}: W flips {w_flips}/{w.numel()}, state flips {h_flips}/{h_sel.numel()}")
+    assert w_flips <= MAX_FLIP_FRACTION * w.numel() and h_flips <= MAX_FLIP_FRACTION * h_sel.numel()
+    assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    o_exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
+                                            initial_state=inputs[5], cu_seqlens=cu)
+    assert rel_l2(o, o_exact) > max(2 * QDQ_TOL, 10 * rel_l2(o, o_ref))  # the rounding is really there
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_chunk_variant_through_the_ir_op(kind):
+    """torch.ops.laqat.delta_rule with kernel=chunk: forward and every gradient (HV > H, varlen)."""
+    import la_compiler.ir  # noqa: F401  (registers the op)
+
+    inputs, cu = _case(kind, True, "kv")
+    spec = RecurrenceSpec(kind=kind, chunk=4, kernel="chunk").replace(quant={"state": "fp8_e4m3/tile16"})
+    xs = [x.clone().requires_grad_() for x in inputs]
+    o, ht = torch.ops.laqat.delta_rule(*xs[:5], xs[5], cu, 0.4, str(spec))
+    x64 = [x.detach().double().requires_grad_() for x in inputs]
+    o_ref, ht_ref = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    cot = [torch.randn_like(o), torch.randn_like(ht)]
+    got = grads_of([o, ht], cot, xs)
+    want = grads_of([o_ref, ht_ref], [c.double() for c in cot], x64)
+    for name, a, b in zip("q k v g beta h0".split(), got, want):
+        assert a.dtype == torch.float32 and rel_l2(a, b) <= QDQ_TOL, name
+
+
+@pytest.mark.parametrize("text,match", [
+    ("gdn[chunk=8; q.output_value.lhs=fp8_e4m3/row]", "output_value.lhs"),
+    ("gdn[chunk=8; acc.wy_key=fp16:16]", "accumulator"),
+    ("gdn[chunk=8; q.state=fp8_e4m3/row]", "q.state"),
+    ("kda[chunk=8; q.w=fp8_e4m3/tensor]", "q.w"),
+    ("kda[chunk=8; q.state=fp8_e4m3/tile16/clip]", "q.state"),
+    ("gdn[chunk=8; phase=token]", "phase"),
+])
+def test_unsupported_specs_are_refused_by_name(text, match):
+    spec = RecurrenceSpec.parse(text)
+    assert match in unsupported(spec)
+    with pytest.raises(CodegenError, match=match):
+        ChunkParams.from_spec(spec)

@@ -1,0 +1,93 @@
+"""The fused Triton decode kernels (interpreter on CPU) against the fp64 decode reference.
+
+Forward (outputs, final state) and the gradient of every input, across token / replay
+modes, codecs, readouts, the decay grid, layouts, grouped heads, partial tiles, empty
+prefixes and suffixes, padding and packed sequences.
+"""
+import pytest
+import torch
+
+from la_compiler.kernels.decode_fused import decode_fused_backward, decode_fused_forward
+from la_compiler.kernels.decode_options import decode_options
+from la_compiler.kernels.decode_reference import delta_rule_decode_reference
+from la_compiler.kernels.registry import get_variant
+from la_compiler.kernels.selection import select_kernel
+from la_compiler.spec import RecurrenceSpec
+from tests.helpers import rel_l2
+from tests.ir_inputs import random_inputs
+
+CASES = {
+    # id: (kind, phase, state format, extras, layout, h0, B, T, H, HV, K, V, prefill, valid, cu_seqlens)
+    "gdn-token-fp8-gqa": ("gdn", "token", "fp8_e4m3/tile16", {}, "kv", True, 2, 8, 1, 2, 4, 16, [3, 0], [8, 6], None),
+    "kda-token-fp8-stored-grid-vk-empty-suffix": (
+        "kda", "token", "fp8_e4m3/tile16", {"readout": "stored", "decay_log_step": "0.03125"}, "vk", True,
+        2, 7, 2, 2, 4, 16, [7, 2], [7, 7], None),
+    "kda-token-int8-partial-tiles": ("kda", "token", "int8/tile16", {}, "kv", False, 1, 7, 1, 1, 6, 24, [0], [6],
+                                     None),
+    "gdn-token-h32-stored": ("gdn", "token", "int8_h32/tile32", {"readout": "stored"}, "kv", True, 1, 6, 1, 1, 4, 32,
+                             [2], [6], None),
+    "kda-replay-fp8-factors-grid": ("kda", "replay", "fp8_e4m3/tile16",
+                                    {"replay_window": "3", "replay_factor_qdq": "1", "decay_log_step": "0.015625"},
+                                    "kv", True, 2, 9, 1, 1, 4, 16, [2, 5], [9, 8], None),
+    "gdn-replay-h32-factors-vk-stored": ("gdn", "replay", "int8_h32/tile32",
+                                         {"replay_window": "2", "replay_factor_qdq": "1", "readout": "stored"},
+                                         "vk", True, 1, 7, 1, 1, 4, 32, [3], [7], None),
+    "kda-token-fp8-packed": ("kda", "token", "fp8_e4m3/tile16", {"readout": "stored"}, "kv", True, 1, 12, 1, 2, 4,
+                             16, [2, 0, 0], [5, 0, 6], [0, 5, 5, 12]),
+    "kda-token-exact": ("kda", "token", None, {}, "kv", True, 1, 6, 1, 1, 4, 8, [2], [6], None),
+}
+
+
+def _spec(kind, phase, fmt, extras, layout):
+    return RecurrenceSpec(kind, phase=phase, state=layout, kernel="decode_fused",
+                          quant=(("state", fmt),) if fmt else (), extra=tuple(sorted(extras.items())))
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fused_decode_matches_reference(case):
+    kind, phase, fmt, extras, layout, use_h0, B, T, H, HV, K, V, prefill, valid, cu = CASES[case]
+    spec = _spec(kind, phase, fmt, extras, layout)
+    (q, k, v, g, beta, h0), cu_t = random_inputs(kind, B=B, T=T, H=H, HV=HV, K=K, V=V, initial_state=use_h0,
+                                                 cu_seqlens=cu, state_layout=layout)
+    pre, val = torch.tensor(prefill, dtype=torch.int32), torch.tensor(valid, dtype=torch.int32)
+    scale = K ** -0.5
+    o, ht = decode_fused_forward(spec, q, k, v, g, beta, h0, cu_t, scale, prefill_lengths=pre, valid_lengths=val)
+    ro, rh = delta_rule_decode_reference(q, k, v, g, beta, kind=kind, options=decode_options(spec),
+                                         prefill_lengths=prefill, valid_lengths=valid, scale=scale,
+                                         initial_state=h0, cu_seqlens=cu_t, state_layout=layout)
+    tol = 1e-5 if fmt is None else 1e-4
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_l2(o, ro) < tol and rel_l2(ht, rh) < tol, (rel_l2(o, ro), rel_l2(ht, rh))
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = decode_fused_backward(spec, q, k, v, g, beta, h0, cu_t, scale, do, dht, prefill_lengths=pre,
+                                  valid_lengths=val)
+    leaves = [x for x in (q, k, v, g, beta, h0) if x is not None]
+    want = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(), leaves)
+    assert (grads[5] is None) == (h0 is None)
+    for name, got, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, want):
+        assert got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert rel_l2(got, ref) < tol, (name, rel_l2(got, ref))
+
+
+def test_selection_picks_the_fused_kernel_for_decode_specs_and_honours_implementation():
+    spec = _spec("kda", "token", "fp8_e4m3/tile64", {}, "kv").replace(kernel="auto")
+    assert select_kernel(spec, device="cpu", dtype=torch.float32, head_k=64, head_v=64).variant == "decode_fused"
+    torch_only = spec.replace(extra={"decode_impl": "torch"})
+    choice = select_kernel(torch_only, device="cpu", dtype=torch.float32, head_k=64, head_v=64)
+    assert choice.variant == "decode_reference"
+    assert any(name == "decode_fused" and "implementation" in why for name, why in choice.rejected)
+    h32 = _spec("kda", "token", "int8_h32/tile32", {}, "kv").replace(kernel="auto")
+    choice = select_kernel(h32, device="cpu", dtype=torch.float32, head_k=16, head_v=48)
+    assert choice.variant == "decode_reference" and "multiple of 32" in dict(choice.rejected)["decode_fused"]
+    exact = RecurrenceSpec("kda")
+    assert "phase=none" in dict(select_kernel(exact, device="cpu", dtype=torch.float32, head_k=8, head_v=8)
+                                .rejected).get("decode_fused", "phase=none")
+    assert get_variant("decode_fused").forward is decode_fused_forward
+
+
+def test_fused_decode_rejects_bad_lengths():
+    spec = _spec("gdn", "token", "fp8_e4m3/tile16", {}, "kv")
+    (q, k, v, g, beta, _), _ = random_inputs("gdn", B=2, T=4, H=1, K=4, V=16, requires_grad=False)
+    with pytest.raises(ValueError, match="prefill/valid lengths"):
+        decode_fused_forward(spec, q, k, v, g, beta, None, None, 0.5, prefill_lengths=torch.tensor([1]),
+                             valid_lengths=torch.tensor([4]))

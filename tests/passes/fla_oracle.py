@@ -1,0 +1,129 @@
+"""An eager oracle for FLA's GDN/KDA layers on the CPU, built from FLA's own torch references.
+
+FLA's chunk kernels cannot run on the CPU, so ``naive_fla()`` monkeypatches what the layers
+call with FLA's naive recurrences (fla/ops/*/naive.py), FLA's torch gate references
+(``naive_gdn_gate``, ``naive_kda_gate``, ``naive_kda_lowerbound_gate``), ``F.conv1d`` (what
+``ShortConvolution``, an ``nn.Conv1d``, computes) and FLA's ``rms_norm_ref``. None of this
+shares code with the laqat frontend.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from fla.modules.norm.layernorm_gated import rms_norm_ref
+from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+from fla.ops.kda.naive import naive_recurrent_kda
+
+
+def fla_l2norm(x):
+    """As FLA's kernels write it: x / sqrt(sum(x^2) + 1e-6), in fp32."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _per_sequence(run, q, k, v, g, beta, initial_state, cu_seqlens):
+    """Runs ``run`` on each sequence of a packed batch (B == 1) and re-packs the results."""
+    if cu_seqlens is None:
+        return run(q, k, v, g, beta, initial_state)
+    outs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for n in range(len(bounds) - 1):
+        s = slice(bounds[n], bounds[n + 1])
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, ht = run(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], h0)
+        outs.append(o)
+        finals.append(ht)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
+
+
+def naive_delta_rule(kind, q, k, v, g, beta, *, scale=None, initial_state=None, state_v_first=False,
+                     cu_seqlens=None):
+    """Canonical inputs (log decay, activated beta) -> (o, final state) with FLA's naive recurrences."""
+    HV = v.shape[2]
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+
+    def run(q, k, v, g, beta, h0):
+        if kind == "kda":
+            return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+        # FLA's naive GDN has no grouped heads: give every value head its q/k head
+        q, k = (x.repeat_interleave(HV // x.shape[2], dim=2) for x in (q, k))
+        return naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=scale, initial_state=h0,
+                                                output_final_state=True)
+
+    o, ht = _per_sequence(run, q, k, v, g, beta, initial_state, cu_seqlens)
+    return o, (ht.transpose(-1, -2) if state_v_first else ht)
+
+
+def naive_fla_call(kind, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                   use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+                   cu_seqlens=None, **ignored):
+    """What FLA's chunk/fused_recurrent GDN or KDA op computes, per its docstrings and torch references."""
+    if use_qk_l2norm_in_kernel:
+        q, k = fla_l2norm(q), fla_l2norm(k)
+    if use_gate_in_kernel:
+        if kind == "gdn":
+            g = naive_gdn_gate(g, A_log, dt_bias)
+        elif lower_bound is not None:
+            g = naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+        else:
+            g = naive_kda_gate(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid() * (2 if allow_neg_eigval else 1)
+    o, ht = naive_delta_rule(kind, q.float(), k.float(), v.float(), g.float(), beta.float(), scale=scale,
+                             initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+    return o.to(v.dtype), (ht.float() if output_final_state else None)
+
+
+def conv1d_oracle(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
+                  activation=None, cu_seqlens=None, **ignored):
+    """Depthwise causal conv as ``nn.Conv1d(padding=W-1)`` computes it (no cache support)."""
+    assert initial_state is None and not output_final_state and cu_seqlens is None
+    D, W = weight.shape
+    y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=W - 1, groups=D)[..., :x.shape[1]]
+    y = y.transpose(1, 2)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    if residual is not None:
+        y = y + residual
+    return y, None
+
+
+def rms_norm_gated_oracle(x, g, weight, bias, activation="swish", residual=None, prenorm=False,
+                          residual_in_fp32=False, eps=1e-6):
+    assert residual is None and not prenorm
+    if activation in ("swish", "silu"):
+        return rms_norm_ref(x, weight, bias, z=g, eps=eps, norm_before_gate=True)
+    return (rms_norm_ref(x, weight, bias, eps=eps, upcast=True).float() * g.float().sigmoid()).to(x.dtype)
+
+
+@contextlib.contextmanager
+def naive_fla():
+    """Eager FLA layers on the CPU: their kernels swapped for the torch references above."""
+    import fla.layers.gated_deltanet as gdn_layer
+    import fla.layers.kda as kda_layer
+    import fla.modules.causal_conv1d.ops as conv_ops
+    import fla.modules.norm.fused_norm_gate as norm_ops
+
+    patches = [
+        (gdn_layer, "chunk_gated_delta_rule", lambda *a, **kw: naive_fla_call("gdn", *a, **kw)),
+        (gdn_layer, "fused_recurrent_gated_delta_rule", lambda *a, **kw: naive_fla_call("gdn", *a, **kw)),
+        (kda_layer, "chunk_kda", lambda *a, **kw: naive_fla_call("kda", *a, **kw)),
+        (kda_layer, "fused_recurrent_kda", lambda *a, **kw: naive_fla_call("kda", *a, **kw)),
+        (gdn_layer, "causal_conv1d", conv1d_oracle),
+        (conv_ops, "causal_conv1d", conv1d_oracle),
+        (norm_ops, "rms_norm_gated", rms_norm_gated_oracle),
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    try:
+        for mod, name, fn in patches:
+            setattr(mod, name, fn)
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)

@@ -1,0 +1,330 @@
+"""The FLA frontend: FLA's GDN/KDA ops and layers compile to laqat IR nodes with FLA's numerics.
+
+Oracles are FLA's own torch references (tests/passes/fla_oracle.py): FLA's naive recurrences,
+its gate references, ``F.conv1d`` and ``rms_norm_ref``; forward and every gradient.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("fla")
+
+import la_compiler  # noqa: E402
+import la_compiler.backend  # noqa: E402,F401  (installs the FLA substitutions)
+from la_compiler.passes.frontends import fla as fla_frontend  # noqa: E402
+from tests.helpers import assert_close_rel  # noqa: E402
+from tests.passes.fla_oracle import conv1d_oracle, naive_fla, naive_fla_call, rms_norm_gated_oracle  # noqa: E402
+
+TOL = 1e-5
+
+
+def compile_laqat(fn):
+    return torch.compile(fn, backend="laqat", fullgraph=True, options={"compiler": "eager"})
+
+
+def _leaves(named):
+    return {name: t.detach().clone().requires_grad_(t.is_floating_point()) for name, t in named.items()}
+
+
+def _compare_call(fla_fn, kind, tensors, options, *, grads=True):
+    """Compiles ``fla_fn(**tensors, **options)``, compares (o, final state) and every gradient with the oracle."""
+    mine, ref = _leaves(tensors), _leaves(tensors)
+    o, ht = compile_laqat(lambda **t: fla_fn(**t, **options))(**mine)
+    o_ref, ht_ref = naive_fla_call(kind, **ref, **options)
+    assert o.dtype == o_ref.dtype
+    assert_close_rel(o, o_ref, TOL, "o")
+    if options.get("output_final_state"):
+        assert ht.dtype == torch.float32
+        assert_close_rel(ht, ht_ref, TOL, "final_state")
+    else:
+        assert ht is None
+    if not grads:
+        return
+    w_o = torch.randn_like(o)
+    w_h = torch.randn_like(ht) if ht is not None else None
+    loss = (o * w_o).sum() + ((ht * w_h).sum() if ht is not None else 0)
+    loss_ref = (o_ref * w_o).sum() + ((ht_ref * w_h).sum() if ht is not None else 0)
+    loss.backward()
+    loss_ref.backward()
+    for name in tensors:
+        if mine[name].is_floating_point():
+            assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+
+
+def _inputs(kind, *, B=2, T=9, H=2, HV=2, K=8, V=8, raw=True, h0=False, vk=False, N=None):
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, HV, V)
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    # raw gates and beta logits for the in-kernel activations; else a log decay and beta in (0, 1)
+    g = torch.randn(g_shape) if raw else F.logsigmoid(torch.randn(g_shape))
+    beta = torch.randn(B, T, HV) if raw else torch.rand(B, T, HV)
+    t = dict(q=q, k=k, v=v, g=g, beta=beta)
+    if h0:
+        n = N or B
+        t["initial_state"] = torch.randn((n, HV, V, K) if vk else (n, HV, K, V))
+    return t
+
+
+def _gate_params(kind, HV=2, K=8):
+    return dict(A_log=torch.randn(HV), dt_bias=torch.randn(HV if kind == "gdn" else HV * K))
+
+
+# ---- op level -------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["chunk", "fused_recurrent"])
+def test_gdn_op_full_preprocessing(op):
+    """l2norm + gate(A_log, dt_bias) + beta sigmoid in-kernel, HV > H, V-first state, h0 and final state, scale."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    fn = chunk_gated_delta_rule if op == "chunk" else fused_recurrent_gated_delta_rule
+    tensors = _inputs("gdn", HV=4, h0=True, vk=True) | _gate_params("gdn", HV=4)
+    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                   state_v_first=True, output_final_state=True, scale=0.3)
+    _compare_call(fn, "gdn", tensors, options)
+
+
+def test_gdn_chunk_varlen_plain_inputs():
+    """Precomputed log decay and beta, cu_seqlens with one initial state per sequence, chunk_size 32."""
+    from fla.ops.gated_delta_rule import chunk_gdn
+
+    tensors = _inputs("gdn", B=1, T=11, raw=False, h0=True, N=3)
+    tensors["cu_seqlens"] = torch.tensor([0, 4, 5, 11])
+    _compare_call(chunk_gdn, "gdn", tensors, dict(output_final_state=True, chunk_size=32))
+
+
+def test_gdn_neg_eigval_and_default_scale():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    tensors = _inputs("gdn", raw=True)
+    tensors["g"] = F.logsigmoid(tensors["g"])
+    options = dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    _compare_call(chunk_gated_delta_rule, "gdn", tensors, options)
+
+
+def test_gdn_fused_recurrent_with_gk_is_a_kda_node():
+    """fused_recurrent_gated_delta_rule with a per-key-channel decay gk is a KDA recurrence."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    t = _inputs("kda", raw=False)
+    mine = _leaves(t)
+    fn = compile_laqat(lambda q, k, v, g, beta: fused_recurrent_gated_delta_rule(q, k, v, gk=g, beta=beta))
+    report = la_compiler.explain(lambda **x: fused_recurrent_gated_delta_rule(
+        x["q"], x["k"], x["v"], gk=x["g"], beta=x["beta"]), **_leaves(t))
+    assert [m.kind for m in report.matches] == ["kda"]
+    o, ht = fn(**mine)
+    o_ref, _ = naive_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"])
+    assert ht is None
+    assert_close_rel(o, o_ref, TOL, "o")
+
+
+@pytest.mark.parametrize("op", ["chunk", "fused_recurrent"])
+def test_kda_op_full_preprocessing(op):
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    fn = chunk_kda if op == "chunk" else fused_recurrent_kda
+    tensors = _inputs("kda", HV=4, h0=True, vk=True) | _gate_params("kda", HV=4)
+    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                   state_v_first=True, output_final_state=True, scale=0.4)
+    _compare_call(fn, "kda", tensors, options)
+
+
+@pytest.mark.parametrize("with_A_log", [True, False])
+def test_kda_lower_bound_gate_varlen(with_A_log):
+    """safe_gate lower-bound gate (with and without A_log), allow_neg_eigval, cu_seqlens."""
+    from fla.ops.kda import chunk_kda
+
+    tensors = _inputs("kda", B=1, T=10, h0=True, N=2) | _gate_params("kda")
+    if not with_A_log:
+        del tensors["A_log"]
+    tensors["cu_seqlens"] = torch.tensor([0, 3, 10])
+    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                   allow_neg_eigval=True, safe_gate=True, lower_bound=-4.0, output_final_state=True)
+    _compare_call(chunk_kda, "kda", tensors, options)
+
+
+# ---- the opaque conv and norm ops -------------------------------------------------------------
+def test_causal_conv1d_op_matches_conv1d_and_its_gradients():
+    x, w, b, r = torch.randn(2, 7, 6), torch.randn(6, 4), torch.randn(6), torch.randn(2, 7, 6)
+    mine, ref = _leaves(dict(x=x, weight=w, bias=b, residual=r)), _leaves(dict(x=x, weight=w, bias=b, residual=r))
+    y, fs = torch.ops.laqat.causal_conv1d(mine["x"], mine["weight"], mine["bias"], mine["residual"], None, None,
+                                          "silu", False)
+    y_ref, _ = conv1d_oracle(**ref, activation="silu")
+    assert fs.numel() == 0
+    assert_close_rel(y, y_ref, TOL, "y")
+    dy = torch.randn_like(y)
+    (y * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    for name in mine:
+        assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+
+
+def test_causal_conv1d_op_state_and_varlen():
+    """A sequence split in two with the first half's final state as the second's initial state, or
+    packed with cu_seqlens, gives the outputs (and final state) of the whole sequence."""
+    x, w = torch.randn(1, 9, 5), torch.randn(5, 3)
+    conv = torch.ops.laqat.causal_conv1d
+    y_all, fs_all = conv(x, w, None, None, None, None, "silu", True)
+    y_a, fs_a = conv(x[:, :4], w, None, None, None, None, "silu", True)
+    y_b, fs_b = conv(x[:, 4:], w, None, None, fs_a, None, "silu", True)
+    assert_close_rel(torch.cat([y_a, y_b], 1), y_all, TOL, "split y")
+    assert_close_rel(fs_b, fs_all, TOL, "split final state")
+    assert_close_rel(fs_all, x[0, -3:].T.unsqueeze(0), 0.0, "final state = last W inputs")
+    y_packed, fs_packed = conv(x, w, None, None, None, torch.tensor([0, 4, 9]), "silu", True)
+    y_b0, _ = conv(x[:, 4:], w, None, None, None, None, "silu", True)
+    assert_close_rel(y_packed, torch.cat([y_a, y_b0], 1), TOL, "packed y")
+    assert_close_rel(fs_packed[0], fs_a[0], TOL, "packed final state")
+
+
+@pytest.mark.parametrize("activation", ["swish", "sigmoid"])
+def test_rms_norm_gated_op_matches_fla_reference(activation):
+    x, g, w = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3, 8), torch.randn(8)
+    mine, ref = _leaves(dict(x=x, g=g, weight=w)), _leaves(dict(x=x, g=g, weight=w))
+    y = torch.ops.laqat.layer_norm_gated(mine["x"], mine["g"], mine["weight"], None, activation, 1e-5, True)
+    y_ref = rms_norm_gated_oracle(ref["x"], ref["g"], ref["weight"], None, activation=activation, eps=1e-5)
+    assert_close_rel(y, y_ref, TOL, "y")
+    dy = torch.randn_like(y)
+    (y * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    for name in mine:
+        assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+
+
+def test_layer_norm_gated_op():
+    x, g, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    y = torch.ops.laqat.layer_norm_gated(x, g, w, b, "silu", 1e-5, False)
+    y_ref = F.layer_norm(x, (8,), w, b, eps=1e-5) * F.silu(g)
+    assert_close_rel(y, y_ref, TOL, "y")
+
+
+# ---- layers and models ------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        return x + self.attn(x)[0]
+
+
+class Model(torch.nn.Module):
+    def __init__(self, *attns):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(a) for a in attns)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _gdn(**kw):
+    from fla.layers import GatedDeltaNet
+
+    return GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, expand_v=1.0, **kw)
+
+
+def _kda(**kw):
+    from fla.layers import KimiDeltaAttention
+
+    return KimiDeltaAttention(hidden_size=32, head_dim=8, num_heads=2, expand_v=1.0, **kw)
+
+
+def _check_model(model, *, kinds, train: bool, compiler="eager"):
+    model.train(train)
+    x = torch.randn(2, 10, 32)
+    report = la_compiler.explain(model, x)
+    assert [(m.kind, m.frontend, m.module) for m in report.matches] == [
+        (kind, "fla", f"layers.{i}.attn") for i, kind in enumerate(kinds)]
+    assert report.graph_breaks == 0
+
+    x_mine, x_ref = x.clone().requires_grad_(train), x.clone().requires_grad_(train)
+    compiled = torch.compile(model, backend="laqat", fullgraph=True, options={"compiler": compiler})
+    with torch.set_grad_enabled(train):
+        y = compiled(x_mine)
+        with naive_fla():
+            y_ref = model(x_ref)
+    assert_close_rel(y, y_ref, TOL, "y")
+    if not train:
+        return
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad((y * dy).sum(), [x_mine, *model.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum(), [x_ref, *model.parameters()])
+    names = ["x"] + [n for n, _ in model.named_parameters()]
+    for name, gr, gr_ref in zip(names, grads, grads_ref):
+        assert_close_rel(gr, gr_ref, TOL, f"d{name}")
+
+
+def test_gdn_layer_chunk_mode_short_conv_grouped_heads():
+    _check_model(Model(_gdn(num_v_heads=4, use_short_conv=True)), kinds=["gdn"], train=True)
+
+
+def test_kda_layer_chunk_mode_short_conv_grouped_heads():
+    _check_model(Model(_kda(num_v_heads=4, use_short_conv=True, allow_neg_eigval=True)), kinds=["kda"], train=True)
+
+
+def test_gdn_and_kda_layers_eval_fused_recurrent_mode_no_short_conv():
+    """Under no_grad in eval with T <= 64 FLA's layers call fused_recurrent_*; no short conv."""
+    model = Model(_gdn(use_short_conv=False), _kda(use_short_conv=False, safe_gate=True, lower_bound=-5.0))
+    _check_model(model, kinds=["gdn", "kda"], train=False)
+
+
+def test_two_layer_model_under_inductor():
+    model = Model(_gdn(use_short_conv=True), _kda(use_short_conv=True))
+    _check_model(model, kinds=["gdn", "kda"], train=True, compiler="inductor")
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+def _expect_refusal(fn, *args, match, fullgraph=True):
+    compiled = torch.compile(fn, backend="laqat", fullgraph=fullgraph, options={"compiler": "eager"})
+    with pytest.raises(Exception, match=rf"UnsupportedArgumentError: .*{match}") as info:
+        compiled(*args)
+    return info
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_refuses_cp_context_at_compile_time_without_fallback(fullgraph):
+    """Never a silent fall back to FLA's original function: with and without fullgraph."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    t = _inputs("gdn", raw=False)
+    _expect_refusal(lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object()),
+                    t["q"], t["k"], t["v"], t["g"], t["beta"], match="`cp_context`", fullgraph=fullgraph)
+
+
+def test_refuses_unsupported_arguments():
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    t = _inputs("kda", raw=False)
+    q, k, v, g, beta = t["q"], t["k"], t["v"], t["g"], t["beta"]
+    _expect_refusal(lambda: chunk_kda(q, k, v, g, beta, return_intermediate_states=True),
+                    match="`return_intermediate_states`")
+    _expect_refusal(lambda: fused_recurrent_kda(q, k, v, g, beta, ssm_state_indices=torch.arange(2)),
+                    match="`ssm_state_indices`")
+    _expect_refusal(lambda: fused_recurrent_gated_delta_rule(q, k, v, gv=torch.zeros_like(v), beta=beta),
+                    match="`gv`")
+    _expect_refusal(lambda: fused_recurrent_kda(q, k, v, g, beta.unsqueeze(-1).expand_as(v)),
+                    match="`beta`")
+    _expect_refusal(lambda: chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True), match="`A_log`")
+
+
+def test_refuses_unsupported_conv_and_norm_arguments():
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    x, w = torch.randn(1, 5, 4), torch.randn(4, 3)
+    _expect_refusal(lambda: causal_conv1d(x, w, activation="relu"), match="`activation`")
+    _expect_refusal(lambda: rms_norm_gated(x, x, None, None, residual=x), match="`residual`")
+
+
+def test_substitutes_every_fla_alias():
+    import fla.layers.gated_deltanet as gdn_layer
+    import fla.layers.kda as kda_layer
+    import fla.modules.convolution as conv_alias
+    import fla.ops as ops
+    import fla.ops.gated_delta_rule as gdn_ops
+
+    for fn in (ops.chunk_gated_delta_rule, gdn_ops.chunk_gdn, gdn_ops.fused_recurrent_gdn,
+               gdn_layer.chunk_gated_delta_rule, gdn_layer.fused_recurrent_gated_delta_rule,
+               gdn_layer.causal_conv1d, conv_alias.causal_conv1d, kda_layer.chunk_kda, kda_layer.fused_recurrent_kda):
+        assert fn in fla_frontend.SUBSTITUTED, fn

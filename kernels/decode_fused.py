@@ -31,6 +31,11 @@ CODEC_IDS = {None: 0, "fp8_e4m3": 1, "int8": 2, "int8_h32": 3}
 FACTOR_IDS = {"none": 0, "fp8_e4m3": 1, "int8": 2}
 CHECKPOINT_EVERY = 16
 MAX_HEAD_DIM = 256
+NUM_WARPS: int | None = None  # None: 4 up to 4096 state elements per program, else 8 (benchmarks may override)
+
+
+def _num_warps(BK: int, BV: int) -> int:
+    return NUM_WARPS if NUM_WARPS is not None else (4 if BK * BV <= 4096 else 8)
 
 
 def unsupported_reason(spec, head_k: int, head_v: int) -> str | None:
@@ -368,7 +373,7 @@ def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefi
         q, k, v, g, beta, h0 if h0 is not None else q, o, ht, ckpt, cu, pre, val,
         float(scale), float(opts.decay_log_step or 1.0), opts.window, T, nck,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=save_ckpt, STORE_O=not save_ckpt,
-        **_flags(spec, opts, initial_state, cu_seqlens),
+        **_flags(spec, opts, initial_state, cu_seqlens), num_warps=_num_warps(BK, BV),
     )
     return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n)
 
@@ -404,6 +409,7 @@ def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, sca
         dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else dq,
         float(scale), float(opts.decay_log_step or 1.0), opts.window, T, nck, total,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_flags(spec, opts, initial_state, cu_seqlens),
+        num_warps=_num_warps(BK, BV),
     )
     group = HV // H
     dq = dq.sum(0).view(B, T, H, group, K).sum(3)

@@ -30,9 +30,9 @@ def _needs_chunked(spec: RecurrenceSpec) -> bool:
     return spec.solve != "exact" or bool(spec.acc) or any(site != "state" for site, _ in spec.quant)
 
 
-def unsupported_reason(spec: RecurrenceSpec) -> str | None:
-    """None when this variant applies every rounding of ``spec``; else why not (for the
-    kernel-selection table)."""
+def unsupported_reason(spec: RecurrenceSpec, head_v: int | None = None) -> str | None:
+    """None when this variant applies every rounding of ``spec`` (on values of ``head_v``
+    columns); else why not (for the kernel-selection table)."""
     if spec.phase != "none":
         return f"phase={spec.phase}: the reference variant computes prefill only (decode needs a decode variant)"
     if spec.extra:
@@ -42,10 +42,11 @@ def unsupported_reason(spec: RecurrenceSpec) -> str | None:
     try:
         if _needs_chunked(spec):
             ChunkRounding.from_spec(spec)
-        elif spec.quant:
-            QuantConfig.parse(spec.quant_map["state"])
+        state = QuantConfig.parse(spec.quant_map["state"]) if "state" in spec.quant_map else None
     except (ImportError, ValueError) as e:
         return f"cannot build the rounding of {spec}: {e}"
+    if state is not None and state.format == "int8_h32" and head_v is not None and head_v % 32:
+        return f"the Hadamard-32 state codec needs a value head dim that is a multiple of 32, got V={head_v}"
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 from typing import Callable
 
 import torch
@@ -69,12 +70,28 @@ def _fla_chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
         (spec.is_exact, "FLA's kernels apply no quantization (spec has quant sites, a non-exact solve or a phase)"),
         (_fla_available(), "flash-linear-attention is not installed"),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "FLA supports head dims up to 256"),
-    )
+    ) or _fla_gdn_backward_blocked(spec)
+
+
+def _fla_gdn_backward_blocked(spec: RecurrenceSpec) -> str | None:
+    """FLA refuses its GDN chunk backward on some Triton/GPU pairs (Hopper, Triton < 3.7.1); a
+    variant is chosen for forward and backward together, so GDN then goes to another row."""
+    if spec.kind != "gdn":
+        return None
+    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+
+    return gdn_backward_blocker()
+
+
+def _triton_runs(ctx: SelectionContext) -> tuple[bool, str]:
+    return (ctx.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+            f"Triton kernels need CUDA or TRITON_INTERPRET=1 (device is {ctx.device})")
 
 
 def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     return _needs(
         (spec.is_exact, "the generated recurrent kernel has no quant sites, solve or phase support yet"),
+        _triton_runs(ctx),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
     )
 
@@ -84,13 +101,14 @@ def _chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
 
     return _needs(
         (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
+        _triton_runs(ctx),
     ) or unsupported(spec)
 
 
 def _reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     from la_compiler.kernels.reference_variant import unsupported_reason
 
-    return unsupported_reason(spec)
+    return unsupported_reason(spec, ctx.head_v)
 
 
 def _decode_reason(spec: RecurrenceSpec, family: str) -> str | None:

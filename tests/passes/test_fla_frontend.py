@@ -230,19 +230,19 @@ def _kda(**kw):
 
 
 def _check_model(model, *, kinds, train: bool, compiler="eager"):
+    """One compilation (through ``explain``, which reports graph breaks): one laqat node per layer
+    call, named by the layer's module path, outputs and all gradients as the eager oracle."""
     model.train(train)
     x = torch.randn(2, 10, 32)
-    report = la_compiler.explain(model, x)
-    assert [(m.kind, m.frontend, m.module) for m in report.matches] == [
-        (kind, "fla", f"layers.{i}.attn") for i, kind in enumerate(kinds)]
-    assert report.graph_breaks == 0
-
     x_mine, x_ref = x.clone().requires_grad_(train), x.clone().requires_grad_(train)
-    compiled = torch.compile(model, backend="laqat", fullgraph=True, options={"compiler": compiler})
     with torch.set_grad_enabled(train):
-        y = compiled(x_mine)
+        report = la_compiler.explain(model, x_mine, compiler=compiler)
         with naive_fla():
             y_ref = model(x_ref)
+    assert report.graph_breaks == 0 and len(report.graphs) == 1  # what fullgraph=True demands
+    assert [(m.kind, m.frontend, m.module) for m in report.matches] == [
+        (kind, "fla", f"layers.{i}.attn") for i, kind in enumerate(kinds)]
+    y = report.output
     assert_close_rel(y, y_ref, TOL, "y")
     if not train:
         return
@@ -262,15 +262,22 @@ def test_kda_layer_chunk_mode_short_conv_grouped_heads():
     _check_model(Model(_kda(num_v_heads=4, use_short_conv=True, allow_neg_eigval=True)), kinds=["kda"], train=True)
 
 
-def test_gdn_and_kda_layers_eval_fused_recurrent_mode_no_short_conv():
-    """Under no_grad in eval with T <= 64 FLA's layers call fused_recurrent_*; no short conv."""
+def test_gdn_and_kda_layers_eval_fused_recurrent_mode_under_inductor():
+    """Under no_grad in eval with T <= 64 FLA's layers call fused_recurrent_*; no short conv; the rest
+    of the graph through Inductor."""
     model = Model(_gdn(use_short_conv=False), _kda(use_short_conv=False, safe_gate=True, lower_bound=-5.0))
-    _check_model(model, kinds=["gdn", "kda"], train=False)
+    _check_model(model, kinds=["gdn", "kda"], train=False, compiler="inductor")
 
 
-def test_two_layer_model_under_inductor():
-    model = Model(_gdn(use_short_conv=True), _kda(use_short_conv=True))
-    _check_model(model, kinds=["gdn", "kda"], train=True, compiler="inductor")
+def test_model_compiles_fullgraph():
+    model = Model(_gdn(use_short_conv=True), _kda(use_short_conv=True)).train()
+    x = torch.randn(1, 6, 32, requires_grad=True)
+    y = torch.compile(model, backend="laqat", fullgraph=True, options={"compiler": "eager"})(x)
+    with naive_fla():
+        y_ref = model(x)
+    assert_close_rel(y, y_ref, TOL, "y")
+    record = la_compiler.backend.last_record().graphs[-1]
+    assert [(m.kind, m.module) for m in record.matches] == [("gdn", "layers.0.attn"), ("kda", "layers.1.attn")]
 
 
 # ---- refusals ---------------------------------------------------------------------------------
@@ -287,7 +294,8 @@ def test_refuses_cp_context_at_compile_time_without_fallback(fullgraph):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     t = _inputs("gdn", raw=False)
-    _expect_refusal(lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object()),
+    cp_context = object()  # any non-None context
+    _expect_refusal(lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, cp_context=cp_context),
                     t["q"], t["k"], t["v"], t["g"], t["beta"], match="`cp_context`", fullgraph=fullgraph)
 
 

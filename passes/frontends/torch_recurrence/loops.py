@@ -226,11 +226,17 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
 
 
 def _has_state_like_carry(flow, first_window, second_start, third_start) -> bool:
+    """A floating rank >= 3 value of the first step read by the second, with the same shape at
+    the same offset of the second step: worth a near-miss report if the loop is rejected."""
     inside = set(first_window)
     hi = third_start if third_start is not None else second_start + 4 * len(first_window)
-    for n in first_window:
+    for off, n in enumerate(first_window):
         v = tensor_value(n)
         if v is None or v.dim() < 3 or not v.dtype.is_floating_point:
+            continue
+        twin = flow.nodes[second_start + off] if second_start + off < len(flow.nodes) else None
+        tv = tensor_value(twin) if twin is not None else None
+        if tv is None or tv.shape != v.shape:
             continue
         for r in flow.readers(n):
             if r not in inside and second_start <= flow.pos[r] < hi and not is_inplace_write(r):

@@ -68,7 +68,8 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
     queued = set()
 
     def push_inputs(n):
-        for a in n.all_input_nodes:
+        # dataflow predecessors: the arguments and, for a read of a mutated tensor, its latest writer
+        for a in flow.graph.predecessors(n):
             if a not in region and a not in queued:
                 queued.add(a)
                 heapq.heappush(heap, (-flow.pos[a], id(a), a))
@@ -79,20 +80,17 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
         _, _, n = heapq.heappop(heap)
         if n.op in ("placeholder", "get_attr", "output") or not all(r in region for r in flow.readers(n)):
             continue
-        if is_inplace_write(n):
-            continue
-        v = tensor_value(n)
-        if v is None:
-            continue
-        if _per_token(v, lo, hi) and n.all_input_nodes:
-            ok = rules.is_layout(n) or rules.scalar_operand(n) is not None or \
-                (rules.is_pair_mul(n) and _independent(flow, *n.args) and
-                 all(_per_token(tensor_value(a), lo, hi) for a in n.args))
-            if not ok:
+        if not is_inplace_write(n):
+            v = tensor_value(n)
+            if v is None:
                 continue
+            if _per_token(v, lo, hi) and n.all_input_nodes:
+                ok = rules.is_layout(n) or rules.scalar_operand(n) is not None or \
+                    (rules.is_pair_mul(n) and _independent(flow, *n.args) and
+                     all(_per_token(tensor_value(a), lo, hi) for a in n.args))
+                if not ok:
+                    continue
         region.add(n)
-        for w in flow.writers.get(n, []):
-            region.add(w)
         push_inputs(n)
     frontier = []
     for n in sorted(region, key=flow.pos.__getitem__):

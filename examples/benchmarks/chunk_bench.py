@@ -1,0 +1,301 @@
+"""The generated chunked (WY) kernels against FLA's chunk kernels on CUDA: exactness, time, memory.
+
+    OUT=./out python examples/benchmarks/chunk_bench.py [--quick] [--kinds gdn,kda] [--shapes 1x1024x4x64,...]
+
+1. exactness on the GPU (fp32, small varlen / grouped-head cases): the chunk kernels against
+   the fp64 chunk reference, exact (relative L2 <= 1e-5) and with FP8 state + W QDQ (<= 1e-3);
+2. at [B, T, H, D] in (1,1024,4,64), (1,4096,16,128), (8,4096,16,128), bf16 inputs as in
+   BASELINES.md: triton.testing.do_bench medians of forward and forward+backward (backward of
+   o.float().sum()) and peak extra MiB above the pre-run allocation, for
+     FLA exact (chunk_kda fwd / fwd+bwd; chunk_gated_delta_rule fwd, its backward where FLA allows it),
+     laqat exact / FP8 state / INT8 state / FP8 state + W  (torch.ops.laqat.delta_rule, kernel=chunk),
+     laqat FP8 all sites / NVFP4 operands (reported as not implemented where the chunk kernels refuse),
+     fp32 torch chunk emulation with FP8 state (kernels/chunk_reference.py in fp32),
+   with ratios to FLA's time for the same pass.
+Prints a table and writes $OUT/chunk_bench.json. Every measurement that fails (FLA's guard,
+out of memory) is caught and reported in the table and the JSON, never hidden.
+The chunk variant's backward is an INTERMEDIATE: it recomputes the torch chunk reference under
+autograd (fp32 on CUDA), not a fused Triton kernel -- its fwd+bwd column measures that.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bootstrap_la_compiler():
+    """Import la_compiler from this checkout, mapping kernels/ and passes/ like pyproject's package-dir."""
+    try:
+        import la_compiler.kernels.chunk_fwd  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO))
+    import la_compiler  # noqa: F401
+
+    for sub, folder in (("kernels", "kernels"), ("passes", "passes")):
+        name = f"la_compiler.{sub}"
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+_bootstrap_la_compiler()
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
+from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported  # noqa: E402
+from la_compiler.kernels.chunk_fwd import chunk_fwd  # noqa: E402
+from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference  # noqa: E402
+from la_compiler.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
+
+SHAPES = [(1, 1024, 4, 64), (1, 4096, 16, 128), (8, 4096, 16, 128)]
+FP8_ALL = {f"{s}.{side}": "fp8_e4m3/row" for s in GEMM_SITES for side in ("lhs", "rhs") if (s, side) != ("state_read", "lhs")}
+NVFP4_ALL = {f"{s}.{side}": "nvfp4/block16" for s in GEMM_SITES for side in ("lhs", "rhs") if (s, side) != ("state_read", "lhs")}
+POLICIES = {  # name -> quant sites of the spec
+    "laqat exact": {},
+    "laqat FP8 state": {"state": "fp8_e4m3/tile64"},
+    "laqat INT8 state": {"state": "int8/tile64"},
+    "laqat FP8 state + W": {"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    "laqat FP8 all sites": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    "laqat NVFP4 operands": {**NVFP4_ALL, "w": "nvfp4/block16"},
+}
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(kind, B, T, H, HV, K, V, dtype, *, device="cuda"):
+    q = torch.randn(B, T, H, K, device=device)
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    v = torch.randn(B, T, HV, V, device=device)
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
+    beta = torch.rand(B, T, HV, device=device).sigmoid()
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+# ---- 1. exactness ------------------------------------------------------------------------------
+EXACT_CASES = [
+    dict(kind="gdn", state="kv", B=2, T=200, H=2, HV=2, K=64, V=64, cu=None, quant={}),
+    dict(kind="gdn", state="vk", B=1, T=300, H=2, HV=4, K=128, V=128, cu=(0, 37, 101, 300), quant={}),
+    dict(kind="kda", state="kv", B=1, T=130, H=1, HV=2, K=128, V=96, cu=None, quant={}),
+    dict(kind="kda", state="vk", B=1, T=190, H=2, HV=4, K=64, V=128, cu=(0, 1, 70, 190), quant={}),
+    dict(kind="gdn", state="kv", B=1, T=300, H=2, HV=4, K=128, V=128, cu=(0, 100, 300),
+         quant={"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}),
+    dict(kind="kda", state="kv", B=2, T=150, H=2, HV=2, K=128, V=128, cu=None, quant={"state": "int8/tile64"}),
+]
+
+
+def exactness(c, device="cuda") -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.int32, device=device)
+    q, k, v, g, beta = make_inputs(c["kind"], c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"], torch.float32,
+                                   device=device)
+    N = c["B"] if cu is None else len(c["cu"]) - 1
+    h0 = torch.randn((N, c["HV"], c["K"], c["V"]) if c["state"] == "kv" else (N, c["HV"], c["V"], c["K"]),
+                     device=device)
+    spec = RecurrenceSpec(kind=c["kind"], chunk=64, state=c["state"], kernel="chunk").replace(quant=c["quant"])
+    scale = c["K"] ** -0.5
+    o, ht = chunk_fwd(ChunkParams.from_spec(spec), q, k, v, g, beta, scale, h0, cu)
+    ro, rht = chunk_delta_rule_reference(q, k, v, g, beta, spec=spec, scale=scale, initial_state=h0, cu_seqlens=cu)
+    errors = {"o": rel_l2(o, ro), "ht": rel_l2(ht, rht)}
+    tol = 1e-5 if not c["quant"] else 1e-3
+    return {"case": {**c, "cu": c["cu"]}, "rel_l2": errors, "tol": tol, "ok": max(errors.values()) <= tol}
+
+
+# ---- 2. timing ---------------------------------------------------------------------------------
+def peak_extra_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure(fwd, fwd_bwd) -> dict:
+    """ms (median) and extra MiB of the forward and of forward+backward; errors are recorded, not raised."""
+    row = {}
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        if fn is None:
+            continue
+        try:
+            fn()  # compile / warm up outside the timing
+            row[f"ms_{name}"] = do_bench(fn, return_mode="median")
+            row[f"mib_{name}"] = peak_extra_mib(fn)
+        except Exception as e:  # noqa: BLE001 -- reported, never hidden
+            row[f"error_{name}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            torch.cuda.empty_cache()
+    return row
+
+
+def leaves_of(xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def bench_shape(kind, B, T, H, D, *, with_emulation=True) -> dict:
+    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+
+    xs = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
+    scale = D ** -0.5
+    rows = {}
+
+    # FLA exact
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    kw = dict(scale=scale, output_final_state=True)
+    fla_leaves = leaves_of(xs)
+
+    def fla_fwd():
+        return fla(*xs, **kw)
+
+    def fla_fwd_bwd():
+        for x in fla_leaves:
+            x.grad = None
+        o, _ = fla(*fla_leaves, **kw)
+        o.float().sum().backward()
+
+    blocked = gdn_backward_blocker() if kind == "gdn" else None
+    rows["FLA exact"] = measure(fla_fwd, None if blocked else fla_fwd_bwd)
+    if blocked:
+        rows["FLA exact"]["error_fwd_bwd"] = f"not run: {blocked}"
+    fla_o = fla_fwd()[0]
+
+    # laqat, through the IR op (its registered autograd runs the variant's backward)
+    for name, quant in POLICIES.items():
+        spec = RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=quant)
+        why = unsupported(spec)
+        if why:
+            rows[name] = {"error_fwd": f"not implemented: {why}"}
+            continue
+        text = str(spec)
+        leaves = leaves_of(xs)
+
+        def ours_fwd(text=text):
+            return torch.ops.laqat.delta_rule(*xs, None, None, scale, text)
+
+        def ours_fwd_bwd(text=text, leaves=leaves):
+            for x in leaves:
+                x.grad = None
+            o, _ = torch.ops.laqat.delta_rule(*leaves, None, None, scale, text)
+            o.float().sum().backward()
+
+        rows[name] = measure(ours_fwd, ours_fwd_bwd)
+        if not quant:
+            try:
+                rows[name]["rel_l2_o_vs_fla"] = rel_l2(ours_fwd()[0], fla_o)
+            except Exception as e:  # noqa: BLE001
+                rows[name]["rel_l2_o_vs_fla"] = f"{type(e).__name__}: {e}"
+
+    # fp32 torch chunk emulation, FP8 state (BASELINES.md's "fp32 torch chunk emulation")
+    if with_emulation:
+        spec = RecurrenceSpec(kind=kind, chunk=64).replace(quant={"state": "fp8_e4m3/tile64"})
+        emu_leaves = leaves_of([x.float() for x in xs])
+
+        def emu_fwd():
+            with torch.no_grad():
+                return chunk_delta_rule_reference(*[x.detach() for x in emu_leaves], spec=spec, scale=scale,
+                                                  dtype=torch.float32)
+
+        def emu_fwd_bwd():
+            for x in emu_leaves:
+                x.grad = None
+            o, _ = chunk_delta_rule_reference(*emu_leaves, spec=spec, scale=scale, dtype=torch.float32)
+            o.float().sum().backward()
+
+        rows["fp32 torch chunk emulation (FP8 state)"] = measure(emu_fwd, emu_fwd_bwd)
+    else:
+        rows["fp32 torch chunk emulation (FP8 state)"] = {"error_fwd": "skipped (--no-emulation-above)"}
+
+    ref = rows["FLA exact"]
+    for row in rows.values():
+        for p in ("fwd", "fwd_bwd"):
+            if f"ms_{p}" in row and f"ms_{p}" in ref:
+                row[f"x_fla_{p}"] = row[f"ms_{p}"] / ref[f"ms_{p}"]
+    return rows
+
+
+def fmt(row, key, spec="{:.2f}"):
+    return spec.format(row[key]) if key in row and not isinstance(row[key], str) else "-"
+
+
+def print_table(kind, shape, rows):
+    print(f"\n{kind.upper()} [B,T,H,D]={list(shape)}  (bf16; ms = do_bench median; xFLA = ratio to FLA exact)")
+    print(f"  {'what':40} {'fwd ms':>8} {'xFLA':>6} {'MiB':>7} {'f+b ms':>9} {'xFLA':>6} {'MiB':>7}")
+    for name, row in rows.items():
+        print(f"  {name:40} {fmt(row, 'ms_fwd'):>8} {fmt(row, 'x_fla_fwd'):>6} {fmt(row, 'mib_fwd', '{:.0f}'):>7}"
+              f" {fmt(row, 'ms_fwd_bwd'):>9} {fmt(row, 'x_fla_fwd_bwd'):>6} {fmt(row, 'mib_fwd_bwd', '{:.0f}'):>7}")
+        for key in ("error_fwd", "error_fwd_bwd"):
+            if key in row:
+                print(f"      {key[6:]}: {row[key]}")
+        if "rel_l2_o_vs_fla" in row:
+            print(f"      o vs FLA (bf16) relative L2: {row['rel_l2_o_vs_fla']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the smallest shape")
+    parser.add_argument("--kinds", default="gdn,kda")
+    parser.add_argument("--shapes", default=None, help="e.g. 1x1024x4x64,8x4096x16x128")
+    parser.add_argument("--no-emulation-above", type=int, default=1 << 62,
+                        help="skip the fp32 torch emulation above this many B*T*H tokens")
+    parser.add_argument("--skip-exactness", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("chunk_bench.py needs a CUDA device")
+    torch.manual_seed(0)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "exactness": [], "timing": []}
+
+    if not args.skip_exactness:
+        print("exactness (fp32, chunk kernels vs the fp64 chunk reference; tol 1e-5 exact, 1e-3 with QDQ)")
+        for case in EXACT_CASES:
+            try:
+                r = exactness(case)
+            except Exception as e:  # noqa: BLE001
+                r = {"case": case, "error": traceback.format_exc(), "ok": False}
+                print(f"  {case['kind']} {case['quant']}: ERROR {type(e).__name__}: {e}")
+            else:
+                print(f"  {case['kind']} {case['state']} T={case['T']} HV={case['HV']} K={case['K']} V={case['V']} "
+                      f"varlen={case['cu'] is not None} quant={case['quant']}: o {r['rel_l2']['o']:.2e} "
+                      f"ht {r['rel_l2']['ht']:.2e} {'ok' if r['ok'] else 'FAIL'}")
+            result["exactness"].append(r)
+        (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))
+
+    for kind in args.kinds.split(","):
+        for shape in shapes:
+            B, T, H, D = shape
+            rows = bench_shape(kind, B, T, H, D, with_emulation=B * T * H <= args.no_emulation_above)
+            print_table(kind, shape, rows)
+            result["timing"].append({"kind": kind, "shape": list(shape), "rows": rows})
+            (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))
+            torch.cuda.empty_cache()
+    print(f"\nwrote {out / 'chunk_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

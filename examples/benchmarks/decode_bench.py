@@ -1,0 +1,260 @@
+"""Decode-phase training (prefix + recurrent suffix with state rounding) on CUDA: accuracy and timing.
+
+    OUT=./out python examples/benchmarks/decode_bench.py [--quick] [--num-warps 4 8]
+
+1. accuracy on the GPU: the fused decode kernels (fp32 inputs) against the fp64 decode
+   reference, forward and every gradient, token / decay-grid / replay / Hadamard cases;
+2. KDA at [B, T, H, D] = [1, 257, 4, 128], prefix 64 (BASELINES.md's decode-phase anchor
+   shape; bf16 q/k/v, BASELINES.md's inputs): fwd+bwd (forward, then backward of
+   o.float().sum()) of laqat's decode_fused through ``laqat::delta_rule_phased`` for the token,
+   decay-grid and replay policies, against the fp32 torch reference of the same policy and
+   FLA's exact chunk_kda. Target: laqat <= 2x FLA exact.
+Prints a table and writes $OUT/decode_bench.json. Works on triton 3.6 / torch 2.11 and without
+``pip install -e .`` (it maps the repo's folders onto ``la_compiler`` itself).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bootstrap_la_compiler():
+    """Import la_compiler from this checkout, mapping kernels/ and passes/ like pyproject's package-dir."""
+    try:
+        import la_compiler.kernels.decode_fused  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO))
+    import la_compiler  # noqa: F401
+
+    for sub, folder in (("kernels", "kernels"), ("passes", "passes")):
+        name = f"la_compiler.{sub}"
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+_bootstrap_la_compiler()
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
+from la_compiler.kernels import decode_fused  # noqa: E402
+from la_compiler.kernels.decode_options import decode_options  # noqa: E402
+from la_compiler.kernels.decode_reference import delta_rule_decode_reference  # noqa: E402
+from la_compiler.spec import RecurrenceSpec  # noqa: E402
+
+POLICIES = {
+    # name: spec (state FP8 E4M3 per [K x 64] tile, as the seeds' decode study)
+    "token": dict(phase="token", quant=(("state", "fp8_e4m3/tile64"),), extra=(("readout", "working"),)),
+    "decay-grid": dict(phase="token", quant=(("state", "fp8_e4m3/tile64"),),
+                       extra=(("decay_log_step", "0.00390625"), ("readout", "working"))),
+    "replay": dict(phase="replay", quant=(("state", "fp8_e4m3/tile64"),),
+                   extra=(("readout", "working"), ("replay_factor_qdq", "1"), ("replay_window", "8"))),
+    "replay-h32": dict(phase="replay", quant=(("state", "int8_h32/tile64"),),
+                       extra=(("readout", "working"), ("replay_factor_qdq", "1"), ("replay_window", "8"))),
+}
+
+
+def spec_of(kind: str, policy: str, state: str = "kv") -> RecurrenceSpec:
+    return RecurrenceSpec(kind, state=state, kernel="decode_fused", **POLICIES[policy])
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(kind, B, T, H, HV, K, V, dtype, *, h0=False, n_seqs=None, state="kv", device="cuda"):
+    q = torch.randn(B, T, H, K, device=device)
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    v = torch.randn(B, T, HV, V, device=device)
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
+    beta = torch.rand(B, T, HV, device=device).sigmoid()
+    N = n_seqs or B
+    shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
+    initial = torch.randn(shape, device=device) if h0 else None
+    return [x.to(dtype) for x in (q, k, v, g, beta)], initial
+
+
+# ---- 1. accuracy against the fp64 reference ---------------------------------------------------
+ACCURACY_CASES = [
+    dict(kind="kda", policy="token", state="kv", B=2, T=80, H=2, HV=2, K=128, V=128, h0=True, cu=None,
+         prefill=[64, 0], valid=[80, 71]),
+    dict(kind="gdn", policy="decay-grid", state="vk", B=1, T=90, H=1, HV=2, K=64, V=96, h0=True,
+         cu=(0, 30, 30, 90), prefill=[10, 0, 60], valid=[30, 0, 55]),
+    dict(kind="kda", policy="replay", state="kv", B=1, T=70, H=2, HV=2, K=100, V=128, h0=False, cu=None,
+         prefill=[20], valid=[70]),
+    dict(kind="kda", policy="replay-h32", state="vk", B=2, T=40, H=1, HV=1, K=128, V=64, h0=True, cu=None,
+         prefill=[5, 40], valid=[40, 40]),
+]
+
+
+def accuracy(case, device="cuda") -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = dict(case)
+    cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.int32, device=device)
+    (q, k, v, g, beta), h0 = make_inputs(c["kind"], c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"], torch.float32,
+                                         h0=c["h0"], n_seqs=None if cu is None else len(c["cu"]) - 1,
+                                         state=c["state"], device=device)
+    spec = spec_of(c["kind"], c["policy"], c["state"])
+    pre = torch.tensor(c["prefill"], dtype=torch.int32, device=device)
+    val = torch.tensor(c["valid"], dtype=torch.int32, device=device)
+    scale = c["K"] ** -0.5
+    o, ht = decode_fused.decode_fused_forward(spec, q, k, v, g, beta, h0, cu, scale, prefill_lengths=pre,
+                                              valid_lengths=val)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = decode_fused.decode_fused_backward(spec, q, k, v, g, beta, h0, cu, scale, do, dht,
+                                               prefill_lengths=pre, valid_lengths=val)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0_ref = None if h0 is None else h0.double().requires_grad_(True)
+    ro, rht = delta_rule_decode_reference(*leaves, kind=c["kind"], options=decode_options(spec),
+                                          prefill_lengths=c["prefill"], valid_lengths=c["valid"], scale=scale,
+                                          initial_state=h0_ref, cu_seqlens=cu, state_layout=c["state"])
+    wrt = leaves + ([h0_ref] if h0_ref is not None else [])
+    ref = torch.autograd.grad([ro, rht], wrt, [do.double(), dht.double()])
+    errors = {"o": rel_l2(o, ro), "ht": rel_l2(ht, rht)}
+    errors.update({n: rel_l2(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, ref)})
+    return {"case": c, "rel_l2": errors, "ok": max(errors.values()) <= 1e-3}
+
+
+# ---- 2. timing ------------------------------------------------------------------------------------
+def peak_extra_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def timing(B: int, T: int, H: int, D: int, prefix: int, policies, num_warps) -> list[dict]:
+    from fla.ops.kda import chunk_kda
+
+    (q, k, v, g, beta), _ = make_inputs("kda", B, T, H, H, D, D, torch.bfloat16)
+    scale = D ** -0.5
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    pre = torch.full((B,), prefix, dtype=torch.int32, device="cuda")
+    val = torch.full((B,), T, dtype=torch.int32, device="cuda")
+    rows = []
+
+    def fla_fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        o, _ = chunk_kda(*leaves, scale=scale, output_final_state=True)
+        o.float().sum().backward()
+
+    fla_ms = do_bench(fla_fwd_bwd, return_mode="median")
+    rows.append({"impl": "FLA chunk_kda (exact)", "policy": "exact", "ms": fla_ms,
+                 "extra_mib": peak_extra_mib(fla_fwd_bwd), "x_fla": 1.0})
+    fla_fwd_bwd()
+    fla_grads = [x.grad.clone() for x in leaves]
+
+    for policy in policies:
+        spec = spec_of("kda", policy).to_string()
+        for warps in num_warps:
+            decode_fused.NUM_WARPS = warps
+
+            def ours_fwd_bwd():
+                for x in leaves:
+                    x.grad = None
+                o, _ = torch.ops.laqat.delta_rule_phased(*leaves, None, None, pre, val, scale, spec)
+                o.float().sum().backward()
+
+            try:
+                ms = do_bench(ours_fwd_bwd, return_mode="median")
+                row = {"impl": f"laqat decode_fused (num_warps={warps})", "policy": policy, "ms": ms,
+                       "extra_mib": peak_extra_mib(ours_fwd_bwd), "x_fla": ms / fla_ms}
+                ours_fwd_bwd()
+                # how far the rounded training phase is from exact FLA (not an error: a sanity scale)
+                row.update({f"rel_l2_d{n}_vs_fla_exact": rel_l2(x.grad, r)
+                            for n, x, r in zip(("q", "k", "v", "g", "beta"), leaves, fla_grads)})
+            except Exception as e:  # keep going: one run should report every row
+                traceback.print_exc()
+                row = {"impl": f"laqat decode_fused (num_warps={warps})", "policy": policy, "error": repr(e)}
+            rows.append(row)
+        decode_fused.NUM_WARPS = None
+
+        opts = decode_options(RecurrenceSpec.parse(spec))
+        ref_leaves = [x.detach().float().requires_grad_(True) for x in leaves]
+
+        def torch_fwd_bwd():
+            for x in ref_leaves:
+                x.grad = None
+            o, _ = delta_rule_decode_reference(*ref_leaves, kind="kda", options=opts, prefill_lengths=[prefix] * B,
+                                               valid_lengths=[T] * B, scale=scale, dtype=torch.float32)
+            o.float().sum().backward()
+
+        ms = do_bench(torch_fwd_bwd, warmup=1, rep=1, return_mode="median")
+        rows.append({"impl": "torch reference (fp32, token loop)", "policy": policy, "ms": ms,
+                     "extra_mib": peak_extra_mib(torch_fwd_bwd), "x_fla": ms / fla_ms})
+        torch_fwd_bwd()
+        rows[-1].update({f"rel_l2_d{n}_laqat_vs_torch": rel_l2(x.grad, r.grad)
+                         for n, x, r in zip(("q", "k", "v", "g", "beta"), leaves, ref_leaves)})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the accuracy cases")
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--policies", nargs="+", default=["token", "decay-grid", "replay", "replay-h32"],
+                        choices=list(POLICIES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_bench.py needs a CUDA device")
+    torch.manual_seed(0)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "accuracy": [], "timing": []}
+
+    if not args.quick:
+        print("accuracy (fp32 inputs, decode_fused vs fp64 decode reference, relative L2, max over o/ht/grads)")
+        for case in ACCURACY_CASES:
+            try:
+                r = accuracy(case)
+            except Exception as e:
+                traceback.print_exc()
+                result["accuracy"].append({"case": case, "error": repr(e)})
+                print(f"  {case['kind']} {case['policy']}: ERROR {e!r}")
+                continue
+            result["accuracy"].append(r)
+            worst = max(r["rel_l2"], key=r["rel_l2"].get)
+            print(f"  {case['kind']} {case['policy']:<10} {case['state']} T={case['T']} K={case['K']} V={case['V']}: "
+                  f"worst {worst} {r['rel_l2'][worst]:.2e} {'ok' if r['ok'] else 'FAIL'}")
+
+    print("\nKDA decode-phase training fwd+bwd, [1, 257, 4, 128] bf16, prefix 64 (median ms)")
+    try:
+        result["timing"] = timing(1, 257, 4, 128, 64, args.policies, args.num_warps)
+    except Exception as e:
+        traceback.print_exc()
+        result["timing_error"] = repr(e)
+    print(f"| {'implementation':<40} | {'policy':<10} | {'ms':>8} | {'x FLA':>6} | {'extra MiB':>9} |")
+    print(f"|{'-' * 42}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 11}|")
+    for r in result["timing"]:
+        if "error" in r:
+            print(f"| {r['impl']:<40} | {r['policy']:<10} | ERROR {r['error'][:60]}")
+            continue
+        print(f"| {r['impl']:<40} | {r['policy']:<10} | {r['ms']:8.3f} | {r['x_fla']:6.2f} | {r['extra_mib']:9.1f} |")
+    (out / "decode_bench.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {out / 'decode_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -57,6 +57,11 @@ class ChunkParams:
                                    f"(they take {W_FORMATS} with row or block<N> groups and the identity STE)")
 
     @property
+    def sub_chunk(self) -> int:
+        """KDA's sub-chunk rows (>= 2 blocks per chunk, so both block kinds always run)."""
+        return max(1, min(16, self.chunk // 2))
+
+    @property
     def state_block_v(self) -> int | None:
         return None if self.state_quant is None else _parse(self.state_quant).block_v
 
@@ -153,6 +158,95 @@ def _solve(p: ChunkParams) -> str:
         f"for _ in tl.static_range({p.degree}):\n"
         "    b_T = b_I - tl.dot(b_A, b_T, input_precision=DOT_PRECISION)")
 
+def _kda_pairs(p: ChunkParams) -> str:
+    """b_P = K K^T ⊙ Γ and b_Pqk = Q K^T ⊙ Γ of one KDA chunk, per key channel (masks applied later).
+
+    Off-diagonal sub-chunk blocks (rows in block b, columns before its first row r): dots of
+    K exp(G - G_r) and K exp(G_r - G), both factors <= 1 (G falls along the chunk). Diagonal
+    blocks: column jj of every block at once, exp(G_i - G_j) from the prefix difference masked to
+    j <= i before the exp; the column's rows are gathered from k and g_cum in memory."""
+    bc = p.sub_chunk
+    return (
+        f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row, diagonal blocks columnwise\n"
+        "b_P = tl.zeros([C, C], dtype=tl.float32)\n"
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n"
+        f"o_blk = o_c // {bc}\n"
+        f"for i_sb in range(1, C // {bc}):\n"
+        f"    i_ref = i_sb * {bc}\n"
+        "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
+        "    m_in = o_blk == i_sb\n"
+        "    m_before = o_c < i_ref\n"
+        "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
+        "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n"
+        "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
+        "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
+        "    b_Pqk += tl.dot(tl.where(m_in[:, None], b_q * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
+        f"for jj in range(0, {bc}):\n"
+        f"    o_j = o_blk * {bc} + jj\n"
+        "    t_j = i_t * C + o_j\n"
+        "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
+        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0).to(tl.float32)\n"
+        "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        "    b_kj = b_kj * tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
+        "    m_sel = o_c[None, :] == o_j[:, None]\n"
+        "    b_P = tl.where(m_sel, tl.sum(b_k * b_kj, 1)[:, None], b_P)\n"
+        "    b_Pqk = tl.where(m_sel, tl.sum(b_q * b_kj, 1)[:, None], b_Pqk)")
+
+
+def _kda_pair_grads(p: ChunkParams) -> str:
+    """Gradients of the KDA pair products (same blocking as ``_kda_pairs``) into dk, dq, dG."""
+    bc = p.sub_chunk
+    return (
+        "# off-diagonal blocks: P_b = (K e^(G - G_r)) (K e^(G_r - G))^T\n"
+        f"o_blk = o_c // {bc}\n"
+        f"for i_sb in range(1, C // {bc}):\n"
+        f"    i_ref = i_sb * {bc}\n"
+        "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
+        "    m_in = o_blk == i_sb\n"
+        "    m_before = o_c < i_ref\n"
+        "    m_blk = m_in[:, None] & m_before[None, :]\n"
+        "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
+        "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n"
+        "    b_kl = tl.where(m_in[:, None], b_k * b_el, 0.0)\n"
+        "    b_ql = tl.where(m_in[:, None], b_q * b_el, 0.0)\n"
+        "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
+        "    b_dPb = tl.where(m_blk, b_dP, 0.0)\n"
+        "    b_dQb = tl.where(m_blk, b_dPqk, 0.0)\n"
+        "    b_dkl = tl.dot(b_dPb, b_kr, input_precision=DOT_PRECISION)\n"
+        "    b_dql = tl.dot(b_dQb, b_kr, input_precision=DOT_PRECISION)\n"
+        "    b_dkr = tl.dot(tl.trans(b_dPb), b_kl, input_precision=DOT_PRECISION) \\\n"
+        "        + tl.dot(tl.trans(b_dQb), b_ql, input_precision=DOT_PRECISION)\n"
+        "    b_dk += b_el * b_dkl + b_er * b_dkr\n"
+        "    b_dq += b_el * b_dql\n"
+        "    b_tl = b_kl * b_dkl + b_ql * b_dql\n"
+        "    b_tr = b_kr * b_dkr\n"
+        "    b_dG += b_tl - b_tr\n"
+        "    b_dG += tl.where((o_c == i_ref)[:, None], (tl.sum(b_tr, 0) - tl.sum(b_tl, 0))[None, :], 0.0)\n"
+        "# diagonal blocks, column jj of every block at once; row j of each block collects its column's sums\n"
+        f"for jj in range(0, {bc}):\n"
+        f"    o_j = o_blk * {bc} + jj\n"
+        "    t_j = i_t * C + o_j\n"
+        "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
+        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0).to(tl.float32)\n"
+        "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        "    b_e = tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
+        "    m_sel = o_c[None, :] == o_j[:, None]\n"
+        "    b_dPj = tl.sum(tl.where(m_sel, b_dP, 0.0), 1)\n"
+        "    b_dQj = tl.sum(tl.where(m_sel, b_dPqk, 0.0), 1)\n"
+        "    b_kje = b_kj * b_e\n"
+        "    b_dk += b_dPj[:, None] * b_kje\n"
+        "    b_dq += b_dQj[:, None] * b_kje\n"
+        "    b_x = (b_dPj[:, None] * b_k + b_dQj[:, None] * b_q) * b_e\n"
+        "    b_tj = b_x * b_kj\n"
+        "    b_dG += b_tj\n"
+        "    m_isj = ((o_c % " + str(bc) + ") == jj)[:, None]\n"
+        f"    b_xs = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(b_x, (C // {bc}, {bc}, BK)), 1)[:, None, :], "
+        f"(C // {bc}, {bc}, BK)), (C, BK))\n"
+        f"    b_ts = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(b_tj, (C // {bc}, {bc}, BK)), 1)[:, None, :], "
+        f"(C // {bc}, {bc}, BK)), (C, BK))\n"
+        "    b_dk += tl.where(m_isj, b_xs, 0.0)\n"
+        "    b_dG -= tl.where(m_isj, b_ts, 0.0)")
+
 
 _GDN = {
     "LOAD_DECAY": (
@@ -178,21 +272,8 @@ _KDA = {
     "LOAD_DECAY": (
         "b_g = tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"
-        "tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], b_G, mask=m_ck)"),
-    "PAIR_PRODUCTS": (
-        "# per-channel pairwise decays exp(G_i - G_j), masked to j <= i before the exp (no overflow);\n"
-        "# column j of A and A_qk: sum_d x_id (k_jd exp(G_id - G_jd))\n"
-        "b_A = tl.zeros([C, C], dtype=tl.float32)\n"
-        "b_Aqk = tl.zeros([C, C], dtype=tl.float32)\n"
-        "for j in range(0, C):\n"
-        "    m_j = o_c == j\n"
-        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)\n"
-        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)\n"
-        "    b_kjd = b_kj[None, :] * tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))\n"
-        "    b_A = tl.where(m_j[None, :], tl.sum(b_k * b_kjd, 1)[:, None], b_A)\n"
-        "    b_Aqk = tl.where(m_j[None, :], tl.sum(b_q * b_kjd, 1)[:, None], b_Aqk)\n"
-        "b_A = b_A * b_beta[:, None]\n"
-        "b_Aqk = b_Aqk * scale"),
+        "tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], b_G, mask=m_ck)\n"
+        "tl.debug_barrier()  # the pair products gather rows of g_cum written just now"),
     "KEY_DECAY": "tl.exp(b_G)",
     "CHUNK_DECAY": (
         "b_g = tl.load(g_cum + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
@@ -209,7 +290,8 @@ QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_sc
 
 
 def chunk_fwd_source(p: ChunkParams) -> str:
-    decay = _GDN if p.kind == "gdn" else _KDA
+    decay = dict(_GDN) if p.kind == "gdn" else dict(
+        _KDA, PAIR_PRODUCTS=_kda_pairs(p) + "\nb_A = b_P * b_beta[:, None]\nb_Aqk = b_Pqk * scale")
     program = template("chunk_fwd_program")
     state_qdq = _state_qdq(p)
     state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
@@ -229,3 +311,101 @@ def chunk_fwd_module(p: ChunkParams) -> ModuleType:
     """The loaded module with ``chunk_<kind>_fwd_kernel_{intra,h,o}``."""
     return cache.load_source(f"chunk_{p.kind}_fwd", chunk_fwd_source(p), {"family": "chunk_fwd", **dataclasses.asdict(p)})
 
+
+
+# ---- backward --------------------------------------------------------------------------------
+def _solve_grad(p: ChunkParams) -> str:
+    if p.solve == "exact":
+        return ("# T = (I + A)^-1: dA = -T^T dT T^T\n"
+                "b_dA = -tl.dot(tl.trans(b_T), tl.dot(b_dT, tl.trans(b_T), input_precision=DOT_PRECISION),\n"
+                "               input_precision=DOT_PRECISION)")
+    return (
+        f"# Horner T_m+1 = I - A T_m (m < {p.degree}) differentiated step by step; T_m recomputed\n"
+        "b_I = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)\n"
+        "b_dA = tl.zeros([C, C], dtype=tl.float32)\n"
+        "b_dTm = b_dT\n"
+        f"for i_r in range(0, {p.degree}):\n"
+        f"    b_Tm = b_I\n"
+        f"    for _ in range(0, {p.degree} - 1 - i_r):\n"
+        "        b_Tm = b_I - tl.dot(b_A, b_Tm, input_precision=DOT_PRECISION)\n"
+        "    b_dA -= tl.dot(b_dTm, tl.trans(b_Tm), input_precision=DOT_PRECISION)\n"
+        "    b_dTm = -tl.dot(tl.trans(b_A), b_dTm, input_precision=DOT_PRECISION)")
+
+
+_GDN_BWD = {
+    "LOAD_G": (
+        "b_G = tl.cumsum(tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32), 0)"),
+    "PAIRS": (
+        "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))\n"
+        "b_P = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_Gam\n"
+        "b_Pqk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * b_Gam"),
+    "EXP_G": "tl.exp(b_G)[:, None]",
+    "ROWS": "_row_sum",
+    "PAIR_GRADS": (
+        "# P = (K K^T) ⊙ Γ, P_qk = (Q K^T) ⊙ Γ, Γ_ij = exp(G_i - G_j)\n"
+        "b_dKK = b_dP * b_Gam\n"
+        "b_dQK = b_dPqk * b_Gam\n"
+        "b_dk += tl.dot(b_dKK, b_k, input_precision=DOT_PRECISION) \\\n"
+        "    + tl.dot(tl.trans(b_dKK), b_k, input_precision=DOT_PRECISION) \\\n"
+        "    + tl.dot(tl.trans(b_dQK), b_q, input_precision=DOT_PRECISION)\n"
+        "b_dq += tl.dot(b_dQK, b_k, input_precision=DOT_PRECISION)\n"
+        "b_M = b_dP * b_P + b_dPqk * b_Pqk\n"
+        "b_dG += tl.sum(b_M, 1) - tl.sum(b_M, 0)"),
+    "LAST_ROW_GRADS": (
+        "b_glast = tl.sum(tl.where(o_c == i_row_last, b_G, 0.0), 0)\n"
+        "b_ed = tl.where(m_c, tl.exp(b_glast - b_G), 0.0)\n"
+        "b_dk += b_ed[:, None] * b_dKd\n"
+        "b_t = tl.sum(b_k * b_dKd, 1) * b_ed\n"
+        "b_dG -= b_t\n"
+        "b_dGlast = tl.sum(b_t, 0) + tl.exp(b_glast) * tl.sum(b_dlast, 0)\n"
+        "b_dG += tl.where(o_c == i_row_last, b_dGlast, 0.0)"),
+    "STORE_DG": "tl.store(dg + r_hv, b_dg.to(dg.dtype.element_ty), mask=m_c)",
+    "KEY_TO_END": (
+        "b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)\n"
+        "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
+        "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
+        "b_dlast = tl.exp(b_glast)"),
+}
+
+_KDA_BWD = {
+    "LOAD_G": (
+        "b_G = tl.cumsum(tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32), 0)"),
+    "EXP_G": "tl.exp(b_G)",
+    "ROWS": "",
+    "LAST_ROW_GRADS": (
+        "b_glast = tl.sum(tl.where((o_c == i_row_last)[:, None], b_G, 0.0), 0)\n"
+        "b_ed = tl.where(m_c[:, None], tl.exp(b_glast[None, :] - b_G), 0.0)\n"
+        "b_dk += b_ed * b_dKd\n"
+        "b_t = b_k * b_dKd * b_ed\n"
+        "b_dG -= b_t\n"
+        "b_dGlast = tl.sum(b_t, 0) + tl.exp(b_glast) * b_dlast\n"
+        "b_dG += tl.where((o_c == i_row_last)[:, None], b_dGlast[None, :], 0.0)"),
+    "STORE_DG": "tl.store(dg + r_hv[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty), mask=m_ck)",
+    "KEY_TO_END": (
+        "b_g = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+        "b_glast = tl.load(g_cum + (i_last * HV + i_hv) * K + o_k, mask=m_k, other=0)\n"
+        "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_g), 0.0)\n"
+        "b_dlast = tl.exp(b_glast)[:, None]"),
+}
+
+ROW_SUM_HELPER = "@triton.jit\ndef _row_sum(x):\n    return tl.sum(x, 1)"
+
+
+def chunk_bwd_source(p: ChunkParams) -> str:
+    fwd = _GDN if p.kind == "gdn" else _KDA
+    bwd = _GDN_BWD if p.kind == "gdn" else dict(_KDA_BWD, PAIRS=_kda_pairs(p), PAIR_GRADS=_kda_pair_grads(p))
+    state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
+    dh = render(template("chunk_bwd_dh"), {
+        "OP": p.kind, "STATE_OFFSETS": state_offsets, "KEY_TO_END": bwd["KEY_TO_END"],
+        "QUERY_DECAY": fwd["QUERY_DECAY"]}, where="chunk_bwd_dh")
+    intra = render(template("chunk_bwd_intra"), {
+        "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": _solve(p), "SOLVE_GRAD": _solve_grad(p),
+        **{key: bwd[key] for key in ("LOAD_G", "PAIRS", "EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")}},
+        where="chunk_bwd_intra")
+    title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)."
+    return module_source(title, dataclasses.asdict(p), [ROW_SUM_HELPER, dh, intra])
+
+
+def chunk_bwd_module(p: ChunkParams) -> ModuleType:
+    """The loaded module with ``chunk_<kind>_bwd_kernel_{dh,intra}``."""
+    return cache.load_source(f"chunk_{p.kind}_bwd", chunk_bwd_source(p), {"family": "chunk_bwd", **dataclasses.asdict(p)})

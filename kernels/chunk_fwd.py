@@ -11,6 +11,7 @@ tolerance; FLA itself multiplies in bf16).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -67,16 +68,26 @@ def check_inputs(kind, state, q, k, v, g, beta, initial_state, cu_seqlens):
     return B, T, H, K, HV, V, N, state_shape
 
 
+def scratch(shape, dtype, device) -> torch.Tensor:
+    """An output/intermediate buffer: NaN-filled under the interpreter (tests see every unwritten
+    element) or with LAQAT_NAN_FILL=1; uninitialised otherwise (a fill costs a full write of it)."""
+    default = "1" if os.environ.get("TRITON_INTERPRET") == "1" else "0"
+    if os.environ.get("LAQAT_NAN_FILL", default) == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
-              intermediates: dict | None = None):
+              intermediates: dict | None = None, need_output: bool = True):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
     ``intermediates``, if given, receives the fp32 buffers: g_cum, w, u, A_qk, v_new [B, T, HV, ..]
-    and h, the chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h)."""
+    and h, the chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h).
+    ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None."""
     B, T, H, K, HV, V, N, state_shape = check_inputs(p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -87,16 +98,17 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
     BK = max(w_block, triton.next_power_of_2(K))
     BV_io = min(64, max(16, triton.next_power_of_2(V)))
-    BV_h = p.state_block_v or BV_io
-    dev, f32, nan = q.device, torch.float32, float("nan")
-    g_cum = torch.full(g.shape, nan, dtype=f32, device=dev)
-    w = torch.full((B, T, HV, K), nan, dtype=f32, device=dev)
-    u = torch.full((B, T, HV, V), nan, dtype=f32, device=dev)
-    A_qk = torch.full((B, T, HV, C), nan, dtype=f32, device=dev)
-    h = torch.full((max(lay.NT, 1), HV, K, V), nan, dtype=f32, device=dev)
-    v_new = torch.full((B, T, HV, V), nan, dtype=f32, device=dev)
-    o = torch.full((B, T, HV, V), nan, dtype=q.dtype, device=dev)
-    ht = torch.full(state_shape, nan, dtype=f32, device=dev)
+    BV_h = p.state_block_v or min(32, BV_io)  # no state tile to honour: more programs for the serial stage
+    wide = 8 if C * BK >= 4096 else 4  # [C, BK] fp32 tiles: spread registers over more warps
+    dev, f32 = q.device, torch.float32
+    g_cum = scratch(g.shape, f32, dev)
+    w = scratch((B, T, HV, K), f32, dev)
+    u = scratch((B, T, HV, V), f32, dev)
+    A_qk = scratch((B, T, HV, C), f32, dev)
+    h = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
+    v_new = scratch((B, T, HV, V), f32, dev)
+    o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
+    ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
     chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
@@ -104,11 +116,11 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     if lay.NT:
         kernels["intra"][(chunks_per_row, heads)](
             q, k, v, g, beta, g_cum, w, u, A_qk, cu_seqlens, lay.chunk_indices, scale, T,
-            BV=BV_io, num_warps=4, **common)
+            BV=BV_io, num_warps=wide, **common)
     kernels["h"][(triton.cdiv(V, BV_h), N * HV)](
         k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
         BV=BV_h, USE_INITIAL_STATE=initial_state is not None, num_warps=4, **common)
-    if lay.NT:
+    if lay.NT and need_output:
         kernels["o"][(triton.cdiv(V, BV_io), chunks_per_row, heads)](
             q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
             BV=BV_io, num_warps=4, **common)

@@ -159,7 +159,15 @@ def fused_recurrent_module(p: FusedRecurrentParams) -> ModuleType:
 # ---- spec -> generated module (for users reading what runs) ---------------------------------
 FAMILIES: dict[str, Callable[[RecurrenceSpec], ModuleType]] = {
     "fused_recurrent": lambda spec: fused_recurrent_module(FusedRecurrentParams.from_spec(spec)),
+    "chunk": lambda spec: _chunk_family(spec),
 }
+
+
+def _chunk_family(spec):
+    """The chunk family's forward module (its backward: chunk_codegen.chunk_bwd_module)."""
+    from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module
+
+    return chunk_fwd_module(ChunkParams.from_spec(spec))
 
 
 def generated_module_for_spec(spec: RecurrenceSpec | str) -> ModuleType:

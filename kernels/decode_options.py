@@ -67,6 +67,12 @@ class DecodeOptions:
         if unknown:
             raise DecodeOptionsError(f"spec {spec}: unknown decode option(s) {['x.' + k for k in unknown]}; "
                                      f"known: {['x.' + k for k in KNOWN_EXTRAS]}")
+        others = [site for site, _ in spec.quant if site != "state"]
+        if others or spec.acc or spec.solve != "exact":
+            what = [f"q.{s}" for s in others] + [f"acc.{s}" for s, _ in spec.acc] + (
+                [f"solve={spec.solve}"] if spec.solve != "exact" else [])
+            raise DecodeOptionsError(f"spec {spec}: decode-phase kernels round the state only; the prefix runs the "
+                                     f"exact recurrence, so {what} cannot be applied (not implemented)")
         codec_text = spec.quant_map.get("state")
         codec, block_v = None, DEFAULT_BLOCK_V
         if codec_text is not None:

@@ -1,6 +1,6 @@
 """``la_compiler.explain``: what laqat rewrote, with which numerics and kernel, and why.
 
-    report = la_compiler.explain(model, batch, policy="gdn_state_fp8")
+    report = la_compiler.explain(model, batch, policy="state_fp8")
     report.matches       # every rewritten site: .kind .frontend .module .spec .kernel
     report.near_misses   # candidate regions left untouched, with the check that failed
     print(report)        # a readable report with the rewritten graphs

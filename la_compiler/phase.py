@@ -39,12 +39,16 @@ class PhaseLengths:
         _check_list("prefill_lengths", self.prefill_lengths)
         if self.sequence_lengths is not None:
             _check_list("sequence_lengths", self.sequence_lengths)
-            if len(self.sequence_lengths) != len(self.prefill_lengths):
-                raise PhaseError(f"phase: prefill_lengths has {len(self.prefill_lengths)} entries but "
-                                 f"sequence_lengths has {len(self.sequence_lengths)}")
-            for i, (p, n) in enumerate(zip(self.prefill_lengths, self.sequence_lengths)):
-                if p > n:
-                    raise PhaseError(f"phase: prefill_lengths[{i}]={p} exceeds sequence_lengths[{i}]={n}")
+            n_pre, n_seq = len(self.prefill_lengths), len(self.sequence_lengths)
+            if n_pre != n_seq and 1 not in (n_pre, n_seq):
+                raise PhaseError(f"phase: prefill_lengths has {n_pre} entries but sequence_lengths has {n_seq} "
+                                 f"(a list of one entry applies to every sequence)")
+            n = max(n_pre, n_seq)
+            pre = _broadcast("prefill_lengths", self.prefill_lengths, n)
+            for i, (p, L) in enumerate(zip(pre, _broadcast("sequence_lengths", self.sequence_lengths, n))):
+                if p > L:
+                    raise PhaseError(f"phase: prefill_lengths[{i if n_pre > 1 else 0}]={p} exceeds "
+                                     f"sequence_lengths[{i if n_seq > 1 else 0}]={L}")
 
     def resolve(self, storage_lengths: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per-sequence (prefill, valid) lengths for sequences stored with ``storage_lengths`` tokens."""

@@ -27,7 +27,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from la_compiler.policy_schema import LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError, check_bool, check_mapping, check_str, prefixed
+from la_compiler.policy_schema import (LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError, check_bool,
+                                       check_mapping, check_str, prefixed)
 from la_compiler.quant import QuantConfig, QuantConfigError
 from la_compiler.spec import GEMM_SITES, KINDS
 
@@ -40,7 +41,8 @@ _TOP_KEYS = ("version", "name", "description", "quant_cfg", "linear_attention", 
 def quantizer_sites(kind: str) -> dict[str, str]:
     """The quantizers of one ``kind`` recurrence: quantizer name -> spec quant site."""
     sites = {f"{kind}_state_quantizer": "state", f"{kind}_w_quantizer": "w"}
-    sites.update({f"linear_attn_sites.{s}.{side}_quantizer": f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs")})
+    sites.update({f"linear_attn_sites.{s}.{side}_quantizer": f"{s}.{side}"
+                  for s in GEMM_SITES for side in ("lhs", "rhs")})
     return sites
 
 
@@ -80,7 +82,8 @@ def _thaw(value, *, for_json: bool):
     if isinstance(value, _FrozenCfg):
         return {k: _thaw(v, for_json=for_json) for k, v in value}
     if isinstance(value, tuple):
-        return [_thaw(v, for_json=for_json) for v in value] if for_json else tuple(_thaw(v, for_json=False) for v in value)
+        items = [_thaw(v, for_json=for_json) for v in value]
+        return items if for_json else tuple(items)
     return value
 
 
@@ -101,7 +104,9 @@ class QuantRule:
             check_bool(self.enable, "enable")
         if self.cfg is not None:
             if not isinstance(self.cfg, _FrozenCfg):
-                object.__setattr__(self, "cfg", _FrozenCfg.of(check_mapping(self.cfg, "cfg", tuple(self.cfg))))
+                if not isinstance(self.cfg, Mapping):
+                    raise PolicyError(f"cfg: must be a mapping of ModelOpt quantizer attributes, got {self.cfg!r}")
+                object.__setattr__(self, "cfg", _FrozenCfg.of(self.cfg))
             inner = dict(self.cfg).get("enable")
             if inner is not None and self.enable is not None and inner != self.enable:
                 raise PolicyError(f"enable: {self.enable!r} contradicts cfg.enable={inner!r}")
@@ -232,7 +237,8 @@ class Policy:
             raise PolicyError(f"policy file {str(path)!r}: the suffix must be .yaml, .yml or .json")
         try:
             config = config if config is not None else {}
-            return Policy.from_dict(config, name=None if isinstance(config, Mapping) and "name" in config else path.stem)
+            named = isinstance(config, Mapping) and "name" in config
+            return Policy.from_dict(config, name=None if named else path.stem)
         except PolicyError as e:
             raise PolicyError(f"policy file {str(path)!r}: {e}") from None
 
@@ -272,7 +278,8 @@ class Policy:
         la = matched[1].cfg if matched else LinearAttentionCfg()
         rules = []
         if matched:
-            rules.append(f"{la_key[:-4]} (module_name {matched[1].module_name!r}) sets the execution policy")
+            rules.append(f"linear_attention[{matched[0]}] (module_name {matched[1].module_name!r}) "
+                         f"sets the execution policy")
 
         quant = {}
         for qname, site in quantizer_sites(kind).items():
@@ -354,8 +361,8 @@ def _module_rule(key: str, entry) -> ModuleRule:
     if "module_name" not in entry:
         raise PolicyError(f"{key}.module_name: required (a glob over module names, e.g. 'model.layers.*.attn')")
     cfg = check_mapping(entry.get("cfg") or {}, f"{key}.cfg", LINEAR_ATTENTION_KEYS)
-    return prefixed(f"{key}.", lambda: ModuleRule(entry["module_name"], prefixed("cfg.", LinearAttentionCfg.from_dict,
-                                                                                 cfg)))
+    return prefixed(f"{key}.", ModuleRule, entry["module_name"],
+                    prefixed(f"{key}.cfg.", LinearAttentionCfg.from_dict, cfg))
 
 
 def _probe_sites(glob: str) -> set[str]:

@@ -13,6 +13,16 @@ import importlib.util
 
 GRAPH_FRONTENDS: list = []  # callables (gm, record, *, verify: bool) -> int, run in order
 
+
+def torch_recurrence(gm, record, *, verify: bool = False) -> int:
+    """GDN/KDA recurrences written in plain PyTorch (imports networkx only when a graph comes)."""
+    from la_compiler.passes.frontends.torch_recurrence import rewrite_torch_recurrences
+
+    return rewrite_torch_recurrences(gm, record, verify=verify)
+
+
+GRAPH_FRONTENDS.append(torch_recurrence)
+
 _INSTALLED = False
 
 

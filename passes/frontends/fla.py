@@ -10,6 +10,7 @@ object), Dynamo traces the replacement instead:
     fla.ops.kda.chunk_kda, fla.ops.kda.fused_recurrent_kda                  -> laqat::delta_rule (kda)
     fla.modules.causal_conv1d.causal_conv1d (= fla.modules.convolution.*)  -> laqat::causal_conv1d
     fla.modules.norm.fused_norm_gate.rms_norm_gated / layer_norm_gated     -> laqat::layer_norm_gated
+    fla.modules.norm.layernorm.rms_norm / layer_norm                       -> laqat::layer_norm
 
 Each recurrence replacement validates its arguments, emits the pre-processing FLA fuses
 into its kernels (l2norm, gate, beta activation: ``fla_preprocess``) as torch ops, calls the
@@ -264,22 +265,51 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     return y.view(shape), (final_state if output_final_state else None)
 
 
-def _norm_gated(fn, is_rms_norm, x, g, weight, bias, activation, residual, prenorm, eps):
-    _refuse_set(fn, residual=residual, prenorm=prenorm)
+def _add_residual(x, residual, residual_in_fp32):
+    """FLA's fused pre-norm residual add: the norm reads the fp32 sum; ``prenorm`` also returns the
+    sum, stored in the residual's dtype (fp32 with residual_in_fp32, else x's dtype without one)."""
+    if residual is None and not residual_in_fp32:
+        return x, x
+    total = x.float() + residual.float() if residual is not None else x.float()
+    residual_dtype = residual.dtype if residual is not None else torch.float32
+    return total, total.to(residual_dtype)
+
+
+def _norm_gated(fn, is_rms_norm, x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps):
     _require(activation in fla_norm_op.ACTIVATIONS, fn,
              f"argument `activation` must be one of {fla_norm_op.ACTIVATIONS}, got {activation!r}")
     _require(g.shape == x.shape, fn, f"argument `g` must have x's shape {tuple(x.shape)}, got {tuple(g.shape)}")
-    return torch.ops.laqat.layer_norm_gated(x, g, weight, bias, activation, float(eps), is_rms_norm)
+    _require(residual is None or residual.shape == x.shape, fn, "argument `residual` must have x's shape")
+    total, residual_out = _add_residual(x, residual, residual_in_fp32)
+    y = torch.ops.laqat.layer_norm_gated(total, g, weight, bias, activation, float(eps), is_rms_norm).to(x.dtype)
+    return (y, residual_out) if prenorm else y
 
 
 def rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
                    eps=1e-6):
-    return _norm_gated("rms_norm_gated", True, x, g, weight, bias, activation, residual, prenorm, eps)
+    return _norm_gated("rms_norm_gated", True, x, g, weight, bias, activation, residual, prenorm, residual_in_fp32,
+                       eps)
 
 
 def layer_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
                      eps=1e-6):
-    return _norm_gated("layer_norm_gated", False, x, g, weight, bias, activation, residual, prenorm, eps)
+    return _norm_gated("layer_norm_gated", False, x, g, weight, bias, activation, residual, prenorm,
+                       residual_in_fp32, eps)
+
+
+def _norm(fn, is_rms_norm, x, weight, bias, residual, prenorm, residual_in_fp32, eps):
+    _require(residual is None or residual.shape == x.shape, fn, "argument `residual` must have x's shape")
+    total, residual_out = _add_residual(x, residual, residual_in_fp32)
+    y = torch.ops.laqat.layer_norm(total, weight, bias, float(eps), is_rms_norm).to(x.dtype)
+    return (y, residual_out) if prenorm else y
+
+
+def rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
+    return _norm("rms_norm", True, x, weight, bias, residual, prenorm, residual_in_fp32, eps)
+
+
+def layer_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False, is_rms_norm=False):
+    return _norm("layer_norm", is_rms_norm, x, weight, bias, residual, prenorm, residual_in_fp32, eps)
 
 
 # ---- registration ---------------------------------------------------------------------------
@@ -287,6 +317,7 @@ def _substitutions():
     """(FLA's function object, its traceable replacement); aliases share one object."""
     import fla.modules.causal_conv1d.ops as conv_ops
     import fla.modules.norm.fused_norm_gate as norm_ops
+    import fla.modules.norm.layernorm as plain_norm_ops
     import fla.ops.gated_delta_rule as gdn_ops
     import fla.ops.kda as kda_ops
 
@@ -298,6 +329,8 @@ def _substitutions():
         (conv_ops.causal_conv1d, causal_conv1d),
         (norm_ops.rms_norm_gated, rms_norm_gated),
         (norm_ops.layer_norm_gated, layer_norm_gated),
+        (plain_norm_ops.rms_norm, rms_norm),
+        (plain_norm_ops.layer_norm, layer_norm),
     )
 
 

@@ -1,4 +1,4 @@
-"""``laqat::layer_norm_gated``: FLA's gated RMSNorm / LayerNorm as one opaque custom op.
+"""``laqat::layer_norm_gated`` and ``laqat::layer_norm``: FLA's (gated) RMSNorm / LayerNorm as opaque ops.
 
 ``FusedRMSNormGated`` (the output norm of FLA's GDN and KDA layers) calls
 ``fla.modules.norm.fused_norm_gate.rms_norm_gated``, an ``autograd.Function`` around autotuned
@@ -16,6 +16,10 @@ On CUDA the op runs FLA's own ``layer_norm_gated_fwd`` / ``layer_norm_gated_bwd`
 (the backward recomputes the row statistics with the forward kernel); elsewhere the fp32
 torch reference below, differentiated by torch autograd. It is checked against FLA's own
 torch reference ``fla.modules.norm.layernorm_gated.rms_norm_ref`` in the tests.
+
+``laqat::layer_norm(x, weight?, bias?, eps, is_rms_norm)`` is the same without the gate: FLA's
+``RMSNorm`` / ``LayerNorm`` modules (``fla.modules.norm.layernorm.rms_norm`` / ``layer_norm``;
+GDN's output norm with ``use_gate=False``), on CUDA through FLA's ``layer_norm_fwd`` / ``layer_norm_bwd``.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ ACTIVATIONS = ("swish", "silu", "sigmoid")
 
 
 def layer_norm_gated_reference(x, g, weight, bias, activation: str, eps: float, is_rms_norm: bool) -> Tensor:
+    """fp32 torch reference; ``g=None``: no output gate."""
     xf = x.float()
     if not is_rms_norm:
         xf = xf - xf.mean(-1, keepdim=True)
@@ -39,8 +44,9 @@ def layer_norm_gated_reference(x, g, weight, bias, activation: str, eps: float, 
         y = y * weight.float()
     if bias is not None:
         y = y + bias.float()
-    gf = g.float()
-    y = y * (F.silu(gf) if activation in ("swish", "silu") else torch.sigmoid(gf))
+    if g is not None:
+        gf = g.float()
+        y = y * (F.silu(gf) if activation in ("swish", "silu") else torch.sigmoid(gf))
     return y.to(x.dtype)
 
 
@@ -124,3 +130,67 @@ def _backward(ctx, dy):
 
 
 layer_norm_gated.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- without the gate -----------------------------------------------------------------------
+def _fla_forward_plain(x, weight, bias, eps, is_rms_norm):
+    from fla.modules.norm.layernorm import layer_norm_fwd
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y, mean, rstd, _ = layer_norm_fwd(x=x2, weight=weight, bias=bias, eps=eps, is_rms_norm=is_rms_norm)
+    return x2, y, mean, rstd
+
+
+@torch.library.custom_op("laqat::layer_norm", mutates_args=())
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms_norm: bool) -> Tensor:
+    if x.is_cuda:
+        return _fla_forward_plain(x, weight, bias, eps, is_rms_norm)[1].reshape(x.shape)
+    return layer_norm_gated_reference(x, None, weight, bias, "", eps, is_rms_norm).contiguous()
+
+
+@layer_norm.register_fake
+def _(x, weight, bias, eps, is_rms_norm):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("laqat::layer_norm_backward", mutates_args=())
+def layer_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                        is_rms_norm: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dx, dweight, dbias); an empty tensor for an absent weight or bias."""
+    if x.is_cuda:
+        from fla.modules.norm.layernorm import layer_norm_bwd
+
+        x2, _, mean, rstd = _fla_forward_plain(x, weight, bias, eps, is_rms_norm)
+        dx, dw, db, _ = layer_norm_bwd(dy=dy.reshape(x2.shape).contiguous(), x=x2, weight=weight, bias=bias,
+                                       mean=mean, rstd=rstd, is_rms_norm=is_rms_norm, x_dtype=x.dtype)
+        dx = dx.reshape(x.shape)
+    else:
+        inputs = [t.detach().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
+        with autograd_enabled():
+            y = layer_norm_gated_reference(inputs[0], None, inputs[1], inputs[2], "", eps, is_rms_norm)
+            wrt = [t for t in inputs if t is not None]
+            got = iter(torch.autograd.grad([y], wrt, [dy], allow_unused=True))
+        grads = [None if t is None else next(got) for t in inputs]
+        dx, dw, db = [gr if gr is not None or t is None else torch.zeros_like(t) for gr, t in zip(grads, inputs)]
+    return tuple(x.new_empty((0,)) if gr is None else gr.contiguous() for gr in (dx, dw, db))
+
+
+@layer_norm_backward.register_fake
+def _(dy, x, weight, bias, eps, is_rms_norm):
+    return tuple(x.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, weight, bias))
+
+
+def _setup_context_plain(ctx, inputs, output):
+    x, weight, bias, eps, is_rms_norm = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.options = (eps, is_rms_norm)
+
+
+def _backward_plain(ctx, dy):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.laqat.layer_norm_backward(dy, x, weight, bias, *ctx.options)
+    return dx, dw if weight is not None else None, db if bias is not None else None, None, None
+
+
+layer_norm.register_autograd(_backward_plain, setup_context=_setup_context_plain)

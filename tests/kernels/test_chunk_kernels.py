@@ -8,6 +8,7 @@ bounded (NUMERICS.md, "How close is close").
 import pytest
 import torch
 
+from la_compiler.kernels.chunk_bwd import chunk_bwd
 from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported
 from la_compiler.kernels.chunk_fwd import chunk_fwd
 from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
@@ -110,13 +111,37 @@ def test_qdq_forward_rounds_like_the_reference(kind, varlen, quant):
     assert rel_l2(o, o_exact) > max(2 * QDQ_TOL, 10 * rel_l2(o, o_ref))  # the rounding is really there
 
 
+GRAD_NAMES = "dq dk dv dg dbeta dh0".split()
+
+
+@pytest.mark.parametrize("kind,varlen,state,extra", [
+    ("gdn", False, "kv", {}),
+    ("kda", True, "vk", {}),
+    ("gdn", True, "kv", dict(solve="neumann", degree=2)),
+])
+def test_backward_exact(kind, varlen, state, extra):
+    """Every gradient (dq, dk, dv, dg, dbeta, dh0) of the Triton backward against fp64 autograd."""
+    inputs, cu = _case(kind, varlen, state)
+    spec = RecurrenceSpec(kind=kind, chunk=8, state=state, **extra)
+    x64 = [x.double().requires_grad_() for x in inputs]
+    o, ht = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    do, dht = torch.randn_like(o).float(), torch.randn_like(ht).float()
+    want = grads_of([o, ht], [do.double(), dht.double()], x64)
+    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
+    for name, a, b, x in zip(GRAD_NAMES, got, want, inputs):
+        assert a.shape == x.shape and a.dtype == x.dtype, name
+        assert rel_l2(a, b) <= EXACT_TOL, name
+
+
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_chunk_variant_through_the_ir_op(kind):
-    """torch.ops.laqat.delta_rule with kernel=chunk: forward and every gradient (HV > H, varlen)."""
+    """torch.ops.laqat.delta_rule with kernel=chunk and state + W QDQ: forward and every gradient
+    (Triton backward, identity STE) against the fp64 chunk reference under autograd (HV > H, varlen)."""
     import la_compiler.ir  # noqa: F401  (registers the op)
 
     inputs, cu = _case(kind, True, "kv")
-    spec = RecurrenceSpec(kind=kind, chunk=4, kernel="chunk").replace(quant={"state": "fp8_e4m3/tile16"})
+    spec = RecurrenceSpec(kind=kind, chunk=8, kernel="chunk").replace(
+        quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"})
     xs = [x.clone().requires_grad_() for x in inputs]
     o, ht = torch.ops.laqat.delta_rule(*xs[:5], xs[5], cu, 0.4, str(spec))
     x64 = [x.detach().double().requires_grad_() for x in inputs]
@@ -125,7 +150,7 @@ def test_chunk_variant_through_the_ir_op(kind):
     cot = [torch.randn_like(o), torch.randn_like(ht)]
     got = grads_of([o, ht], cot, xs)
     want = grads_of([o_ref, ht_ref], [c.double() for c in cot], x64)
-    for name, a, b in zip("q k v g beta h0".split(), got, want):
+    for name, a, b in zip(GRAD_NAMES, got, want):
         assert a.dtype == torch.float32 and rel_l2(a, b) <= QDQ_TOL, name
 
 

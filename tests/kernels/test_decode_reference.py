@@ -108,6 +108,10 @@ def test_options_from_spec_and_errors():
         decode_options(_spec(readout="both"))
     with pytest.raises(DecodeOptionsError, match="state codec"):
         decode_options(_spec(state="fp8_e4m3/row"))
+    with pytest.raises(DecodeOptionsError, match="q.w"):
+        decode_options(_spec().replace(quant={"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}))
+    with pytest.raises(DecodeOptionsError, match="solve=neumann"):
+        decode_options(_spec().replace(solve="neumann", degree=3))
     with pytest.raises(DecodeOptionsError, match="phase=none"):
         decode_options(_spec(phase="none"))
 

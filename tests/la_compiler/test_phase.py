@@ -45,6 +45,11 @@ def test_phase_context_validation_and_nesting():
     with pytest.raises(PhaseError, match="prefill_lengths\\[0\\]=5 exceeds sequence_lengths\\[0\\]=4"):
         with la_compiler.phase([5], [4]):
             pass
+    with la_compiler.phase([0], sequence_lengths=[8, 6]) as p:
+        assert p.resolve([8, 8]) == ([0, 0], [8, 6])
+    with pytest.raises(PhaseError, match="2 entries but sequence_lengths has 3"):
+        with la_compiler.phase([1, 2], [3, 4, 5]):
+            pass
     with pytest.raises(PhaseError, match="3 sequences"):
         with la_compiler.phase([1, 2]) as p:
             p.resolve([4, 4, 4])
@@ -194,3 +199,28 @@ def test_activation_checkpoint_recompute_sees_the_phase():
         compiled(tokens).square().sum().backward()
     for a, p in zip(ckpt, model.parameters()):
         assert rel_l2(a, p.grad) < 1e-6
+
+
+def test_aot_partitioner_saves_the_lengths_and_never_recompiles():
+    """AOTAutograd with the min-cut partitioner (what Inductor uses): the backward must use the
+    forward's lengths, not re-run phase_lengths under whatever phase is active then."""
+    spec = _spec(readout="stored")
+
+    def step(q, k, v, g, beta):
+        prefill, valid = torch.ops.laqat.phase_lengths(q, None)
+        o, ht = torch.ops.laqat.delta_rule_phased(q, k, v, g, beta, None, None, prefill, valid, 0.5, spec)
+        return (o * o).sum() + ht.sum()
+
+    compiled = torch.compile(step, backend="aot_eager_decomp_partition")
+    inputs, _ = random_inputs("kda", B=2, T=5, H=1, K=4, V=16)
+    torch._dynamo.utils.counters.clear()
+    for prefill in ([2], [0, 4], [5, 1]):
+        with la_compiler.phase(prefill):
+            loss = compiled(*inputs[:5])
+        with la_compiler.phase([3]):  # a different phase when backward runs
+            got = torch.autograd.grad(loss, inputs[:5])
+        with la_compiler.phase(prefill):
+            want = torch.autograd.grad(step(*inputs[:5]), inputs[:5])
+        for a, b in zip(got, want):
+            assert rel_l2(a, b) < 1e-6
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -209,7 +209,8 @@ def test_hadamard_codec_applies_to_the_int8_state_in_every_phase():
                                                     "state quantizer")):
         policy.resolve("a", "kda")  # no KDA state quantizer
     fp8 = Policy.from_dict({"quant_cfg": [{"quantizer_name": "*gdn_state_quantizer", "cfg": FP8}],
-                            "linear_attention": [{"module_name": "*", "cfg": {"decode": {"state_codec": "hadamard32"}}}]})
+                            "linear_attention": [{"module_name": "*",
+                                                  "cfg": {"decode": {"state_codec": "hadamard32"}}}]})
     with pytest.raises(PolicyError, match=re.escape("linear_attention[0].cfg.decode.state_codec: 'hadamard32' is an "
                                                     "INT8 codec: the state quantizer needs num_bits=8, got "
                                                     "fp8_e4m3/tile64 for module 'a'")):

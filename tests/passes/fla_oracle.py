@@ -3,7 +3,7 @@
 FLA's chunk kernels cannot run on the CPU, so ``naive_fla()`` monkeypatches what the layers
 call with FLA's naive recurrences (fla/ops/*/naive.py), FLA's torch gate references
 (``naive_gdn_gate``, ``naive_kda_gate``, ``naive_kda_lowerbound_gate``), ``F.conv1d`` (what
-``ShortConvolution``, an ``nn.Conv1d``, computes) and FLA's ``rms_norm_ref``. None of this
+``ShortConvolution``, an ``nn.Conv1d``, computes) and FLA's ``rms_norm_ref`` functions. None of this
 shares code with the laqat frontend.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from fla.modules.norm.layernorm import rms_norm_ref as plain_rms_norm_ref
 from fla.modules.norm.layernorm_gated import rms_norm_ref
 from fla.ops.gated_delta_rule.gate import naive_gdn_gate
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -102,6 +103,11 @@ def rms_norm_gated_oracle(x, g, weight, bias, activation="swish", residual=None,
     return (rms_norm_ref(x, weight, bias, eps=eps, upcast=True).float() * g.float().sigmoid()).to(x.dtype)
 
 
+def rms_norm_oracle(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
+    assert residual is None and not prenorm
+    return plain_rms_norm_ref(x, weight, bias, eps=eps, upcast=True)
+
+
 @contextlib.contextmanager
 def naive_fla():
     """Eager FLA layers on the CPU: their kernels swapped for the torch references above."""
@@ -109,6 +115,7 @@ def naive_fla():
     import fla.layers.kda as kda_layer
     import fla.modules.causal_conv1d.ops as conv_ops
     import fla.modules.norm.fused_norm_gate as norm_ops
+    import fla.modules.norm.layernorm as plain_norm_ops
 
     patches = [
         (gdn_layer, "chunk_gated_delta_rule", lambda *a, **kw: naive_fla_call("gdn", *a, **kw)),
@@ -118,6 +125,7 @@ def naive_fla():
         (gdn_layer, "causal_conv1d", conv1d_oracle),
         (conv_ops, "causal_conv1d", conv1d_oracle),
         (norm_ops, "rms_norm_gated", rms_norm_gated_oracle),
+        (plain_norm_ops, "rms_norm", rms_norm_oracle),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:

@@ -26,11 +26,19 @@ def _leaves(named):
     return {name: t.detach().clone().requires_grad_(t.is_floating_point()) for name, t in named.items()}
 
 
-def _compare_call(fla_fn, kind, tensors, options, *, grads=True):
-    """Compiles ``fla_fn(**tensors, **options)``, compares (o, final state) and every gradient with the oracle."""
+def _compare_call(fla_fn, kind, tensors, options, *, grads=True, against_fla_kernel=False):
+    """Compiles ``fla_fn(**tensors, **options)``, compares (o, final state) and every gradient with the oracle;
+    ``against_fla_kernel``: also the forward with FLA's own kernel (its fused_recurrent kernels run in
+    Triton's interpreter)."""
     mine, ref = _leaves(tensors), _leaves(tensors)
     o, ht = compile_laqat(lambda **t: fla_fn(**t, **options))(**mine)
     o_ref, ht_ref = naive_fla_call(kind, **ref, **options)
+    if against_fla_kernel:
+        with torch.no_grad():
+            o_fla, ht_fla = fla_fn(**tensors, **options)
+        assert_close_rel(o.detach(), o_fla, TOL, "o vs FLA's kernel")
+        if options.get("output_final_state"):
+            assert_close_rel(ht.detach(), ht_fla, TOL, "final_state vs FLA's kernel")
     assert o.dtype == o_ref.dtype
     assert_close_rel(o, o_ref, TOL, "o")
     if options.get("output_final_state"):
@@ -79,7 +87,7 @@ def test_gdn_op_full_preprocessing(op):
     tensors = _inputs("gdn", HV=4, h0=True, vk=True) | _gate_params("gdn", HV=4)
     options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                    state_v_first=True, output_final_state=True, scale=0.3)
-    _compare_call(fn, "gdn", tensors, options)
+    _compare_call(fn, "gdn", tensors, options, against_fla_kernel=op == "fused_recurrent")
 
 
 def test_gdn_chunk_varlen_plain_inputs():
@@ -125,21 +133,24 @@ def test_kda_op_full_preprocessing(op):
     tensors = _inputs("kda", HV=4, h0=True, vk=True) | _gate_params("kda", HV=4)
     options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                    state_v_first=True, output_final_state=True, scale=0.4)
-    _compare_call(fn, "kda", tensors, options)
+    _compare_call(fn, "kda", tensors, options, against_fla_kernel=op == "fused_recurrent")
 
 
-@pytest.mark.parametrize("with_A_log", [True, False])
-def test_kda_lower_bound_gate_varlen(with_A_log):
-    """safe_gate lower-bound gate (with and without A_log), allow_neg_eigval, cu_seqlens."""
-    from fla.ops.kda import chunk_kda
+@pytest.mark.parametrize("op,with_A_log", [("chunk", True), ("fused_recurrent", False)])
+def test_kda_lower_bound_gate_varlen(op, with_A_log):
+    """Lower-bound gate (with and without A_log), allow_neg_eigval, cu_seqlens with initial states."""
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     tensors = _inputs("kda", B=1, T=10, h0=True, N=2) | _gate_params("kda")
     if not with_A_log:
         del tensors["A_log"]
     tensors["cu_seqlens"] = torch.tensor([0, 3, 10])
     options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                   allow_neg_eigval=True, safe_gate=True, lower_bound=-4.0, output_final_state=True)
-    _compare_call(chunk_kda, "kda", tensors, options)
+                   allow_neg_eigval=True, lower_bound=-4.0, output_final_state=True)
+    if op == "chunk":
+        options["safe_gate"] = True
+    fn = chunk_kda if op == "chunk" else fused_recurrent_kda
+    _compare_call(fn, "kda", tensors, options, against_fla_kernel=op == "fused_recurrent")
 
 
 # ---- the opaque conv and norm ops -------------------------------------------------------------
@@ -185,6 +196,40 @@ def test_rms_norm_gated_op_matches_fla_reference(activation):
     dy = torch.randn_like(y)
     (y * dy).sum().backward()
     (y_ref * dy).sum().backward()
+    for name in mine:
+        assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+
+
+def test_layer_norm_ops_without_gate():
+    from fla.modules.norm.layernorm import rms_norm_ref
+
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    mine, ref = _leaves(dict(x=x, weight=w, bias=b)), _leaves(dict(x=x, weight=w, bias=b))
+    y = torch.ops.laqat.layer_norm(mine["x"], mine["weight"], mine["bias"], 1e-5, True)
+    y_ref = rms_norm_ref(ref["x"], ref["weight"], ref["bias"], eps=1e-5, upcast=True)
+    assert_close_rel(y, y_ref, TOL, "y")
+    dy = torch.randn_like(y)
+    (y * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    for name in mine:
+        assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+    assert_close_rel(torch.ops.laqat.layer_norm(x, w, b, 1e-5, False), F.layer_norm(x, (8,), w, b, eps=1e-5),
+                     TOL, "layer norm")
+
+
+def test_rms_norm_with_prenorm_residual_compiles_to_the_op():
+    """FLA models' fused pre-norm residual add (``norm(x, residual, prenorm=True)``)."""
+    from fla.modules.norm.layernorm import rms_norm, rms_norm_ref
+
+    x, r, w = torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(8)
+    mine, ref = _leaves(dict(x=x, r=r, w=w)), _leaves(dict(x=x, r=r, w=w))
+    y, res = compile_laqat(lambda x, r, w: rms_norm(x, w, None, residual=r, prenorm=True))(**mine)
+    y_ref, res_ref = rms_norm_ref(ref["x"], ref["w"], None, residual=ref["r"], prenorm=True, upcast=True)
+    assert_close_rel(y, y_ref, TOL, "y")
+    assert_close_rel(res, res_ref, TOL, "residual out")
+    dy, dres = torch.randn_like(y), torch.randn_like(res)
+    ((y * dy).sum() + (res * dres).sum()).backward()
+    ((y_ref * dy).sum() + (res_ref * dres).sum()).backward()
     for name in mine:
         assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
 
@@ -262,19 +307,21 @@ def test_kda_layer_chunk_mode_short_conv_grouped_heads():
     _check_model(Model(_kda(num_v_heads=4, use_short_conv=True, allow_neg_eigval=True)), kinds=["kda"], train=True)
 
 
-def test_gdn_and_kda_layers_eval_fused_recurrent_mode_under_inductor():
-    """Under no_grad in eval with T <= 64 FLA's layers call fused_recurrent_*; no short conv; the rest
-    of the graph through Inductor."""
-    model = Model(_gdn(use_short_conv=False), _kda(use_short_conv=False, safe_gate=True, lower_bound=-5.0))
-    _check_model(model, kinds=["gdn", "kda"], train=False, compiler="inductor")
+def test_gdn_and_kda_layers_eval_fused_recurrent_mode():
+    """Under no_grad in eval with T <= 64 FLA's layers call fused_recurrent_*; no short conv; GDN's
+    ungated output norm (use_gate=False)."""
+    model = Model(_gdn(use_short_conv=False, use_gate=False), _kda(use_short_conv=False, safe_gate=True, lower_bound=-5.0))
+    _check_model(model, kinds=["gdn", "kda"], train=False)
 
 
-def test_model_compiles_fullgraph():
-    model = Model(_gdn(use_short_conv=True), _kda(use_short_conv=True)).train()
-    x = torch.randn(1, 6, 32, requires_grad=True)
-    y = torch.compile(model, backend="laqat", fullgraph=True, options={"compiler": "eager"})(x)
-    with naive_fla():
-        y_ref = model(x)
+def test_model_compiles_fullgraph_under_inductor():
+    """The plain user call: default (Inductor) compiler, fullgraph, every FLA helper substituted."""
+    model = Model(_gdn(use_short_conv=True), _kda(use_short_conv=True)).eval()
+    x = torch.randn(1, 6, 32)
+    with torch.no_grad():
+        y = torch.compile(model, backend="laqat", fullgraph=True)(x)
+        with naive_fla():
+            y_ref = model(x)
     assert_close_rel(y, y_ref, TOL, "y")
     record = la_compiler.backend.last_record().graphs[-1]
     assert [(m.kind, m.module) for m in record.matches] == [("gdn", "layers.0.attn"), ("kda", "layers.1.attn")]
@@ -322,7 +369,8 @@ def test_refuses_unsupported_conv_and_norm_arguments():
 
     x, w = torch.randn(1, 5, 4), torch.randn(4, 3)
     _expect_refusal(lambda: causal_conv1d(x, w, activation="relu"), match="`activation`")
-    _expect_refusal(lambda: rms_norm_gated(x, x, None, None, residual=x), match="`residual`")
+    _expect_refusal(lambda: rms_norm_gated(x, x, None, None, activation="relu"), match="`activation`")
+    _expect_refusal(lambda: rms_norm_gated(x, x[..., :2], None, None), match="`g`")
 
 
 def test_substitutes_every_fla_alias():

@@ -59,12 +59,23 @@ class Dataflow:
             if is_inplace_write(n):
                 base = written_base(n)
                 if base is not None:
+                    if base in latest_write:  # writes to one tensor stay ordered (and reach its readers)
+                        self.graph.add_edge(latest_write[base], n)
                     latest_write[base] = n
                     self.writers.setdefault(base, []).append(n)
+        # pure nodes nobody reads (Dynamo keeps e.g. a zeros state that a later branch replaces)
+        self.dead: set = set()
+        for n in reversed(self.nodes):
+            if n.op in ("call_function", "call_method") and not is_inplace_write(n) and not n.is_impure() \
+                    and all(r in self.dead for r in self.graph.successors(n)):
+                self.dead.add(n)
 
     def readers(self, node: torch.fx.Node) -> list[torch.fx.Node]:
-        """Every node that reads ``node``'s value, including through a mutation it undergoes."""
-        return list(self.graph.successors(node))
+        """Every live node that reads ``node``'s value, including through a mutation it undergoes."""
+        return [r for r in self.graph.successors(node) if r not in self.dead]
+
+    def dead_readers(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        return [r for r in self.graph.successors(node) if r in self.dead]
 
     def reaches(self, src: torch.fx.Node, dst: torch.fx.Node, limit: int = 64) -> bool:
         """Whether ``dst`` depends on ``src``, looking back at most ``limit`` nodes from ``dst``."""

@@ -31,7 +31,8 @@ class Region:
     final_state: torch.fx.Node | None
 
     def ordered(self, flow: Dataflow):
-        return sorted(self.nodes, key=flow.pos.__getitem__)
+        """The live region nodes in graph order (dead ones are only erased, never run)."""
+        return sorted((n for n in self.nodes if n not in flow.dead), key=flow.pos.__getitem__)
 
 
 def _per_token(v, lo, hi) -> bool:
@@ -75,6 +76,8 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
                 heapq.heappush(heap, (-flow.pos[a], id(a), a))
 
     for n in list(region):
+        _add_dead_readers(flow, n, region)
+    for n in list(region):
         push_inputs(n)
     while heap:
         _, _, n = heapq.heappop(heap)
@@ -91,13 +94,25 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
                 if not ok:
                     continue
         region.add(n)
+        _add_dead_readers(flow, n, region)
         push_inputs(n)
     frontier = []
     for n in sorted(region, key=flow.pos.__getitem__):
+        if n in flow.dead:
+            continue
         for a in n.all_input_nodes:
             if a not in region and a not in frontier:
                 frontier.append(a)
     return region, frontier, chunk, padded
+
+
+def _add_dead_readers(flow: Dataflow, n, region: set):
+    stack = flow.dead_readers(n)
+    while stack:
+        d = stack.pop()
+        if d not in region:
+            region.add(d)
+            stack.extend(flow.dead_readers(d))
 
 
 def _independent(flow: Dataflow, x, y) -> bool:

@@ -1,0 +1,62 @@
+"""Launchers of the generated chunked (WY) backward kernels, and the recipe that chains them.
+
+    chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, h (rounded chunk-start states), V_new
+    chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
+    chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
+
+Exact gradients of the emulated forward with identity straight-through at every QDQ; the
+derivation and what is recomputed rather than stored are in docs/kernels-chunk.md.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_bwd_module
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, scratch
+
+
+def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
+    """Returns (dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype (dh0 in h0's)."""
+    B, T, H, K, HV, V, N, state_shape = check_inputs(p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens)
+    if tuple(do.shape) != (B, T, HV, V):
+        raise ValueError(f"do must be {(B, T, HV, V)}, got {tuple(do.shape)}")
+    if dht is not None and tuple(dht.shape) != state_shape:
+        raise ValueError(f"dht must be {state_shape}, got {tuple(dht.shape)}")
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    dht = None if dht is None else dht.contiguous()
+    parts: dict = {}
+    chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, intermediates=parts, need_output=False)
+
+    C = p.chunk
+    lay = chunk_layout(B, T, C, cu_seqlens)
+    module = chunk_bwd_module(p)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    dev, f32 = q.device, torch.float32
+    dh = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
+    dv_new = scratch((B, T, HV, V), f32, dev)
+    dh0 = scratch(state_shape, f32, dev) if initial_state is not None else None
+    dq = scratch((B, T, HV, K), f32, dev)
+    dk = scratch((B, T, HV, K), f32, dev)
+    dv = scratch(v.shape, v.dtype, dev)
+    dbeta = scratch((B, T, HV), f32, dev)
+    dg = scratch(g.shape, f32, dev)
+    common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                  DOT_PRECISION=dot_precision(q.dtype))
+    getattr(module, f"chunk_{p.kind}_bwd_kernel_dh")[(triton.cdiv(V, BV), N * HV)](
+        q, k, parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens, lay.chunk_offsets,
+        scale, T, USE_INITIAL_STATE=initial_state is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+        num_warps=4, **common)
+    if lay.NT:
+        chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
+        heads = HV * (1 if cu_seqlens is not None else B)
+        getattr(module, f"chunk_{p.kind}_bwd_kernel_intra")[(chunks_per_row, heads)](
+            q, k, v, beta, g, parts["g_cum"], parts["h"], dh, parts["v_new"], dv_new, do, dq, dk, dv, dbeta, dg,
+            cu_seqlens, lay.chunk_indices, scale, T, num_warps=8 if C * BK >= 4096 else 4, **common)
+    group = HV // H
+    dq = dq.view(B, T, H, group, K).sum(3)
+    dk = dk.view(B, T, H, group, K).sum(3)
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0

@@ -17,7 +17,7 @@ from types import ModuleType
 
 from la_compiler.kernels import cache
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
-from la_compiler.spec import KINDS, STATE_LAYOUTS, RecurrenceSpec
+from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
 W_FORMATS = ("fp8_e4m3", "int8", "nvfp4")  # fp8/int8 with group row or block<N>; nvfp4/block16
@@ -34,6 +34,7 @@ class ChunkParams:
     degree: int | None = None
     state_quant: str | None = None  # canonical QuantConfig string of q.state
     w_quant: str | None = None  # canonical QuantConfig string of q.w (= q.state_read.lhs)
+    operands: tuple[tuple[str, str], ...] = ()  # ("<gemm site>.lhs|rhs", format), GDN only, sorted
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -49,6 +50,16 @@ class ChunkParams:
             if cfg.format not in STATE_FORMATS or cfg.group != "tile" or cfg.ste != "identity":
                 raise CodegenError(f"chunk: q.state={self.state_quant} is not implemented by the chunk kernels "
                                    f"(they take {STATE_FORMATS} with tile<BV> groups and the identity STE)")
+        for site, fmt in self.operands:
+            cfg = _parse(fmt)
+            if self.kind != "gdn":
+                raise CodegenError(f"chunk: q.{site}: GEMM operand quantization is implemented for GDN only "
+                                   "(KDA's pairwise operands are reference-only)")
+            if site not in OPERAND_SITES:
+                raise CodegenError(f"chunk: q.{site} is not a GEMM operand site of the chunk kernels")
+            if cfg.format not in ("fp8_e4m3", "int8") or cfg.group != "row" or cfg.ste != "identity":
+                raise CodegenError(f"chunk: q.{site}={fmt} is not implemented by the chunk kernels "
+                                   "(GEMM operands take fp8_e4m3/row or int8/row, identity STE)")
         if self.w_quant is not None:
             cfg = _parse(self.w_quant)
             ok = cfg.format in W_FORMATS and cfg.group in ("row", "block") and cfg.ste == "identity"
@@ -74,7 +85,7 @@ class ChunkParams:
         quant = spec.quant_map
         w = quant.get("w") or quant.get("state_read.lhs")
         return cls(kind=spec.kind, state=spec.state, chunk=spec.chunk, solve=spec.solve, degree=spec.degree,
-                   state_quant=quant.get("state"), w_quant=w)
+                   state_quant=quant.get("state"), w_quant=w, operands=_operand_sites(quant))
 
 
 def unsupported(spec: RecurrenceSpec) -> str | None:
@@ -86,18 +97,23 @@ def unsupported(spec: RecurrenceSpec) -> str | None:
     if spec.acc:
         return "accumulator emulation (acc.*) is not implemented in the chunk kernels"
     quant = spec.quant_map
-    operand_sites = sorted(s for s in quant if s not in ("state", "w", "state_read.lhs"))
-    if operand_sites:
-        return f"GEMM operand quantization ({', '.join(operand_sites)}) is not implemented in the chunk kernels"
     if "w" in quant and "state_read.lhs" in quant and quant["w"] != quant["state_read.lhs"]:
         return "q.w and q.state_read.lhs (the same quantizer) disagree"
     try:
-        cls_args = dict(state_quant=quant.get("state"), w_quant=quant.get("w") or quant.get("state_read.lhs"))
+        cls_args = dict(state_quant=quant.get("state"), w_quant=quant.get("w") or quant.get("state_read.lhs"),
+                        operands=_operand_sites(quant))
         ChunkParams(kind=spec.kind, state=spec.state, chunk=spec.chunk, solve=spec.solve, degree=spec.degree,
                     **cls_args)
     except (CodegenError, ValueError) as e:
         return str(e)
     return None
+
+
+OPERAND_SITES = tuple(f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs") if f"{s}.{side}" != "state_read.lhs")
+
+
+def _operand_sites(quant: dict) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((site, fmt) for site, fmt in quant.items() if site not in ("state", "w", "state_read.lhs")))
 
 
 def _parse(text: str):
@@ -139,6 +155,54 @@ def _w_qdq(p: ChunkParams) -> str:
     return head + (
         f"b_w3 = tl.reshape(b_w, (C, BK // {n}, {n}))\n"
         f"b_w = tl.reshape({qdq_fn}(b_w3, {scale_fn}(tl.max(amax_abs(b_w3), axis=2))[:, :, None]), (C, BK))")
+
+
+def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None) -> str:
+    """``out = QDQ(var)`` for a GEMM operand site (identity when the site is off); ``axis`` is the
+    reduction axis of the register tile: 1 = one scale per row, 0 = one scale per column."""
+    out = out or var
+    fmt = dict(p.operands).get(site)
+    if fmt is None:
+        return "" if out == var else f"{out} = {var}"
+    scale_fn, qdq_fn = _QDQ[_parse(fmt).format]
+    bcast = "[:, None]" if axis == 1 else "[None, :]"
+    return f"{out} = {qdq_fn}({var}, {scale_fn}(tl.max(amax_abs({var}), axis={axis})){bcast})  # q.{site}={fmt}"
+
+
+def _lines(*parts: str) -> str:
+    return "\n".join(x for x in parts if x)
+
+
+def _operand_values(p: ChunkParams) -> dict[str, str]:
+    """Template values of the GEMM operand sites (empty or plain renames when no site is on)."""
+    t_ops = _lines(_op(p, "wy_key.lhs", "b_T", 1, "b_Tw"), _op(p, "wy_value.lhs", "b_T", 1, "b_Tu"))
+    return {
+        "T_OPERANDS": t_ops,
+        "WY_OPERANDS": _lines(t_ops, _op(p, "wy_key.rhs", "b_bk", 0)),
+        "WY_KEY_RHS": _op(p, "wy_key.rhs", "b_bk", 0),
+        "WY_VALUE_RHS": _op(p, "wy_value.rhs", "b_bv", 0),
+        "STATE_READ_RHS": _op(p, "state_read.rhs", "b_h", 0, "b_hr"),
+        "STATE_UPDATE_OPERANDS": _lines(_op(p, "state_update.lhs", "b_kd", 0),
+                                        _op(p, "state_update.rhs", "b_v", 0, "b_vu")),
+        "OUTPUT_STATE_OPERANDS": _lines(_op(p, "output_state.lhs", "b_qg", 1), _op(p, "output_state.rhs", "b_h", 0)),
+        "OUTPUT_VALUE_OPERANDS": _lines(_op(p, "output_value.lhs", "b_A", 1), _op(p, "output_value.rhs", "b_v", 0)),
+        "BWD_DH_OPERANDS": _lines(_op(p, "output_value.lhs", "b_A", 1), _op(p, "state_update.lhs", "b_kd", 0)),
+        "OUTPUT_STATE_LHS": _op(p, "output_state.lhs", "b_qg", 1),
+        "BWD_V_OPERANDS": _lines(_op(p, "output_value.rhs", "b_vn", 0, "b_vn_ov"),
+                                 _op(p, "state_read.rhs", "b_hn", 0, "b_hn_sr"),
+                                 _op(p, "output_state.rhs", "b_hn", 0, "b_hn_os"),
+                                 _op(p, "state_update.rhs", "b_vn", 0, "b_vn_su")),
+    }
+
+
+def _gdn_pairs(p: ChunkParams) -> str:
+    """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding."""
+    return _lines(
+        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl"), _op(p, "key_interaction.rhs", "b_k", 1, "b_kr"),
+        _op(p, "output_score.lhs", "b_q", 1, "b_ql"), _op(p, "output_score.rhs", "b_k", 1, "b_kr2"),
+        "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))",
+        "b_P = tl.dot(b_kl, tl.trans(b_kr), input_precision=DOT_PRECISION) * b_Gam",
+        "b_Pqk = tl.dot(b_ql, tl.trans(b_kr2), input_precision=DOT_PRECISION) * b_Gam")
 
 
 def _solve(p: ChunkParams) -> str:
@@ -253,10 +317,6 @@ _GDN = {
         "b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"
         "tl.store(g_cum + r_hv, b_G, mask=m_c)"),
-    "PAIR_PRODUCTS": (
-        "b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))\n"
-        "b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_decay * b_beta[:, None]\n"
-        "b_Aqk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * b_decay * scale"),
     "KEY_DECAY": "tl.exp(b_G)[:, None]",
     "CHUNK_DECAY": (
         "b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)\n"
@@ -290,19 +350,27 @@ QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_sc
 
 
 def chunk_fwd_source(p: ChunkParams) -> str:
-    decay = dict(_GDN) if p.kind == "gdn" else dict(
-        _KDA, PAIR_PRODUCTS=_kda_pairs(p) + "\nb_A = b_P * b_beta[:, None]\nb_Aqk = b_Pqk * scale")
+    pairs = _gdn_pairs(p) if p.kind == "gdn" else _kda_pairs(p)
+    decay = dict(_GDN if p.kind == "gdn" else _KDA,
+                 PAIR_PRODUCTS=pairs + "\nb_A = b_P * b_beta[:, None]\nb_Aqk = b_Pqk * scale")
+    ops = _operand_values(p)
     program = template("chunk_fwd_program")
     state_qdq = _state_qdq(p)
     state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
     intra = render(template("chunk_fwd_intra"), {
         "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": decay["LOAD_DECAY"], "PAIR_PRODUCTS": decay["PAIR_PRODUCTS"],
-        "SOLVE": _solve(p), "KEY_DECAY": decay["KEY_DECAY"], "ON_W": _w_qdq(p)}, where="chunk_fwd_intra")
+        "SOLVE": _solve(p), "KEY_DECAY": decay["KEY_DECAY"], "ON_W": _w_qdq(p),
+        "WY_OPERANDS": ops["WY_OPERANDS"], "WY_VALUE_RHS": ops["WY_VALUE_RHS"]}, where="chunk_fwd_intra")
     h = render(template("chunk_fwd_h"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": decay["CHUNK_DECAY"],
-        "ON_STATE_LOAD": state_qdq, "ON_STATE_WRITE": state_qdq}, where="chunk_fwd_h")
-    o = render(template("chunk_fwd_o"), {"OP": p.kind, "PROGRAM": program, "QUERY_DECAY": decay["QUERY_DECAY"]},
-               where="chunk_fwd_o")
+        "ON_STATE_LOAD": state_qdq, "ON_STATE_WRITE": state_qdq,
+        "STATE_READ_RHS": ops["STATE_READ_RHS"] or "b_hr = b_h",
+        "STATE_UPDATE_OPERANDS": _lines(ops["STATE_UPDATE_OPERANDS"], "" if "b_vu =" in ops["STATE_UPDATE_OPERANDS"]
+                                        else "b_vu = b_v")}, where="chunk_fwd_h")
+    o = render(template("chunk_fwd_o"), {
+        "OP": p.kind, "PROGRAM": program, "QUERY_DECAY": decay["QUERY_DECAY"],
+        "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"]},
+        where="chunk_fwd_o")
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: intra, h, o."
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, intra, h, o])
 
@@ -335,20 +403,16 @@ def _solve_grad(p: ChunkParams) -> str:
 _GDN_BWD = {
     "LOAD_G": (
         "b_G = tl.cumsum(tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32), 0)"),
-    "PAIRS": (
-        "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))\n"
-        "b_P = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_Gam\n"
-        "b_Pqk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * b_Gam"),
     "EXP_G": "tl.exp(b_G)[:, None]",
     "ROWS": "_row_sum",
     "PAIR_GRADS": (
-        "# P = (K K^T) ⊙ Γ, P_qk = (Q K^T) ⊙ Γ, Γ_ij = exp(G_i - G_j)\n"
+        "# P = (K_l K_r^T) ⊙ Γ, P_qk = (Q_l K_r2^T) ⊙ Γ, Γ_ij = exp(G_i - G_j); rounded operands, identity STE\n"
         "b_dKK = b_dP * b_Gam\n"
         "b_dQK = b_dPqk * b_Gam\n"
-        "b_dk += tl.dot(b_dKK, b_k, input_precision=DOT_PRECISION) \\\n"
-        "    + tl.dot(tl.trans(b_dKK), b_k, input_precision=DOT_PRECISION) \\\n"
-        "    + tl.dot(tl.trans(b_dQK), b_q, input_precision=DOT_PRECISION)\n"
-        "b_dq += tl.dot(b_dQK, b_k, input_precision=DOT_PRECISION)\n"
+        "b_dk += tl.dot(b_dKK, b_kr, input_precision=DOT_PRECISION) \\\n"
+        "    + tl.dot(tl.trans(b_dKK), b_kl, input_precision=DOT_PRECISION) \\\n"
+        "    + tl.dot(tl.trans(b_dQK), b_ql, input_precision=DOT_PRECISION)\n"
+        "b_dq += tl.dot(b_dQK, b_kr2, input_precision=DOT_PRECISION)\n"
         "b_M = b_dP * b_P + b_dPqk * b_Pqk\n"
         "b_dG += tl.sum(b_M, 1) - tl.sum(b_M, 0)"),
     "LAST_ROW_GRADS": (
@@ -393,17 +457,21 @@ ROW_SUM_HELPER = "@triton.jit\ndef _row_sum(x):\n    return tl.sum(x, 1)"
 
 def chunk_bwd_source(p: ChunkParams) -> str:
     fwd = _GDN if p.kind == "gdn" else _KDA
-    bwd = _GDN_BWD if p.kind == "gdn" else dict(_KDA_BWD, PAIRS=_kda_pairs(p), PAIR_GRADS=_kda_pair_grads(p))
+    bwd = dict(_GDN_BWD, PAIRS=_gdn_pairs(p)) if p.kind == "gdn" else dict(
+        _KDA_BWD, PAIRS=_kda_pairs(p), PAIR_GRADS=_kda_pair_grads(p))
+    ops = _operand_values(p)
     state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
     dh = render(template("chunk_bwd_dh"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "KEY_TO_END": bwd["KEY_TO_END"],
-        "QUERY_DECAY": fwd["QUERY_DECAY"]}, where="chunk_bwd_dh")
+        "QUERY_DECAY": fwd["QUERY_DECAY"], "BWD_DH_OPERANDS": ops["BWD_DH_OPERANDS"],
+        "OUTPUT_STATE_LHS": ops["OUTPUT_STATE_LHS"]}, where="chunk_bwd_dh")
     intra = render(template("chunk_bwd_intra"), {
         "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": _solve(p), "SOLVE_GRAD": _solve_grad(p),
-        **{key: bwd[key] for key in ("LOAD_G", "PAIRS", "EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")}},
+        **{key: bwd[key] for key in ("LOAD_G", "PAIRS", "EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")},
+        **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS")}},
         where="chunk_bwd_intra")
     title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)."
-    return module_source(title, dataclasses.asdict(p), [ROW_SUM_HELPER, dh, intra])
+    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ROW_SUM_HELPER, dh, intra])
 
 
 def chunk_bwd_module(p: ChunkParams) -> ModuleType:

@@ -19,6 +19,9 @@ import triton
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module
 
 
+MAX_HEAD_K = 128  # whole key rows live in registers ([C, K] fp32 tiles); larger K is untested on GPUs
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkLayout:
     """Where every chunk of a (possibly packed) batch lives."""
@@ -59,8 +62,9 @@ def check_inputs(kind, state, q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"{kind.upper()} g must be {g_shape}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
-    if K > 256 or V > 256:
-        raise ValueError(f"the chunk kernels support head dims up to 256, got K={K}, V={V}")
+    if K > MAX_HEAD_K or V > 256:
+        raise ValueError(f"the chunk kernels support K <= {MAX_HEAD_K} (a [C x K] register tile per operand) "
+                         f"and V <= 256, got K={K}, V={V}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     state_shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
     if initial_state is not None and tuple(initial_state.shape) != state_shape:

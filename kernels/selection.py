@@ -98,9 +98,11 @@ def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
 
 def _chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     from la_compiler.kernels.chunk_codegen import unsupported
+    from la_compiler.kernels.chunk_fwd import MAX_HEAD_K
 
     return _needs(
-        (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
+        (ctx.head_k <= MAX_HEAD_K, f"the chunk kernels hold whole key rows in registers: head_k <= {MAX_HEAD_K}"),
+        (ctx.head_v <= 256, "head_v above 256"),
         _triton_runs(ctx),
     ) or unsupported(spec)
 
@@ -152,6 +154,9 @@ def select_kernel(spec: RecurrenceSpec, *, device: str, dtype: torch.dtype, head
                   requested: str | None = None, family: str | None = None) -> Selection:
     from la_compiler.kernels.registry import variant_names
 
+    if spec.phase == "none" and spec.extra:  # no prefill variant reads them: never ignore them silently
+        raise KernelSelectionError(f"spec {spec}: options {['x.' + k for k, _ in spec.extra]} belong to a decode "
+                                   f"phase (phase=token|replay); a prefill spec (phase=none) takes none")
     ctx = SelectionContext(device, dtype, head_k, head_v, requested, family)
     known = set(variant_names())
     rejected = []

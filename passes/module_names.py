@@ -6,7 +6,9 @@ import re
 import torch
 
 _GETATTR = re.compile(r"getattr\((?P<inner>.+), ['\"](?P<attr>[^'\"]+)['\"]\)")
-_ROOT = re.compile(r"^(?:L|G)\[['\"][^'\"]+['\"]\]\.?")
+# the root object, with the subscripts that reach it from a wrapper's arguments ("L['args'][0]":
+# FLA's *ForCausalLM.forward is wrapped, so Dynamo's frame sees the module as args[0])
+_ROOT = re.compile(r"^(?:L|G)\[['\"][^'\"]+['\"]\](?:\[[^\]]+\])*\.?")
 
 
 def normalize_module_path(path: str) -> str:
@@ -14,7 +16,8 @@ def normalize_module_path(path: str) -> str:
 
     "L['self'].layers[0].attn" -> "layers.0.attn";
     "getattr(L['self'].layers, '0').attn" -> "layers.0.attn";
-    "L['self']._modules['layers']['0']" -> "layers.0".
+    "L['self']._modules['layers']['0']" -> "layers.0";
+    "L['args'][0].model.layers[1].attn" -> "model.layers.1.attn".
     """
     while True:
         m = _GETATTR.search(path)

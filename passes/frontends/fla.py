@@ -11,6 +11,7 @@ object), Dynamo traces the replacement instead:
     fla.modules.causal_conv1d.causal_conv1d (= fla.modules.convolution.*)  -> laqat::causal_conv1d
     fla.modules.norm.fused_norm_gate.rms_norm_gated / layer_norm_gated     -> laqat::layer_norm_gated
     fla.modules.norm.layernorm.rms_norm / layer_norm                       -> laqat::layer_norm
+    fla.modules.activations.swiglu_linear (GatedMLP's fused SwiGLU)        -> torch ops
 
 Each recurrence replacement validates its arguments, emits the pre-processing FLA fuses
 into its kernels (l2norm, gate, beta activation: ``fla_preprocess``) as torch ops, calls the
@@ -28,6 +29,7 @@ with and without ``fullgraph``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401  (registers the laqat ops)
 from la_compiler.passes.frontends.fla_preprocess import beta_activation, gdn_gate, kda_gate, l2norm
@@ -312,9 +314,16 @@ def layer_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual
     return _norm("layer_norm", is_rms_norm, x, weight, bias, residual, prenorm, residual_in_fp32, eps)
 
 
+def swiglu_linear(x, y, weight, bias):
+    """FLA's fused SwiGLU + linear (GatedMLP's default): ``silu(x) * y`` in fp32, stored in x's dtype,
+    then the linear layer; elementwise, so plain torch ops that Inductor fuses, no opaque op."""
+    return F.linear((F.silu(x.float()) * y.float()).to(x.dtype), weight, bias)
+
+
 # ---- registration ---------------------------------------------------------------------------
 def _substitutions():
     """(FLA's function object, its traceable replacement); aliases share one object."""
+    import fla.modules.activations.ops as activation_ops
     import fla.modules.causal_conv1d.ops as conv_ops
     import fla.modules.norm.fused_norm_gate as norm_ops
     import fla.modules.norm.layernorm as plain_norm_ops
@@ -331,6 +340,7 @@ def _substitutions():
         (norm_ops.layer_norm_gated, layer_norm_gated),
         (plain_norm_ops.rms_norm, rms_norm),
         (plain_norm_ops.layer_norm, layer_norm),
+        (activation_ops.swiglu_linear, swiglu_linear),
     )
 
 

@@ -5,6 +5,7 @@ same lengths; recompiles are counted with a counting backend and Dynamo's counte
 """
 import pytest
 import torch
+import yaml
 import torch.nn.functional as F
 from torch import nn
 
@@ -161,15 +162,25 @@ def _eager_with_reference(model, tokens, spec, prefill, valid):
         torch.ops.laqat.delta_rule = real
 
 
-def test_tiny_model_trains_under_phase_with_fp8_decode_recipe():
+def _recipe(implementation=None):
+    """The shipped FP8 decode recipe; `implementation` picks the kernel family (never the numerics)."""
+    from la_compiler.recipes import recipe_path
+
+    policy = yaml.safe_load(recipe_path("decode_token_state_fp8").read_text())
+    if implementation is not None:
+        policy["linear_attention"][0]["cfg"]["decode"]["implementation"] = implementation
+    return policy
+
+
+def _train(policy, steps, lr=3e-2):
     torch.manual_seed(0)
     model = TinyKDA()
     calls = []
-    compiled = torch.compile(model, backend=_counting_backend(calls, {"policy": FP8_TOKEN, "compiler": "eager"}))
-    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    compiled = torch.compile(model, backend=_counting_backend(calls, {"policy": policy, "compiler": "eager"}))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     tokens = torch.randint(0, 16, (2, 9))
-    losses = []
-    for step in range(8):
+    losses, grads = [], []
+    for step in range(steps):
         prefill = [2 + step % 3, 1 + step % 4]
         with la_compiler.phase(prefill, sequence_lengths=[8, 7]):
             logits = compiled(tokens[:, :-1])
@@ -180,10 +191,29 @@ def test_tiny_model_trains_under_phase_with_fp8_decode_recipe():
             opt.zero_grad()
             loss.backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         losses.append(loss.item())
-    assert len(calls) == 1
+    assert len(calls) == 1, f"{len(calls)} graphs compiled"
+    specs = [n.args[-1] for n in calls[0].graph.nodes if is_delta_rule_phased(n)]
+    assert len(specs) == 1 and "phase=token" in specs[0] and "q.state=fp8_e4m3/tile64" in specs[0]
+    return losses, grads, specs[0]
+
+
+def test_tiny_model_trains_under_phase_with_fp8_decode_recipe():
+    losses, _, spec = _train(_recipe(implementation="torch"), steps=8)
+    assert "kernel=decode_reference" in spec
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_recipe_default_kernel_is_the_fused_one_and_trains_alike():
+    """As shipped, the recipe runs decode_fused (the interpreter here): the same loss and gradients."""
+    losses, grads, spec = _train(_recipe(), steps=1)
+    ref_losses, ref_grads, _ = _train(_recipe(implementation="torch"), steps=1)
+    assert "kernel=decode_fused" in spec
+    assert abs(losses[0] - ref_losses[0]) < 1e-5
+    for a, b in zip(grads[0], ref_grads[0]):
+        assert rel_l2(a, b) < 1e-4
 
 
 def test_activation_checkpoint_recompute_sees_the_phase():

@@ -3,7 +3,8 @@
 FLA's chunk kernels cannot run on the CPU, so ``naive_fla()`` monkeypatches what the layers
 call with FLA's naive recurrences (fla/ops/*/naive.py), FLA's torch gate references
 (``naive_gdn_gate``, ``naive_kda_gate``, ``naive_kda_lowerbound_gate``), ``F.conv1d`` (what
-``ShortConvolution``, an ``nn.Conv1d``, computes) and FLA's ``rms_norm_ref`` functions. None of this
+``ShortConvolution``, an ``nn.Conv1d``, computes), FLA's ``rms_norm_ref`` functions and
+``F.linear(F.silu(x) * y)`` for GatedMLP's fused SwiGLU. None of this
 shares code with the laqat frontend.
 """
 from __future__ import annotations
@@ -104,8 +105,11 @@ def rms_norm_gated_oracle(x, g, weight, bias, activation="swish", residual=None,
 
 
 def rms_norm_oracle(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
-    assert residual is None and not prenorm
-    return plain_rms_norm_ref(x, weight, bias, eps=eps, upcast=True)
+    return plain_rms_norm_ref(x, weight, bias, residual=residual, eps=eps, prenorm=prenorm, upcast=True)
+
+
+def swiglu_linear_oracle(x, y, weight, bias):
+    return F.linear(F.silu(x) * y, weight, bias)
 
 
 @contextlib.contextmanager
@@ -115,6 +119,7 @@ def naive_fla():
     import fla.layers.kda as kda_layer
     import fla.modules.causal_conv1d.ops as conv_ops
     import fla.modules.norm.fused_norm_gate as norm_ops
+    import fla.modules.mlp as mlp
     import fla.modules.norm.layernorm as plain_norm_ops
 
     patches = [
@@ -126,6 +131,7 @@ def naive_fla():
         (conv_ops, "causal_conv1d", conv1d_oracle),
         (norm_ops, "rms_norm_gated", rms_norm_gated_oracle),
         (plain_norm_ops, "rms_norm", rms_norm_oracle),
+        (mlp, "swiglu_linear", swiglu_linear_oracle),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:

@@ -33,8 +33,11 @@ def test_no_variant_fits_is_an_error_naming_every_candidate():
     for row in selection.TABLE:
         assert f"{row.variant}: " in message
     assert "reference: phase=token: the reference variant computes prefill only" in message
-    with pytest.raises(KernelSelectionError, match=re.escape("reference: it applies no spec options ['x.foo']")):
-        choose(RecurrenceSpec(kind="gdn", extra=(("foo", "1"),)), requested="reference")
+    prefill_with_options = RecurrenceSpec(kind="gdn", extra=(("decay_log_step", "0.5"),))
+    with pytest.raises(KernelSelectionError, match=re.escape("options ['x.decay_log_step'] belong to a decode phase "
+                                                             "(phase=token|replay); a prefill spec (phase=none) "
+                                                             "takes none")):
+        choose(prefill_with_options)  # every prefill row would ignore it
 
 
 def test_reference_rejects_what_it_cannot_round():

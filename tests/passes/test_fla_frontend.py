@@ -314,17 +314,27 @@ def test_gdn_and_kda_layers_eval_fused_recurrent_mode():
     _check_model(model, kinds=["gdn", "kda"], train=False)
 
 
-def test_model_compiles_fullgraph_under_inductor():
-    """The plain user call: default (Inductor) compiler, fullgraph, every FLA helper substituted."""
-    model = Model(_gdn(use_short_conv=True), _kda(use_short_conv=True)).eval()
-    x = torch.randn(1, 6, 32)
+@pytest.mark.parametrize("family,compiler", [("gdn", "eager"), ("kda", "inductor")])
+def test_fla_causal_lm_compiles_fullgraph(family, compiler):
+    """FLA's own models (pre-norm residual RMSNorm, fused SwiGLU MLP, wrapped forward), fullgraph; once
+    with the plain user call (default Inductor compiler)."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, KDAConfig, KDAForCausalLM
+
+    config, model_class = (GatedDeltaNetConfig, GatedDeltaNetForCausalLM) if family == "gdn" else (
+        KDAConfig, KDAForCausalLM)
+    model = model_class(config(hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=2, expand_v=1,
+                               vocab_size=64, intermediate_size=64)).eval()
+    tokens = torch.randint(0, 64, (1, 6))
     with torch.no_grad():
-        y = torch.compile(model, backend="laqat", fullgraph=True)(x)
+        # use_cache=False: FLA's Cache object is torch.compiler.disable'd (decode is not a training graph)
+        options = {} if compiler == "inductor" else {"compiler": compiler}
+        logits = torch.compile(model, backend="laqat", fullgraph=True, options=options)(tokens, use_cache=False).logits
         with naive_fla():
-            y_ref = model(x)
-    assert_close_rel(y, y_ref, TOL, "y")
+            logits_ref = model(tokens, use_cache=False).logits
+    assert_close_rel(logits, logits_ref, TOL, "logits")
     record = la_compiler.backend.last_record().graphs[-1]
-    assert [(m.kind, m.module) for m in record.matches] == [("gdn", "layers.0.attn"), ("kda", "layers.1.attn")]
+    assert [(m.kind, m.module) for m in record.matches] == [(family, "model.layers.0.attn"),
+                                                           (family, "model.layers.1.attn")]
 
 
 # ---- refusals ---------------------------------------------------------------------------------

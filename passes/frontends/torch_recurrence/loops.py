@@ -76,6 +76,15 @@ class LoopBody:
         return out
 
 
+def marker(flow: Dataflow, s: TimeSlice) -> int:
+    """Where step ``s.index`` reads the slice: the slice itself, or for the items of an
+    ``unbind`` (which Dynamo emits all at once before the loop) their first reader."""
+    if s.key[3] == "unbind":
+        readers = [flow.pos[r] for r in s.node.users]
+        return min(readers) if readers else flow.pos[s.node]
+    return flow.pos[s.node]
+
+
 def find_loops(flow: Dataflow) -> list[Loop]:
     """Unrolled loops of at least two iterations, outermost first (linear in the graph)."""
     families: dict[tuple, list[TimeSlice]] = defaultdict(list)
@@ -84,15 +93,15 @@ def find_loops(flow: Dataflow) -> list[Loop]:
             families[s.key].append(s)
     valid = []
     for fam in families.values():
-        fam.sort(key=lambda s: flow.pos[s.node])
+        fam.sort(key=lambda s: marker(flow, s))
         idx = [s.index for s in fam]
         if len(fam) >= 2 and idx == list(range(idx[0], idx[0] + len(idx))):
             valid.append(fam)
-    valid.sort(key=lambda f: flow.pos[f[0].node])
+    valid.sort(key=lambda f: marker(flow, f[0]))
     loops: list[Loop] = []
     for fam in valid:
         a, b = fam[0].index, fam[-1].index
-        pos = {s.index: flow.pos[s.node] for s in fam}
+        pos = {s.index: marker(flow, s) for s in fam}
         for lp in loops:
             if (lp.first, lp.last) != (a, b):
                 continue
@@ -104,7 +113,7 @@ def find_loops(flow: Dataflow) -> list[Loop]:
                 break
         else:
             loops.append(Loop(a, b, dict(pos), dict(pos), list(fam)))
-    loops.sort(key=lambda lp: (flow.pos[lp.slices[0].node], -(lp.last - lp.first)))
+    loops.sort(key=lambda lp: (lp.starts[lp.first], -(lp.last - lp.first)))
     return loops
 
 
@@ -143,7 +152,8 @@ class _Windows:
         return ("far", at)
 
 
-def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, where: _Windows, carried: dict) -> str | None:
+def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, where: _Windows, carried: dict,
+               slice_of: dict) -> str | None:
     """None when ``cur`` (window w) is ``prev`` (window w-1) one step later; else what differs."""
     if cur.op != prev.op or cur.target != prev.target:
         return f"op {cur.format_node()} vs {prev.format_node()}"
@@ -168,6 +178,10 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
                 continue
             if ca[0] == "prev" and cb[0] == "prev" and ca[1] == cb[1]:
                 continue
+            sa, sb = slice_of.get(a), slice_of.get(b)
+            if ca[0] == cb[0] == "ext" and sa is not None and sb is not None and sa.key == sb.key \
+                    and sa.index == sb.index + 1:
+                continue  # the items of an unbind over time, read one per step
             return f"{cur.name} reads {a.name} where the previous step read {b.name}"
         elif a != b:
             if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a - b == 1:
@@ -187,6 +201,7 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
                              candidate)
     period = lengths.pop()
     where = _Windows()
+    slice_of = {s.node: s for s in loop.slices}
     windows = [nodes[starts[0]:starts[0] + period]]
     for off, n in enumerate(windows[0]):
         where.where[n] = (0, off)
@@ -196,7 +211,7 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
         for off, n in enumerate(win):
             where.where[n] = (w, off)
         for off, n in enumerate(win):
-            why = _same_step(n, windows[w - 1][off], w, 0, where, carried)
+            why = _same_step(n, windows[w - 1][off], w, 0, where, carried, slice_of)
             if why:
                 raise NotARecurrence(f"step {a + w} is not isomorphic to step {a + w - 1}: {why}", candidate, [n.name])
         windows.append(win)
@@ -205,7 +220,7 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
     for off, tmpl in enumerate(windows[-1]):
         if cursor < len(nodes) and nodes[cursor].op != "output":
             where.where[nodes[cursor]] = (w, off)
-            if _same_step(nodes[cursor], tmpl, w, 0, where, carried) is None:
+            if _same_step(nodes[cursor], tmpl, w, 0, where, carried, slice_of) is None:
                 last.append(nodes[cursor])
                 cursor += 1
                 continue
@@ -213,6 +228,7 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
         last.append(None)
     windows.append(last)
 
+    _check_time_indices(windows, loop, where)
     if len(carried) != 1:
         what = "no loop-carried value" if not carried else \
             f"{len(carried)} loop-carried values ({', '.join(windows[0][o].name for o in sorted(carried))})"
@@ -223,6 +239,20 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
     if sv is None or sv.dim() < 3 or not sv.dtype.is_floating_point:
         raise NotARecurrence("loop-carried value is not a floating tensor of rank >= 3", False)
     return _outputs(flow, loop, windows, state_offset, init)
+
+
+def _check_time_indices(windows, loop: Loop, where: _Windows):
+    """Every read of an outside tensor at an int index, in step i, reads index i."""
+    for w, win in enumerate(windows):
+        step = loop.first + w
+        for n in win:
+            if n is None:
+                continue
+            reads = [s for s in time_slices(n) if s.source not in where.where and s.key[3] != "unbind"]
+            if reads and not any(s.index == step for s in reads):
+                s = reads[0]
+                raise NotARecurrence(f"step {step} reads {s.source.name}[{s.index}] along dim {s.dim}, "
+                                     f"not the step's own index {step}", nodes=[n.name])
 
 
 def _has_state_like_carry(flow, first_window, second_start, third_start) -> bool:

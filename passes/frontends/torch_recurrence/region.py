@@ -49,7 +49,8 @@ def chunk_geometry(body: LoopBody) -> tuple[int, int]:
         if s.node in body.windows[0] and sv is not None and not s.keepdim and s.dim + 1 < sv.dim() and sv.dim() >= 4:
             c = sv.shape[s.dim + 1]
             sizes[c] = sizes.get(c, 0) + 1
-    token = all(tensor_value(s.node) is not None and tensor_value(s.node).dim() <= 3
+    # a token loop slices [B, T, H, D]-like sources (rank <= 4); a chunk loop [B, H, N, C, D] ones
+    token = all(tensor_value(s.source) is None or tensor_value(s.source).dim() <= 4
                 for s in body.loop.slices if s.node in body.windows[0])
     if token or not sizes:
         return 1, n
@@ -83,7 +84,7 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
         _, _, n = heapq.heappop(heap)
         if n.op in ("placeholder", "get_attr", "output") or not all(r in region for r in flow.readers(n)):
             continue
-        if not is_inplace_write(n):
+        if not is_inplace_write(n) and not rules.is_time_unbind(n):
             v = tensor_value(n)
             if v is None:
                 continue

@@ -62,3 +62,8 @@ def scalar_operand(node: torch.fx.Node):
 
 def is_pair_mul(node: torch.fx.Node) -> bool:
     return op_key(node) in PAIR_MULS and len(node.args) == 2 and all(isinstance(a, torch.fx.Node) for a in node.args)
+
+
+def is_time_unbind(node: torch.fx.Node) -> bool:
+    """x.unbind(d): the tuple of per-step slices a ``for x_t in x.unbind(1)`` loop reads."""
+    return node.op in ("call_method", "call_function") and getattr(node.target, "__name__", node.target) == "unbind"

@@ -111,20 +111,27 @@ def candidate_assignments(region: Region, seq_len: int):
                 (q, k, v), (g, beta) = roles4, roles3
             else:
                 (q, k, v, g), (beta,) = roles4, roles3
-            for lq, lk, lv, lg, lb in itertools.product(*(
-                    _layouts(x, seq_len, r) for x, r in ((q, 4), (k, 4), (v, 4), (g, 4 if kind == "kda" else 3),
-                                                         (beta, 3)))):
-                sq, sk, sv, sg, sb = map(_shape, (lq, lk, lv, lg, lb))
-                B, T, H, K = sq
-                HV, V = sv[2], sv[3]
-                if sk != sq or sv[:2] != (B, T) or HV % H or sb != (B, T, HV):
-                    continue
-                if sg != ((B, T, HV) if kind == "gdn" else (B, T, HV, K)):
-                    continue
-                for state in _state_layouts(h0, region, B, HV, K, V):
-                    for out_perm in _out_perms(region, seq_len, (B, T, HV, V)):
-                        for form in ("log", "exp"):
-                            out.append(Assignment(kind, lq, lk, lv, lg, lb, form, h0, state, out_perm))
+            out.extend(_enumerate(region, seq_len, kind, q, k, v, g, beta, h0))
+    return out
+
+
+def _enumerate(region, seq_len, kind, q, k, v, g, beta, h0):
+    """Assignments of these role nodes over every layout, state layout and decay form."""
+    out = []
+    for lq, lk, lv, lg, lb in itertools.product(*(
+            _layouts(x, seq_len, r) for x, r in ((q, 4), (k, 4), (v, 4), (g, 4 if kind == "kda" else 3),
+                                                 (beta, 3)))):
+        sq, sk, sv, sg, sb = map(_shape, (lq, lk, lv, lg, lb))
+        B, T, H, K = sq
+        HV, V = sv[2], sv[3]
+        if sk != sq or sv[:2] != (B, T) or HV % H or sb != (B, T, HV):
+            continue
+        if sg != ((B, T, HV) if kind == "gdn" else (B, T, HV, K)):
+            continue
+        for state in _state_layouts(h0, region, B, HV, K, V):
+            for out_perm in _out_perms(region, seq_len, (B, T, HV, V)):
+                for form in ("log", "exp"):
+                    out.append(Assignment(kind, lq, lk, lv, lg, lb, form, h0, state, out_perm))
     return out
 
 
@@ -350,10 +357,26 @@ def _property_probes(region: Region, probe: Probe, results) -> str | None:
 
 
 def _diagnose_counts(flow: Dataflow, region: Region, e: _RoleCountError) -> str | None:
-    """GDN-shaped but one [B, T, H] input short: missing beta or missing decay."""
+    """GDN-shaped but one [B, T, H] input short: is it the beta or the decay that is missing?"""
     if (len(e.p3), len(e.p4)) == (1, 3):
+        (x,) = e.p3
+        candidates = [a for perm in itertools.permutations(e.p4)
+                      for a in _enumerate(region, region.seq_len, "gdn", *perm, x, x, e.h0)]
+        probe = Probe(flow, region)
+        device = tensor_value(x).device
+        for variant in NEAR_MISSES:
+            if not (variant.beta_one or variant.no_decay):
+                continue
+            for a in candidates:
+                env = _draws(region, x, a.decay_form, torch.Generator().manual_seed(0), device)
+                try:
+                    got = probe(env)
+                except ProbeError:
+                    return None
+                if _compare(a, env, got, probe.steps, variant, probe.token)[0] <= TOL:
+                    return f"{variant.reason} (under {a.describe()})"
         return ("missing beta or decay: the recurrence reads q, k, v and only one per-token [B, T, H] tensor "
-                f"({e.p3[0].name}); GDN needs both g and beta")
+                f"({x.name}); GDN needs both g and beta")
     if (len(e.p3), len(e.p4)) == (0, 3):
         return "missing beta and decay: the recurrence reads q, k, v only (plain linear attention or DeltaNet)"
     return None

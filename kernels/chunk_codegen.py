@@ -1,4 +1,4 @@
-"""Generates the chunked (WY) forward kernels of GDN and KDA from templates, per spec.
+"""Generates the chunked (WY) forward and backward kernels of GDN and KDA from templates, per spec.
 
 Three stages (FLA's layout: one template per stage, ``chunk_<op>_fwd_kernel_<stage>``):
 
@@ -7,7 +7,7 @@ Three stages (FLA's layout: one template per stage, ``chunk_<op>_fwd_kernel_<sta
     o       per chunk: O = scale (Q ⊙ exp G) h_n + A_qk V_new
 
 What the spec fixes is decided here (decay form of the kind, state layout, solve, the QDQ
-calls of the state and W quantizers); what the inputs decide stays a constexpr flag.
+calls of the state, W and GEMM operand quantizers); what the inputs decide stays a constexpr flag.
 docs/kernels-chunk.md derives the algorithm and lists the rounding order.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ChunkParams:
     degree: int | None = None
     state_quant: str | None = None  # canonical QuantConfig string of q.state
     w_quant: str | None = None  # canonical QuantConfig string of q.w (= q.state_read.lhs)
-    operands: tuple[tuple[str, str], ...] = ()  # ("<gemm site>.lhs|rhs", format), GDN only, sorted
+    operands: tuple[tuple[str, str], ...] = ()  # ("<gemm site>.lhs|rhs", format), sorted
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -52,9 +52,6 @@ class ChunkParams:
                                    f"(they take {STATE_FORMATS} with tile<BV> groups and the identity STE)")
         for site, fmt in self.operands:
             cfg = _parse(fmt)
-            if self.kind != "gdn":
-                raise CodegenError(f"chunk: q.{site}: GEMM operand quantization is implemented for GDN only "
-                                   "(KDA's pairwise operands are reference-only)")
             if site not in OPERAND_SITES:
                 raise CodegenError(f"chunk: q.{site} is not a GEMM operand site of the chunk kernels")
             if cfg.format not in ("fp8_e4m3", "int8") or cfg.group != "row" or cfg.ste != "identity":
@@ -109,6 +106,7 @@ def unsupported(spec: RecurrenceSpec) -> str | None:
     return None
 
 
+PAIRWISE_SITES = ("key_interaction", "output_score")  # KDA: the decay sits inside these products' reduction
 OPERAND_SITES = tuple(f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs") if f"{s}.{side}" != "state_read.lhs")
 
 
@@ -257,6 +255,55 @@ def _kda_pairs(p: ChunkParams) -> str:
         "    b_Pqk = tl.where(m_sel, tl.sum(b_q * b_kj, 1)[:, None], b_Pqk)")
 
 
+def _kda_rounds_pairs(p: ChunkParams) -> bool:
+    return any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands)
+
+
+def _kda_pairs_rounded(p: ChunkParams) -> str:
+    """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
+    k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column."""
+    return _lines(
+        "# column by column: the pairwise operands k_j exp(G_i - G_j) (rows (i, j) over K) are rounded per pair",
+        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl"), _op(p, "output_score.lhs", "b_q", 1, "b_ql"),
+        "b_P = tl.zeros([C, C], dtype=tl.float32)",
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
+        "for j in range(0, C):",
+        "    m_j = o_c == j",
+        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
+        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
+        "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
+        "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    " + _op(p, "key_interaction.rhs", "b_pk", 1, "b_pk_q"),
+        "    " + _op(p, "output_score.rhs", "b_pq", 1, "b_pq_q"),
+        "    b_P = tl.where(m_j[None, :], tl.sum(b_kl * b_pk_q, 1)[:, None], b_P)",
+        "    b_Pqk = tl.where(m_j[None, :], tl.sum(b_ql * b_pq_q, 1)[:, None], b_Pqk)")
+
+
+def _kda_pair_grads_rounded(p: ChunkParams) -> str:
+    """Gradients of ``_kda_pairs_rounded``: the rounded other operand in every product, identity STE."""
+    return _lines(
+        "for j in range(0, C):",
+        "    m_j = o_c == j",
+        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
+        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
+        "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
+        "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    " + _op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq"),
+        "    " + _op(p, "output_score.rhs", "b_pq", 1, "b_pqq"),
+        "    b_dPj = tl.sum(tl.where(m_j[None, :], b_dP, 0.0), 1)",
+        "    b_dQj = tl.sum(tl.where(m_j[None, :], b_dPqk, 0.0), 1)",
+        "    b_dk += b_dPj[:, None] * b_pkq",
+        "    b_dq += b_dQj[:, None] * b_pqq",
+        "    b_dpk = b_dPj[:, None] * b_kl",
+        "    b_dpq = b_dQj[:, None] * b_ql",
+        "    b_t = b_dpk * b_pk + b_dpq * b_pq",
+        "    b_dG += b_t",
+        "    b_dk = tl.where(m_j[:, None], b_dk + tl.sum((b_dpk + b_dpq) * b_e, 0)[None, :], b_dk)",
+        "    b_dG = tl.where(m_j[:, None], b_dG - tl.sum(b_t, 0)[None, :], b_dG)")
+
+
 def _kda_pair_grads(p: ChunkParams) -> str:
     """Gradients of the KDA pair products (same blocking as ``_kda_pairs``) into dk, dq, dG."""
     bc = p.sub_chunk
@@ -350,7 +397,7 @@ QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_sc
 
 
 def chunk_fwd_source(p: ChunkParams) -> str:
-    pairs = _gdn_pairs(p) if p.kind == "gdn" else _kda_pairs(p)
+    pairs = _gdn_pairs(p) if p.kind == "gdn" else _kda_pairs_rounded(p) if _kda_rounds_pairs(p) else _kda_pairs(p)
     decay = dict(_GDN if p.kind == "gdn" else _KDA,
                  PAIR_PRODUCTS=pairs + "\nb_A = b_P * b_beta[:, None]\nb_Aqk = b_Pqk * scale")
     ops = _operand_values(p)
@@ -457,8 +504,12 @@ ROW_SUM_HELPER = "@triton.jit\ndef _row_sum(x):\n    return tl.sum(x, 1)"
 
 def chunk_bwd_source(p: ChunkParams) -> str:
     fwd = _GDN if p.kind == "gdn" else _KDA
-    bwd = dict(_GDN_BWD, PAIRS=_gdn_pairs(p)) if p.kind == "gdn" else dict(
-        _KDA_BWD, PAIRS=_kda_pairs(p), PAIR_GRADS=_kda_pair_grads(p))
+    if p.kind == "gdn":
+        bwd = dict(_GDN_BWD, PAIRS=_gdn_pairs(p))
+    elif _kda_rounds_pairs(p):
+        bwd = dict(_KDA_BWD, PAIRS=_kda_pairs_rounded(p), PAIR_GRADS=_kda_pair_grads_rounded(p))
+    else:
+        bwd = dict(_KDA_BWD, PAIRS=_kda_pairs(p), PAIR_GRADS=_kda_pair_grads(p))
     ops = _operand_values(p)
     state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
     dh = render(template("chunk_bwd_dh"), {

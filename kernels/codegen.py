@@ -160,7 +160,15 @@ def fused_recurrent_module(p: FusedRecurrentParams) -> ModuleType:
 FAMILIES: dict[str, Callable[[RecurrenceSpec], ModuleType]] = {
     "fused_recurrent": lambda spec: fused_recurrent_module(FusedRecurrentParams.from_spec(spec)),
     "chunk": lambda spec: _chunk_family(spec),
+    "decode_fused": lambda spec: _decode_family(spec),
 }
+
+
+def _decode_family(spec):
+    """The decode-phase family (forward and backward kernels in one module)."""
+    from la_compiler.kernels.decode_fused import DecodeParams, decode_module
+
+    return decode_module(DecodeParams.from_spec(spec))
 
 
 def _chunk_family(spec):

@@ -56,7 +56,8 @@ class DecodeOptions:
         if not (1 <= self.window <= 64):
             raise DecodeOptionsError(f"spec x.replay_window must be in 1..64, got {self.window!r}")
         if self.factor_format not in FACTOR_FORMATS:
-            raise DecodeOptionsError(f"decode factor format must be one of {FACTOR_FORMATS}, got {self.factor_format!r}")
+            raise DecodeOptionsError(f"decode factor format must be one of {FACTOR_FORMATS}, "
+                                     f"got {self.factor_format!r}")
         if self.mode == "token" and (self.window != 1 or self.factor_format != "none"):
             raise DecodeOptionsError("spec x.replay_window / x.replay_factor_qdq are only for phase=replay")
 

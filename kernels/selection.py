@@ -132,7 +132,8 @@ def _decode_reason(spec: RecurrenceSpec, family: str) -> str | None:
 def _decode_fused(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     from la_compiler.kernels.decode_fused import unsupported_reason
 
-    return _decode_reason(spec, "triton") or unsupported_reason(spec, ctx.head_k, ctx.head_v)
+    return (_decode_reason(spec, "triton") or _needs(_triton_runs(ctx))
+            or unsupported_reason(spec, ctx.head_k, ctx.head_v))
 
 
 def _decode_reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
@@ -143,7 +144,8 @@ def _decode_reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None
 TABLE: tuple[Row, ...] = (
     Row("fla_chunk", _fla_chunk, "FLA's own chunk kernel: exact numerics on CUDA"),
     Row("fused_recurrent", _fused_recurrent, "generated token-by-token Triton kernel, fp32 state"),
-    Row("chunk", _chunk, "generated chunked (WY) Triton kernels with state/W QDQ, forward and backward"),
+    Row("chunk", _chunk, "generated chunked (WY) Triton kernels with state/W/FP8-INT8-row operand QDQ, "
+        "forward and backward"),
     Row("decode_fused", _decode_fused, "fused Triton decode-phase kernel (token / replay), fwd + bwd"),
     Row("decode_reference", _decode_reference, "fp64 torch reference of decode-phase training (slow)", "torch"),
     Row("reference", _reference, "fp64 torch reference: any prefill spec, any device, slow", "torch"),

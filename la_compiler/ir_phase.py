@@ -35,8 +35,9 @@ def phase_lengths(q: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tens
 
     active = current()
     if active is None:
-        raise PhaseError("a laqat node with spec phase=token|replay ran outside a phase context: wrap the forward "
-                         "(and its backward) in `with la_compiler.phase(prefill_lengths=[...], sequence_lengths=[...])`")
+        raise PhaseError("a laqat node with spec phase=token|replay ran outside a phase context: wrap the "
+                         "forward (and its backward) in "
+                         "`with la_compiler.phase(prefill_lengths=[...], sequence_lengths=[...])`")
     if cu_seqlens is None:
         storage = [q.shape[1]] * q.shape[0]
     else:

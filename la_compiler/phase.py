@@ -101,7 +101,8 @@ def _to_tuple(name: str, values) -> tuple[int, ...]:
 @contextlib.contextmanager
 def phase(prefill_lengths, sequence_lengths=None) -> Iterator[PhaseLengths]:
     """Split every sequence into a chunked prefix and a recurrent (decode-phase) suffix."""
-    lengths = PhaseLengths(_to_tuple("prefill_lengths", prefill_lengths), _to_tuple("sequence_lengths", sequence_lengths))
+    lengths = PhaseLengths(_to_tuple("prefill_lengths", prefill_lengths),
+                           _to_tuple("sequence_lengths", sequence_lengths))
     stack = _stack()
     stack.append(lengths)
     try:

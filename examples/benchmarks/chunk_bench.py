@@ -1,6 +1,10 @@
 """The generated chunked (WY) kernels against FLA's chunk kernels on CUDA: exactness, time, memory.
 
     OUT=./out python examples/benchmarks/chunk_bench.py [--quick] [--kinds gdn,kda] [--shapes 1x1024x4x64,...]
+        [--policies "laqat exact,laqat FP8 state"] [--skip-exactness] [--no-emulation-above TOKENS]
+
+First use of every spec compiles its Triton kernels (seconds each); split long runs by --kinds /
+--shapes / --policies to stay inside a 10-minute command limit.
 
 1. exactness on the GPU (fp32, small varlen / grouped-head cases): the chunk kernels' forward and
    every gradient against fp64 autograd of the chunk reference, exact (relative L2 <= 1e-5) and
@@ -158,7 +162,7 @@ def leaves_of(xs):
     return [x.detach().clone().requires_grad_(True) for x in xs]
 
 
-def bench_shape(kind, B, T, H, D, *, with_emulation=True) -> dict:
+def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES)) -> dict:
     from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
 
     xs = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
@@ -190,6 +194,8 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True) -> dict:
 
     # laqat, through the IR op (its registered autograd runs the variant's backward)
     for name, quant in POLICIES.items():
+        if name not in policies:
+            continue
         spec = RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=quant)
         why = unsupported(spec)
         if why:
@@ -267,6 +273,8 @@ def main():
     parser.add_argument("--no-emulation-above", type=int, default=1 << 62,
                         help="skip the fp32 torch emulation above this many B*T*H tokens")
     parser.add_argument("--skip-exactness", action="store_true")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated subset of: " + ", ".join(POLICIES) + " (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("chunk_bench.py needs a CUDA device")
@@ -300,7 +308,12 @@ def main():
     for kind in args.kinds.split(","):
         for shape in shapes:
             B, T, H, D = shape
-            rows = bench_shape(kind, B, T, H, D, with_emulation=B * T * H <= args.no_emulation_above)
+            policies = tuple(POLICIES) if args.policies is None else tuple(x.strip() for x in args.policies.split(","))
+            unknown = [x for x in policies if x not in POLICIES]
+            if unknown:
+                sys.exit(f"--policies: unknown {unknown}; known: {list(POLICIES)}")
+            rows = bench_shape(kind, B, T, H, D, with_emulation=B * T * H <= args.no_emulation_above,
+                               policies=policies)
             print_table(kind, shape, rows)
             result["timing"].append({"kind": kind, "shape": list(shape), "rows": rows})
             (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))

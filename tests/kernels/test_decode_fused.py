@@ -85,6 +85,18 @@ def test_selection_picks_the_fused_kernel_for_decode_specs_and_honours_implement
     assert get_variant("decode_fused").forward is decode_fused_forward
 
 
+def test_generated_source_is_specialized_per_spec_and_viewable():
+    from la_compiler.kernels import cache
+
+    replay = _spec("gdn", "replay", "int8_h32/tile32", {"replay_window": "4", "replay_factor_qdq": "1"}, "vk")
+    token = _spec("kda", "token", "fp8_e4m3/tile64", {"readout": "stored"}, "kv")
+    a, b = cache.source_of(replay), cache.source_of(token.to_string())
+    assert "CODEC = tl.constexpr(3)" in a and "REPLAY = tl.constexpr(True)" in a and "STATE_VK = tl.constexpr(True)" in a
+    assert "CODEC = tl.constexpr(1)" in b and "READ_STORED = tl.constexpr(True)" in b and "IS_KDA = tl.constexpr(True)" in b
+    assert "def decode_fwd_kernel(" in a and "def decode_bwd_kernel(" in a
+    assert cache.path_of(replay) != cache.path_of(token)
+
+
 def test_fused_decode_rejects_bad_lengths():
     spec = _spec("gdn", "token", "fp8_e4m3/tile16", {}, "kv")
     (q, k, v, g, beta, _), _ = random_inputs("gdn", B=2, T=4, H=1, K=4, V=16, requires_grad=False)

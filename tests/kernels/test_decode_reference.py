@@ -7,7 +7,7 @@ anchor + ordered rank-one-update replayer written here (replay with factor round
 import pytest
 import torch
 
-from la_compiler.kernels.decode_options import DecodeOptions, DecodeOptionsError, decode_options
+from la_compiler.kernels.decode_options import DecodeOptionsError, decode_options
 from la_compiler.kernels.decode_reference import (
     delta_rule_decode_reference, hadamard32, qdq_factor, qdq_int8_h32, qdq_state, round_e4m3,
     round_half_away, round_log_decay,
@@ -154,7 +154,8 @@ def _hook_oracle(inputs, cu, kind, opts, prefill, valid, layout, scale):
             return S
 
         if L == 0:
-            finals.append(S0 if S0 is not None else torch.zeros(v.shape[2], q.shape[3], v.shape[3], dtype=torch.float64))
+            zero = torch.zeros(v.shape[2], q.shape[3], v.shape[3], dtype=torch.float64)
+            finals.append(S0 if S0 is not None else zero)
             continue
         on, Sn = delta_rule_reference(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], gs, beta[b:b + 1, sl],
                                       kind=kind, scale=scale, initial_state=None if S0 is None else S0[None],

@@ -84,8 +84,14 @@ def naive_fla_call(kind, q, k, v, g, beta, *, scale=None, initial_state=None, ou
 
 def conv1d_oracle(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
                   activation=None, cu_seqlens=None, **ignored):
-    """Depthwise causal conv as ``nn.Conv1d(padding=W-1)`` computes it (no cache support)."""
-    assert initial_state is None and not output_final_state and cu_seqlens is None
+    """Depthwise causal conv as ``nn.Conv1d(padding=W-1)`` computes it, per sequence (no cache support)."""
+    assert initial_state is None and not output_final_state
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        parts = [conv1d_oracle(x[:, bounds[i]:bounds[i + 1]], weight, bias, None, activation=activation)[0]
+                 for i in range(len(bounds) - 1)]
+        y = torch.cat(parts, 1)
+        return (y if residual is None else y + residual), None
     D, W = weight.shape
     y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=W - 1, groups=D)[..., :x.shape[1]]
     y = y.transpose(1, 2)

@@ -59,7 +59,7 @@ def _compare_call(fla_fn, kind, tensors, options, *, grads=True, against_fla_ker
             assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
 
 
-def _inputs(kind, *, B=2, T=9, H=2, HV=2, K=8, V=8, raw=True, h0=False, vk=False, N=None):
+def _inputs(kind, *, B=1, T=7, H=2, HV=2, K=8, V=8, raw=True, h0=False, vk=False, N=None):
     q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
     v = torch.randn(B, T, HV, V)
     g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
@@ -113,13 +113,11 @@ def test_gdn_fused_recurrent_with_gk_is_a_kda_node():
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
     from fla.ops.kda.naive import naive_recurrent_kda
 
-    t = _inputs("kda", raw=False)
-    mine = _leaves(t)
-    fn = compile_laqat(lambda q, k, v, g, beta: fused_recurrent_gated_delta_rule(q, k, v, gk=g, beta=beta))
-    report = la_compiler.explain(lambda **x: fused_recurrent_gated_delta_rule(
-        x["q"], x["k"], x["v"], gk=x["g"], beta=x["beta"]), **_leaves(t))
-    assert [m.kind for m in report.matches] == ["kda"]
-    o, ht = fn(**mine)
+    t = _inputs("kda", B=2, raw=False)
+    report = la_compiler.explain(lambda q, k, v, g, beta: fused_recurrent_gated_delta_rule(q, k, v, gk=g, beta=beta),
+                                 **t)
+    assert [m.kind for m in report.matches] == ["kda"] and report.graph_breaks == 0
+    o, ht = report.output
     o_ref, _ = naive_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"])
     assert ht is None
     assert_close_rel(o, o_ref, TOL, "o")
@@ -307,10 +305,29 @@ def test_kda_layer_chunk_mode_short_conv_grouped_heads():
     _check_model(Model(_kda(num_v_heads=4, use_short_conv=True, allow_neg_eigval=True)), kinds=["kda"], train=True)
 
 
+def test_gdn_layer_varlen_training():
+    """Packed sequences (cu_seqlens) through the short convolutions and the recurrence of a layer."""
+    layer = _gdn(num_v_heads=4, use_short_conv=True).train()
+    x, cu_seqlens = torch.randn(1, 11, 32), torch.tensor([0, 4, 11])
+    x_mine, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    report = la_compiler.explain(layer, x_mine, cu_seqlens=cu_seqlens)
+    assert [(m.kind, m.module) for m in report.matches] == [("gdn", "")] and report.graph_breaks == 0
+    with naive_fla():
+        y_ref = layer(x_ref, cu_seqlens=cu_seqlens)[0]
+    y = report.output[0]
+    assert_close_rel(y, y_ref, TOL, "y")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad((y * dy).sum(), [x_mine, *layer.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum(), [x_ref, *layer.parameters()])
+    for name, gr, gr_ref in zip(["x"] + [n for n, _ in layer.named_parameters()], grads, grads_ref):
+        assert_close_rel(gr, gr_ref, TOL, f"d{name}")
+
+
 def test_gdn_and_kda_layers_eval_fused_recurrent_mode():
     """Under no_grad in eval with T <= 64 FLA's layers call fused_recurrent_*; no short conv; GDN's
     ungated output norm (use_gate=False)."""
-    model = Model(_gdn(use_short_conv=False, use_gate=False), _kda(use_short_conv=False, safe_gate=True, lower_bound=-5.0))
+    model = Model(_gdn(use_short_conv=False, use_gate=False),
+                  _kda(use_short_conv=False, safe_gate=True, lower_bound=-5.0))
     _check_model(model, kinds=["gdn", "kda"], train=False)
 
 

@@ -20,17 +20,19 @@ MISTAKES = {
     "leaked_intermediate": "read outside the recurrence",
     "two_states": "2 loop-carried values",
     "no_decay": "no decay",
-    "bias_in_step": "which is no q, k, v, g, beta or state",
+    "bias_in_step": "which is no q, k, v, g, beta or state",  # a bias tensor passed in
+    "constant_in_step": "does not compute the GDN/KDA delta rule",  # a bias made inside
     "decayed_key": "does not compute the GDN/KDA delta rule",
     "non_causal_chunk": "non-causal",
 }
 
 
-def _gdn(q, k, v, g, beta, h0=None, mistake=""):
+def _gdn(q, k, v, g, beta, h0=None, mistake="", bias=None):
     B, T, H, K = q.shape
     S = h0 if h0 is not None else torch.zeros(B, H, K, v.shape[-1])
     acc = torch.zeros(B, H, v.shape[-1])
-    bias = torch.ones(v.shape[-1]) * 0.5
+    if mistake == "constant_in_step":
+        bias = torch.ones(v.shape[-1]) * 0.5
     o = torch.zeros_like(v)
     leaked = []
     for t in range(T):
@@ -56,7 +58,7 @@ def _gdn(q, k, v, g, beta, h0=None, mistake=""):
             leaked.append(read)
         state = S_before if mistake == "read_before_update" else S
         ot = (state * q[:, t, ..., None]).sum(-2) * K ** -0.5
-        if mistake == "bias_in_step":
+        if bias is not None:
             ot = ot + bias
         if mistake == "two_states":
             ot = ot + acc
@@ -69,4 +71,6 @@ def _gdn(q, k, v, g, beta, h0=None, mistake=""):
 def gdn_with_mistake(name):
     if name == "non_causal_chunk":
         return functools.partial(gdn_chunked_solve, causal=False)
+    if name == "bias_in_step":
+        return functools.partial(_gdn, mistake=name, bias=torch.full((4,), 0.5))
     return functools.partial(_gdn, mistake=name)

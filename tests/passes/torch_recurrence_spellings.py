@@ -64,8 +64,8 @@ def gdn_unbind_cat(q, k, v, g, beta, h0=None):
 
 def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True):
     """Kimi/Qwen-style chunked WY form in [B, T, H, D], triangular inverse with
-    linalg.solve_triangular, T padded to the chunk size; ``causal=False`` drops the intra-chunk
-    mask (a near miss)."""
+    linalg.solve_triangular, T padded to the chunk size; ``causal=False`` lets the intra-chunk
+    attention see later tokens of the chunk (a near miss)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -77,14 +77,13 @@ def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True):
     q, k, v = (x.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B, H, N, C, D]
     g, beta = (x.reshape(B, N, C, H).permute(0, 3, 1, 2) for x in (g, beta))  # [B, H, N, C]
     gc = g.cumsum(-1)
-    decay = (gc[..., :, None] - gc[..., None, :]).tril().exp().tril()
+    log_decay = (gc[..., :, None] - gc[..., None, :]).tril()
+    decay = log_decay.exp().tril()
     kb = k * beta[..., None]
     A = torch.eye(C) + (kb @ k.transpose(-1, -2) * decay).tril(-1)
     u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(A, kb * gc.exp()[..., None], upper=False, unitriangular=True)
-    qk = q @ k.transpose(-1, -2) * decay
-    if causal:
-        qk = qk.tril()
+    qk = q @ k.transpose(-1, -2) * (decay if causal else log_decay.exp())
     S = h0 if h0 is not None else q.new_zeros(B, H, K, V)
     o = torch.zeros_like(v)
     for n in range(N):

@@ -53,8 +53,10 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
         taken |= region.nodes
         accepted.append((region, assignment, spec))
     # graph positions of the original nodes keep their relative order while others are inserted
+    renamed: dict = {}
+    accepted.sort(key=lambda item: flow.pos[item[0].body.windows[0][0]])
     for region, assignment, spec in accepted:
-        replace_region(gm, flow, region, assignment, spec)
+        replace_region(gm, flow, region, assignment, spec, renamed)
     if accepted:
         gm.graph.lint()
         gm.recompile()

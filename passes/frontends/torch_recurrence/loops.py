@@ -94,9 +94,14 @@ def find_loops(flow: Dataflow) -> list[Loop]:
     valid = []
     for fam in families.values():
         fam.sort(key=lambda s: marker(flow, s))
-        idx = [s.index for s in fam]
-        if len(fam) >= 2 and idx == list(range(idx[0], idx[0] + len(idx))):
-            valid.append(fam)
+        run = [fam[0]]  # one source read by two loops (two layers) gives two runs 0..n-1
+        for s in fam[1:] + [None]:
+            if s is not None and s.index == run[-1].index + 1:
+                run.append(s)
+                continue
+            if len(run) >= 2:
+                valid.append(run)
+            run = [s]
     valid.sort(key=lambda f: marker(flow, f[0]))
     loops: list[Loop] = []
     for fam in valid:
@@ -193,7 +198,7 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
 def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
     """Windows, step isomorphism, carried state, outputs; raises ``NotARecurrence``."""
     nodes, a, b = flow.nodes, loop.first, loop.last
-    starts = [loop.starts[i] for i in range(a, b + 1)]
+    starts = _rotate(flow, [loop.starts[i] for i in range(a, b + 1)])
     lengths = {starts[i + 1] - starts[i] for i in range(len(starts) - 1)}
     candidate = _has_state_like_carry(flow, nodes[starts[0]:starts[1]], starts[1], starts[-1] if len(starts) > 2 else None)
     if len(lengths) != 1:
@@ -239,6 +244,21 @@ def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
     if sv is None or sv.dim() < 3 or not sv.dtype.is_floating_point:
         raise NotARecurrence("loop-carried value is not a floating tensor of rank >= 3", False)
     return _outputs(flow, loop, windows, state_offset, init)
+
+
+def _rotate(flow: Dataflow, starts: list[int]) -> list[int]:
+    """Moves every step's start back over slice reads that open the step before the first slice
+    of a loop family (``kt = k[:, t - 1]`` as the first statement), by the same amount for all."""
+    nodes, r = flow.nodes, 0
+    while True:
+        r1 = r + 1
+        for i, st in enumerate(starts):
+            p = st - r1
+            end = starts[i + 1] - r1 if i + 1 < len(starts) else st + (st - starts[i - 1]) - r1
+            if p < 0 or not time_slices(nodes[p]) or not nodes[p].users or \
+                    not all(p <= flow.pos[u] < end for u in nodes[p].users):
+                return [st - r for st in starts]
+        r = r1
 
 
 def _check_time_indices(windows, loop: Loop, where: _Windows):

@@ -36,7 +36,11 @@ class Region:
 
 
 def _per_token(v, lo, hi) -> bool:
-    return v is not None and 2 <= v.dim() <= 4 and any(isinstance(s, int) and lo < s <= hi for s in v.shape)
+    """[B, T, H, D]-like: rank 2..4 with a sequence-length dim (never the feature dim of a rank-4 one)."""
+    if v is None or not 2 <= v.dim() <= 4:
+        return False
+    dims = v.shape[:-1] if v.dim() == 4 else v.shape
+    return any(isinstance(s, int) and lo < s <= hi for s in dims)
 
 
 def chunk_geometry(body: LoopBody) -> tuple[int, int]:
@@ -61,6 +65,7 @@ def chunk_geometry(body: LoopBody) -> tuple[int, int]:
 def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
     chunk, padded = chunk_geometry(body)
     lo, hi = padded - chunk, padded
+    state_shape = tuple(tensor_value(body.states[0]).shape)
     region = set(body.nodes())
     if body.o_buffer is not None:
         region.add(body.o_buffer)
@@ -88,7 +93,7 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
             v = tensor_value(n)
             if v is None:
                 continue
-            if _per_token(v, lo, hi) and n.all_input_nodes:
+            if _per_token(v, lo, hi) and tuple(v.shape) != state_shape and n.all_input_nodes:
                 ok = rules.is_layout(n) or rules.scalar_operand(n) is not None or \
                     (rules.is_pair_mul(n) and _independent(flow, *n.args) and
                      all(_per_token(tensor_value(a), lo, hi) for a in n.args))
@@ -121,15 +126,16 @@ def _independent(flow: Dataflow, x, y) -> bool:
 
 
 def seq_len_of(frontier, chunk: int, padded: int) -> list[int]:
-    """Candidate unpadded lengths T: a size in (padded - chunk, padded] every per-token input has."""
-    common = None
+    """Candidate unpadded lengths T, most likely first: sizes in (padded - chunk, padded] by how
+    many frontier tensors have them (an initial state may have a head dim in that range too)."""
+    counts: dict[int, int] = {}
     for n in frontier:
         v = tensor_value(n)
         if v is None or not _per_token(v, padded - chunk, padded):
             continue
-        sizes = {s for s in v.shape if padded - chunk < s <= padded}
-        common = sizes if common is None else common & sizes
-    return sorted(common or (), reverse=True)
+        for size in {s for s in v.shape if padded - chunk < s <= padded}:
+            counts[size] = counts.get(size, 0) + 1
+    return sorted(counts, key=lambda s: (-counts[s], -s))
 
 
 _CHAIN_METHODS = {"reshape", "view", "permute", "transpose", "contiguous", "flatten"}

@@ -65,23 +65,31 @@ class _Emitter:
         return node if tensor_value(node).dtype == dtype else self.emit("call_method", "to", [node, dtype])
 
 
-def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: Assignment, spec: RecurrenceSpec):
-    """Rewrites the graph; returns the IR node."""
+def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: Assignment, spec: RecurrenceSpec,
+                   renamed: dict) -> torch.fx.Node:
+    """Rewrites the graph; returns the IR node. ``renamed`` maps outputs of regions replaced
+    before (an earlier layer's final state feeding this one) to their replacements, and gets
+    this region's outputs added."""
     body = region.body
+    new = lambda n: renamed.get(n, n)  # noqa: E731
     # new nodes go right after the last frontier node: every input exists there, and every reader of
     # the region's outputs comes later (they follow the loop)
-    last_input = max(region.frontier, key=flow.pos.__getitem__, default=None)
+    inputs = {new(n) for n in region.frontier}
+    last_input = None
+    for n in gm.graph.nodes:
+        if n in inputs:
+            last_input = n
     anchor = last_input.next if last_input is not None else min(region.nodes, key=flow.pos.__getitem__)
     meta_from = body.windows[0][body.state_offset]
     em = _Emitter(gm, anchor, meta_from, _fake_mode(region))
     compute = tensor_value(region.output).dtype
     if not compute.is_floating_point:
         compute = torch.float32
-    q, k, v, beta = (em.cast(em.permute(lay.node, lay.perm), compute) for lay in (a.q, a.k, a.v, a.beta))
-    g = em.cast(em.permute(a.g.node, a.g.perm), compute)
+    q, k, v, beta = (em.cast(em.permute(new(lay.node), lay.perm), compute) for lay in (a.q, a.k, a.v, a.beta))
+    g = em.cast(em.permute(new(a.g.node), a.g.perm), compute)
     if a.decay_form == "exp":
         g = em.emit("call_function", torch.log, [g])
-    h0 = em.cast(a.h0, compute) if a.h0 is not None else None
+    h0 = em.cast(new(a.h0), compute) if a.h0 is not None else None
     ir = em.emit("call_function", DELTA_RULE, [q, k, v, g, beta, h0, None, float(a.scale), spec.to_string()])
     ir.meta["laqat"] = LaqatMeta(spec=spec, frontend="torch", module=module_name(meta_from),
                                  region=[n.name for n in sorted(region.nodes, key=flow.pos.__getitem__)])
@@ -91,10 +99,12 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
         inverse[d] = i
     o = em.cast(em.permute(o, inverse), tensor_value(region.output).dtype)
     _redirect(flow, region, region.output, o)
+    renamed[region.output] = o
     if region.final_state is not None:
         s = em.emit("call_function", operator.getitem, [ir, 1])
         s = em.cast(s, tensor_value(region.final_state).dtype)
         _redirect(flow, region, region.final_state, s)
+        renamed[region.final_state] = s
     for n in sorted(region.nodes, key=flow.pos.__getitem__, reverse=True):
         if n.users:
             raise RuntimeError(f"laqat torch frontend: region node {n.name} still has users {list(n.users)}")

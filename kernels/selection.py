@@ -144,8 +144,7 @@ def _decode_reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None
 TABLE: tuple[Row, ...] = (
     Row("fla_chunk", _fla_chunk, "FLA's own chunk kernel: exact numerics on CUDA"),
     Row("fused_recurrent", _fused_recurrent, "generated token-by-token Triton kernel, fp32 state"),
-    Row("chunk", _chunk, "generated chunked (WY) Triton kernels with state/W/FP8-INT8-row operand QDQ, "
-        "forward and backward"),
+    Row("chunk", _chunk, "generated chunked (WY) Triton kernels: state/W/operand QDQ, accumulators, fwd + bwd"),
     Row("decode_fused", _decode_fused, "fused Triton decode-phase kernel (token / replay), fwd + bwd"),
     Row("decode_reference", _decode_reference, "fp64 torch reference of decode-phase training (slow)", "torch"),
     Row("reference", _reference, "fp64 torch reference: any prefill spec, any device, slow", "torch"),

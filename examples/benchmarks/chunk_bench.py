@@ -68,8 +68,9 @@ from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference  # no
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
 
 SHAPES = [(1, 1024, 4, 64), (1, 4096, 16, 128), (8, 4096, 16, 128)]
-FP8_ALL = {f"{s}.{side}": "fp8_e4m3/row" for s in GEMM_SITES for side in ("lhs", "rhs") if (s, side) != ("state_read", "lhs")}
-NVFP4_ALL = {f"{s}.{side}": "nvfp4/block16" for s in GEMM_SITES for side in ("lhs", "rhs") if (s, side) != ("state_read", "lhs")}
+OPERANDS = [f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs") if (s, side) != ("state_read", "lhs")]
+FP8_ALL = {site: "fp8_e4m3/row" for site in OPERANDS}
+NVFP4_ALL = {site: "nvfp4/block16" for site in OPERANDS}
 POLICIES = {  # name -> quant sites of the spec
     "laqat exact": {},
     "laqat FP8 state": {"state": "fp8_e4m3/tile64"},

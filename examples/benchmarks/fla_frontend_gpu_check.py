@@ -1,6 +1,6 @@
 """On CUDA: the FLA frontend's opaque ops and whole FLA layers, laqat vs FLA's own kernels.
 
-    OUT=./out python examples/benchmarks/fla_frontend_gpu_check.py
+    OUT=./out python examples/benchmarks/fla_frontend_gpu_check.py    (after `pip install -e .`, as run_gpu.sh does)
 
 1. ``laqat::causal_conv1d`` (FLA's causal_conv1d_fwd/bwd on CUDA) against its fp32 torch reference
    (the CPU path): output, final state and every gradient, with bias, residual, initial state,
@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-import la_compiler  # noqa: E402
-import la_compiler.backend  # noqa: E402,F401  (installs the FLA substitutions)
-from la_compiler.passes.frontends.fla_conv_op import causal_conv1d_reference  # noqa: E402
-from la_compiler.passes.frontends.fla_norm_op import layer_norm_gated_reference  # noqa: E402
+import la_compiler
+import la_compiler.backend  # noqa: F401  (installs the FLA substitutions)
+from la_compiler.passes.frontends.fla_conv_op import causal_conv1d_reference
+from la_compiler.passes.frontends.fla_norm_op import layer_norm_gated_reference
 
 ROWS: list[dict] = []
 

@@ -153,6 +153,30 @@ def test_operand_sites_forward_and_backward(kind, fmt="fp8_e4m3/row"):
         assert rel_l2(a, b) <= ALL_SITES_TOL, name
 
 
+@pytest.mark.parametrize("kind,acc", [
+    ("gdn", {site: "bf16:4" for site in ("key_interaction", "wy_value", "wy_key", "state_read", "state_update",
+                                          "output_state", "output_score", "output_value")}),
+    ("kda", {"key_interaction": "fp16:4", "output_value": "fp16:4", "state_update": "fp16:4"}),
+])
+def test_accumulator_emulation_forward_and_backward(kind, acc):
+    """acc.<site>: the products accumulated block by block in fp16/bf16 (rounded after every block's add),
+    straight-through gradients; kernel against the reference's emulation, forward and every gradient."""
+    inputs, cu = _case(kind, kind == "gdn", "kv", K=16, V=16)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(acc=acc)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
+                                          initial_state=inputs[5], cu_seqlens=cu)
+    assert rel_l2(o, exact) > 10 * rel_l2(o, o_ref)  # the emulation is really there
+    x64 = [x.double().requires_grad_() for x in inputs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
+    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        assert rel_l2(a, b) <= QDQ_TOL, name
+
+
 @pytest.mark.parametrize("kind,varlen,state,extra", [
     ("gdn", False, "kv", {}),
     ("kda", True, "vk", {}),
@@ -196,7 +220,7 @@ def test_chunk_variant_through_the_ir_op(kind):
 @pytest.mark.parametrize("text,match", [
     ("kda[chunk=8; q.output_value.lhs=int8/block16]", "output_value.lhs"),
     ("gdn[chunk=8; q.output_value.lhs=nvfp4/block16]", "output_value.lhs"),
-    ("gdn[chunk=8; acc.wy_key=fp16:16]", "accumulator"),
+    ("gdn[chunk=8; acc.wy_key=fp8:16]", "acc.wy_key"),
     ("gdn[chunk=8; q.state=fp8_e4m3/row]", "q.state"),
     ("kda[chunk=8; q.w=fp8_e4m3/tensor]", "q.w"),
     ("kda[chunk=8; q.state=fp8_e4m3/tile16/clip]", "q.state"),

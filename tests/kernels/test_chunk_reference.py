@@ -48,7 +48,8 @@ def test_exact_chunk_equals_token_reference(kind, varlen, state):
                                          cu_seqlens=cu, state_layout=state)
     assert _max_err(o, o_ref) < TOL and _max_err(ht, ht_ref) < TOL
     cot = [torch.randn_like(o), torch.randn_like(ht)]
-    for name, a, b in zip("q k v g beta h0".split(), grads_of([o, ht], cot, inputs), grads_of([o_ref, ht_ref], cot, inputs)):
+    for name, a, b in zip("q k v g beta h0".split(), grads_of([o, ht], cot, inputs),
+                          grads_of([o_ref, ht_ref], cot, inputs)):
         assert _max_err(a, b) < TOL, name
 
 

@@ -403,11 +403,16 @@ def test_refuses_unsupported_conv_and_norm_arguments():
 def test_substitutes_every_fla_alias():
     import fla.layers.gated_deltanet as gdn_layer
     import fla.layers.kda as kda_layer
+    import fla.modules.causal_conv1d.ops as conv_ops
     import fla.modules.convolution as conv_alias
+    import fla.modules.mlp as mlp
+    import fla.modules.norm.fused_norm_gate as gated_norms
+    import fla.modules.norm.layernorm as norms
     import fla.ops as ops
     import fla.ops.gated_delta_rule as gdn_ops
 
     for fn in (ops.chunk_gated_delta_rule, gdn_ops.chunk_gdn, gdn_ops.fused_recurrent_gdn,
                gdn_layer.chunk_gated_delta_rule, gdn_layer.fused_recurrent_gated_delta_rule,
-               gdn_layer.causal_conv1d, conv_alias.causal_conv1d, kda_layer.chunk_kda, kda_layer.fused_recurrent_kda):
+               gdn_layer.causal_conv1d, conv_alias.causal_conv1d, conv_ops.causal_conv1d, kda_layer.chunk_kda,
+               kda_layer.fused_recurrent_kda, gated_norms.rms_norm_gated, norms.rms_norm, mlp.swiglu_linear):
         assert fn in fla_frontend.SUBSTITUTED, fn

@@ -19,7 +19,7 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
     from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow
     from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
     from la_compiler.passes.frontends.torch_recurrence.region import build_region
-    from la_compiler.passes.frontends.torch_recurrence.replace import replace_region
+    from la_compiler.passes.frontends.torch_recurrence.replace import check_replaceable, replace_region
     from la_compiler.passes.frontends.torch_recurrence.semantics import solve
     from la_compiler.passes.frontends.torch_recurrence.verify_mode import verify_rewrite
     from la_compiler.passes.module_names import module_name
@@ -41,6 +41,7 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
                 raise NotARecurrence("overlaps a recurrence already matched", candidate=False)
             assignment = solve(flow, region)
             spec = RecurrenceSpec(kind=assignment.kind, src="torch", state=assignment.state)
+            check_replaceable(region)
             if verify:
                 why = verify_rewrite(flow, region, assignment, spec)
                 if why:
@@ -58,6 +59,5 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
     for region, assignment, spec in accepted:
         replace_region(gm, flow, region, assignment, spec, renamed)
     if accepted:
-        gm.graph.lint()
-        gm.recompile()
+        gm.recompile()  # the pipeline lints and recompiles again after all passes; a direct caller needs this
     return len(accepted)

@@ -195,15 +195,44 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
     return None
 
 
+MAX_ROTATION = 8
+
+
 def analyze_loop(flow: Dataflow, loop: Loop) -> LoopBody:
-    """Windows, step isomorphism, carried state, outputs; raises ``NotARecurrence``."""
+    """Windows, step isomorphism, carried state, outputs; raises ``NotARecurrence``.
+
+    A step's first node is not always a slice (``s = s * a + x[:, t]`` evaluates ``s * a``
+    first), so the step boundary is tried a few nodes earlier as well: the first boundary
+    at which the loop analyses as one recurrence wins; else the first boundary's failure."""
+    starts = _rotate(flow, [loop.starts[i] for i in range(loop.first, loop.last + 1)])
+    first_error = None
+    for extra in range(MAX_ROTATION + 1):
+        try:
+            return _analyze(flow, loop, [st - extra for st in starts])
+        except NotARecurrence as e:
+            first_error = first_error or e
+        if not _belongs_to_next_step(flow, [st - extra for st in starts]):
+            break
+    raise first_error
+
+
+def _belongs_to_next_step(flow: Dataflow, starts) -> bool:
+    """Whether the node before each step's start is read only within that step."""
+    for i, st in enumerate(starts[:-1]):
+        p = st - 1
+        if p < 0 or not flow.nodes[p].users or \
+                not all(p < flow.pos[u] < starts[i + 1] - 1 for u in flow.nodes[p].users):
+            return False
+    return True
+
+
+def _analyze(flow: Dataflow, loop: Loop, starts: list[int]) -> LoopBody:
     nodes, a, b = flow.nodes, loop.first, loop.last
-    starts = _rotate(flow, [loop.starts[i] for i in range(a, b + 1)])
     lengths = {starts[i + 1] - starts[i] for i in range(len(starts) - 1)}
     candidate = _has_state_like_carry(flow, nodes[starts[0]:starts[1]], starts[1], starts[-1] if len(starts) > 2 else None)
     if len(lengths) != 1:
-        raise NotARecurrence(f"loop over index {a}..{b}: steps have different node counts {sorted(lengths)[:4]}",
-                             candidate)
+        raise NotARecurrence(f"loop over index {a}..{b}: steps are not isomorphic (they have different node "
+                             f"counts {sorted(lengths)[:4]})", candidate)
     period = lengths.pop()
     where = _Windows()
     slice_of = {s.node: s for s in loop.slices}

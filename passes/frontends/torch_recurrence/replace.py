@@ -14,6 +14,7 @@ import torch
 
 from la_compiler.ir import DELTA_RULE, LaqatMeta
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value, value
+from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
 from la_compiler.passes.frontends.torch_recurrence.region import Region
 from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment
 from la_compiler.passes.module_names import module_name
@@ -71,6 +72,7 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     before (an earlier layer's final state feeding this one) to their replacements, and gets
     this region's outputs added."""
     body = region.body
+    check_replaceable(region)
     new = lambda n: renamed.get(n, n)  # noqa: E731
     # new nodes go right after the last frontier node: every input exists there, and every reader of
     # the region's outputs comes later (they follow the loop)
@@ -106,10 +108,20 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
         _redirect(flow, region, region.final_state, s)
         renamed[region.final_state] = s
     for n in sorted(region.nodes, key=flow.pos.__getitem__, reverse=True):
-        if n.users:
-            raise RuntimeError(f"laqat torch frontend: region node {n.name} still has users {list(n.users)}")
         gm.graph.erase_node(n)
     return ir
+
+
+def check_replaceable(region: Region) -> None:
+    """Only the output and the final state may be read from outside the region (checked before
+    the graph is touched)."""
+    for n in region.nodes:
+        if n is region.output or n is region.final_state:
+            continue
+        outside = [u for u in n.users if u not in region.nodes]
+        if outside:
+            raise NotARecurrence(f"{n.name} inside the recurrence is read outside it by {outside[0].name}",
+                                 nodes=[n.name, outside[0].name])
 
 
 def _redirect(flow: Dataflow, region: Region, old: torch.fx.Node, new: torch.fx.Node):

@@ -32,7 +32,7 @@ def verify_rewrite(flow: Dataflow, region: Region, a: Assignment, spec: Recurren
         o_ir, s_ir = torch.ops.laqat.delta_rule(q, k, v, g, beta, h0, None, float(a.scale),
                                                 spec.replace(kernel="reference").to_string())
     errors = {"o": rel_err(o_ir.double(), o_region)}
-    if s_region is not None and region.chunk == 1 or region.final_state is not None:
+    if s_region is not None and (region.chunk == 1 or region.final_state is not None):
         errors["final_state"] = rel_err(s_ir.double(), s_region)
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     if bad:

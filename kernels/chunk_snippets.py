@@ -1,0 +1,442 @@
+"""The Triton code the chunk templates are filled with, per kind and per quant site.
+
+Each function returns source lines for one ``${PLACEHOLDER}`` of ``templates/chunk_*.tmpl``; the
+dicts hold what differs between GDN (scalar decay per head) and KDA (per key channel).
+``chunk_codegen`` picks them for a ``ChunkParams`` and renders the modules; the math they
+implement is derived in docs/kernels-chunk.md.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk_codegen import ChunkParams
+
+PAIRWISE_SITES = ("key_interaction", "output_score")  # KDA: the decay sits inside these products' reduction
+
+
+def parse_quant(text: str):
+    from la_compiler.quant.config import QuantConfig
+
+    return QuantConfig.parse(text)
+
+
+_QDQ = {"fp8_e4m3": ("fp8_scale", "qdq_fp8_e4m3"), "int8": ("int8_scale", "qdq_int8")}
+
+
+def state_qdq(p: ChunkParams) -> str:
+    if p.state_quant is None:
+        return ""
+    cfg = parse_quant(p.state_quant)
+    if cfg.format == "int8_h32":
+        return "b_h = tl.reshape(qdq_int8_h32(tl.reshape(b_h, (BK * BV // 32, 32))), (BK, BV))"
+    scale_fn, qdq_fn = _QDQ[cfg.format]
+    return (f"# state quantizer {p.state_quant}: one scale per [K x BV] tile\n"
+            f"b_h = {qdq_fn}(b_h, {scale_fn}(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))")
+
+
+def w_qdq(p: ChunkParams) -> str:
+    if p.w_quant is None:
+        return ""
+    cfg = parse_quant(p.w_quant)
+    head = f"# W quantizer {p.w_quant}\n"
+    if cfg.format == "nvfp4":  # blocks of 16 along K; global amax over this chunk's W tile
+        return head + (
+            "b_w3 = tl.reshape(b_w, (C, BK // 16, 16))\n"
+            "b_gs = nvfp4_global_scale(tl.max(tl.max(amax_abs(b_w), axis=1), axis=0))\n"
+            "b_sb = nvfp4_block_scale(tl.max(amax_abs(b_w3), axis=2), b_gs)\n"
+            "b_w = tl.reshape(qdq_e2m1(b_w3, b_sb[:, :, None]), (C, BK))")
+    scale_fn, qdq_fn = _QDQ[cfg.format]
+    if cfg.group == "row":
+        return head + f"b_w = {qdq_fn}(b_w, {scale_fn}(tl.max(amax_abs(b_w), axis=1))[:, None])"
+    n = cfg.block_size
+    return head + (
+        f"b_w3 = tl.reshape(b_w, (C, BK // {n}, {n}))\n"
+        f"b_w = tl.reshape({qdq_fn}(b_w3, {scale_fn}(tl.max(amax_abs(b_w3), axis=2))[:, :, None]), (C, BK))")
+
+
+def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None) -> str:
+    """``out = QDQ(var)`` for a GEMM operand site (identity when the site is off); ``axis`` is the
+    reduction axis of the register tile: 1 = one scale per row, 0 = one scale per column."""
+    out = out or var
+    fmt = dict(p.operands).get(site)
+    if fmt is None:
+        return "" if out == var else f"{out} = {var}"
+    scale_fn, qdq_fn = _QDQ[parse_quant(fmt).format]
+    bcast = "[:, None]" if axis == 1 else "[None, :]"
+    return f"{out} = {qdq_fn}({var}, {scale_fn}(tl.max(amax_abs({var}), axis={axis})){bcast})  # q.{site}={fmt}"
+
+
+ACC_ROUNDING = {"fp16": "({}).to(tl.float16).to(tl.float32)", "bf16": "_round_bf16({})"}
+
+# fp32 -> bf16 -> fp32, round to nearest even, written on the bits: Triton's interpreter truncates in
+# .to(tl.bfloat16) (GPUs round to nearest even), so the cast is not used.
+ACC_HELPERS = """@triton.jit
+def _round_bf16(x):
+    b_bits = x.to(tl.int32, bitcast=True)
+    b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & -65536
+    return tl.where(x == x, b_bits.to(tl.float32, bitcast=True), x)"""
+
+
+def parse_acc(text: str) -> tuple[str, int]:
+    """``fp16:16`` -> ("fp16", 16) (the spec's acc.<site> value); ValueError otherwise."""
+    name, sep, block = text.partition(":")
+    if name not in ACC_ROUNDING or not sep or not block.isdigit() or int(block) <= 0:
+        raise ValueError(f"accumulator {text!r} must read '<fp16|bf16>:<reduction block>'")
+    return name, int(block)
+
+
+def acc_dot(p: ChunkParams, site: str, out: str, lhs: str, rhs: str, red: str) -> str:
+    """``out = lhs @ rhs`` for a GEMM site; with ``acc.<site>`` the reduction (length ``red``, a
+    constexpr name) runs block by block, the running sum rounded to fp16/bf16 after every block's add
+    (the first block's product included), as the reference's accumulator emulation does."""
+    dot = "tl.dot({}, " + rhs + ", input_precision=DOT_PRECISION)"
+    acc = dict(p.acc).get(site)
+    if acc is None:
+        return f"{out} = " + dot.format(lhs)
+    name, block = parse_acc(acc)
+    rnd = ACC_ROUNDING[name]
+    blk = f"tl.where(((o_red >= i_rb * {block}) & (o_red < i_rb * {block} + {block}))[None, :], {lhs}, 0.0)"
+    return lines(
+        f"# acc.{site}={acc}: {name} accumulator, reduction blocks of {block}",
+        f"o_red = tl.arange(0, {red})",
+        f"{out} = " + rnd.format(dot.format(f"tl.where((o_red < {block})[None, :], {lhs}, 0.0)")),
+        f"for i_rb in range(1, tl.cdiv({red}, {block})):",
+        f"    {out} = " + rnd.format(f"{out} + " + dot.format(blk)))
+
+
+def acc_row_sum(p: ChunkParams, site: str, out: str, x: str) -> str:
+    """``out = tl.sum(x, 1)`` (a reduction over the key channels, KDA's pair products) with the site's
+    accumulator emulation, like ``acc_dot``."""
+    acc = dict(p.acc).get(site)
+    if acc is None:
+        return f"{out} = tl.sum({x}, 1)"
+    name, block = parse_acc(acc)
+    rnd = ACC_ROUNDING[name]
+    part = f"tl.sum(tl.where(((o_k >= i_rb * {block}) & (o_k < i_rb * {block} + {block}))[None, :], {x}, 0.0), 1)"
+    return lines(
+        f"{out} = " + rnd.format(f"tl.sum(tl.where((o_k < {block})[None, :], {x}, 0.0), 1)"),
+        f"for i_rb in range(1, tl.cdiv(BK, {block})):",
+        f"    {out} = " + rnd.format(f"{out} + {part}"))
+
+
+def acc_values(p: ChunkParams) -> dict[str, str]:
+    """Template values of the GEMMs outside the pair products."""
+    return {
+        "WY_KEY_DOT": acc_dot(p, "wy_key", "b_w", "b_Tw", "b_bk", "C"),
+        "WY_VALUE_DOT": acc_dot(p, "wy_value", "b_u", "b_Tu", "b_bv", "C"),
+        "STATE_READ_DOT": acc_dot(p, "state_read", "b_wh", "b_w", "b_hr", "BK"),
+        "STATE_UPDATE_DOT": acc_dot(p, "state_update", "b_upd", "tl.trans(b_kd)", "b_vu", "C"),
+        "OUTPUT_STATE_DOT": acc_dot(p, "output_state", "b_os", "b_qg", "b_h", "BK"),
+        "OUTPUT_VALUE_DOT": acc_dot(p, "output_value", "b_ov", "b_A", "b_v", "C"),
+    }
+
+
+def lines(*parts: str) -> str:
+    return "\n".join(x for x in parts if x)
+
+
+def operand_values(p: ChunkParams) -> dict[str, str]:
+    """Template values of the GEMM operand sites (empty or plain renames when no site is on)."""
+    t_ops = lines(_op(p, "wy_key.lhs", "b_T", 1, "b_Tw"), _op(p, "wy_value.lhs", "b_T", 1, "b_Tu"))
+    return {
+        "T_OPERANDS": t_ops,
+        "WY_OPERANDS": lines(t_ops, _op(p, "wy_key.rhs", "b_bk", 0)),
+        "WY_KEY_RHS": _op(p, "wy_key.rhs", "b_bk", 0),
+        "WY_VALUE_RHS": _op(p, "wy_value.rhs", "b_bv", 0),
+        "STATE_READ_RHS": _op(p, "state_read.rhs", "b_h", 0, "b_hr"),
+        "STATE_UPDATE_OPERANDS": lines(_op(p, "state_update.lhs", "b_kd", 0),
+                                        _op(p, "state_update.rhs", "b_v", 0, "b_vu")),
+        "OUTPUT_STATE_OPERANDS": lines(_op(p, "output_state.lhs", "b_qg", 1), _op(p, "output_state.rhs", "b_h", 0)),
+        "OUTPUT_VALUE_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1), _op(p, "output_value.rhs", "b_v", 0)),
+        "BWD_DH_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1), _op(p, "state_update.lhs", "b_kd", 0)),
+        "OUTPUT_STATE_LHS": _op(p, "output_state.lhs", "b_qg", 1),
+        "BWD_V_OPERANDS": lines(_op(p, "output_value.rhs", "b_vn", 0, "b_vn_ov"),
+                                 _op(p, "state_read.rhs", "b_hn", 0, "b_hn_sr"),
+                                 _op(p, "output_state.rhs", "b_hn", 0, "b_hn_os"),
+                                 _op(p, "state_update.rhs", "b_vn", 0, "b_vn_su")),
+    }
+
+
+def gdn_pairs(p: ChunkParams) -> str:
+    """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding."""
+    return lines(
+        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl"), _op(p, "key_interaction.rhs", "b_k", 1, "b_kr"),
+        _op(p, "output_score.lhs", "b_q", 1, "b_ql"), _op(p, "output_score.rhs", "b_k", 1, "b_kr2"),
+        "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))",
+        acc_dot(p, "key_interaction", "b_P", "b_kl", "tl.trans(b_kr)", "BK"),
+        acc_dot(p, "output_score", "b_Pqk", "b_ql", "tl.trans(b_kr2)", "BK"),
+        "b_P = b_P * b_Gam",
+        "b_Pqk = b_Pqk * b_Gam")
+
+
+def solve(p: ChunkParams) -> str:
+    eye = "tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)"
+    if p.solve == "exact":
+        return (
+            "# forward substitution: row i of T = e_i - sum_{j<i} A_ij T_j\n"
+            f"b_T = {eye}\n"
+            "for i in range(1, C):\n"
+            "    m_i = o_c == i\n"
+            "    b_a = tl.sum(tl.where(m_i[:, None], b_A, 0.0), 0)\n"
+            "    b_T = tl.where(m_i[:, None], b_T - tl.sum(b_a[:, None] * b_T, 0)[None, :], b_T)")
+    return (
+        f"# Neumann polynomial of degree {p.degree}: T = sum_{{i<={p.degree}}} (-A)^i (Horner)\n"
+        f"b_I = {eye}\n"
+        "b_T = b_I\n"
+        f"for _ in tl.static_range({p.degree}):\n"
+        "    b_T = b_I - tl.dot(b_A, b_T, input_precision=DOT_PRECISION)")
+
+def kda_pairs(p: ChunkParams) -> str:
+    """b_P = K K^T ⊙ Γ and b_Pqk = Q K^T ⊙ Γ of one KDA chunk, per key channel (masks applied later).
+
+    Off-diagonal sub-chunk blocks (rows in block b, columns before its first row r): dots of
+    K exp(G - G_r) and K exp(G_r - G), both factors <= 1 (G falls along the chunk). Diagonal
+    blocks: column jj of every block at once, exp(G_i - G_j) from the prefix difference masked to
+    j <= i before the exp; the column's rows are gathered from k and g_cum in memory."""
+    bc = p.sub_chunk
+    return (
+        f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row, diagonal blocks columnwise\n"
+        "b_P = tl.zeros([C, C], dtype=tl.float32)\n"
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n"
+        f"o_blk = o_c // {bc}\n"
+        f"for i_sb in range(1, C // {bc}):\n"
+        f"    i_ref = i_sb * {bc}\n"
+        "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
+        "    m_in = o_blk == i_sb\n"
+        "    m_before = o_c < i_ref\n"
+        "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
+        "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n"
+        "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
+        "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
+        "    b_Pqk += tl.dot(tl.where(m_in[:, None], b_q * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
+        f"for jj in range(0, {bc}):\n"
+        f"    o_j = o_blk * {bc} + jj\n"
+        "    t_j = i_t * C + o_j\n"
+        "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
+        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        "    b_kj = b_kj.to(tl.float32)\n"
+        "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        "    b_kj = b_kj * tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
+        "    m_sel = o_c[None, :] == o_j[:, None]\n"
+        "    b_P = tl.where(m_sel, tl.sum(b_k * b_kj, 1)[:, None], b_P)\n"
+        "    b_Pqk = tl.where(m_sel, tl.sum(b_q * b_kj, 1)[:, None], b_Pqk)")
+
+
+def kda_rounds_pairs(p: ChunkParams) -> bool:
+    """KDA pair products with rounding (operand QDQ or accumulator emulation): the column-by-column path."""
+    return any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc)
+
+
+def kda_pairs_rounded(p: ChunkParams) -> str:
+    """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
+    k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column."""
+    return lines(
+        "# column by column: the pairwise operands k_j exp(G_i - G_j) (rows (i, j) over K) are rounded per pair",
+        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl"), _op(p, "output_score.lhs", "b_q", 1, "b_ql"),
+        "b_P = tl.zeros([C, C], dtype=tl.float32)",
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
+        "for j in range(0, C):",
+        "    m_j = o_c == j",
+        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
+        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
+        "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
+        "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    " + _op(p, "key_interaction.rhs", "b_pk", 1, "b_pk_q"),
+        "    " + _op(p, "output_score.rhs", "b_pq", 1, "b_pq_q"),
+        "    " + acc_row_sum(p, "key_interaction", "b_cp", "b_kl * b_pk_q").replace("\n", "\n    "),
+        "    " + acc_row_sum(p, "output_score", "b_cq", "b_ql * b_pq_q").replace("\n", "\n    "),
+        "    b_P = tl.where(m_j[None, :], b_cp[:, None], b_P)",
+        "    b_Pqk = tl.where(m_j[None, :], b_cq[:, None], b_Pqk)")
+
+
+def kda_pair_grads_rounded(p: ChunkParams) -> str:
+    """Gradients of ``kda_pairs_rounded``: the rounded other operand in every product, identity STE."""
+    return lines(
+        "for j in range(0, C):",
+        "    m_j = o_c == j",
+        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
+        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
+        "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
+        "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
+        "    " + _op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq"),
+        "    " + _op(p, "output_score.rhs", "b_pq", 1, "b_pqq"),
+        "    b_dPj = tl.sum(tl.where(m_j[None, :], b_dP, 0.0), 1)",
+        "    b_dQj = tl.sum(tl.where(m_j[None, :], b_dPqk, 0.0), 1)",
+        "    b_dk += b_dPj[:, None] * b_pkq",
+        "    b_dq += b_dQj[:, None] * b_pqq",
+        "    b_dpk = b_dPj[:, None] * b_kl",
+        "    b_dpq = b_dQj[:, None] * b_ql",
+        "    b_t = b_dpk * b_pk + b_dpq * b_pq",
+        "    b_dG += b_t",
+        "    b_dk = tl.where(m_j[:, None], b_dk + tl.sum((b_dpk + b_dpq) * b_e, 0)[None, :], b_dk)",
+        "    b_dG = tl.where(m_j[:, None], b_dG - tl.sum(b_t, 0)[None, :], b_dG)")
+
+
+def kda_pair_grads(p: ChunkParams) -> str:
+    """Gradients of the KDA pair products (same blocking as ``kda_pairs``) into dk, dq, dG."""
+    bc = p.sub_chunk
+    return (
+        "# off-diagonal blocks: P_b = (K e^(G - G_r)) (K e^(G_r - G))^T\n"
+        f"o_blk = o_c // {bc}\n"
+        f"for i_sb in range(1, C // {bc}):\n"
+        f"    i_ref = i_sb * {bc}\n"
+        "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
+        "    m_in = o_blk == i_sb\n"
+        "    m_before = o_c < i_ref\n"
+        "    m_blk = m_in[:, None] & m_before[None, :]\n"
+        "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
+        "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n"
+        "    b_kl = tl.where(m_in[:, None], b_k * b_el, 0.0)\n"
+        "    b_ql = tl.where(m_in[:, None], b_q * b_el, 0.0)\n"
+        "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
+        "    b_dPb = tl.where(m_blk, b_dP, 0.0)\n"
+        "    b_dQb = tl.where(m_blk, b_dPqk, 0.0)\n"
+        "    b_dkl = tl.dot(b_dPb, b_kr, input_precision=DOT_PRECISION)\n"
+        "    b_dql = tl.dot(b_dQb, b_kr, input_precision=DOT_PRECISION)\n"
+        "    b_dkr = tl.dot(tl.trans(b_dPb), b_kl, input_precision=DOT_PRECISION) \\\n"
+        "        + tl.dot(tl.trans(b_dQb), b_ql, input_precision=DOT_PRECISION)\n"
+        "    b_dk += b_el * b_dkl + b_er * b_dkr\n"
+        "    b_dq += b_el * b_dql\n"
+        "    b_tl = b_kl * b_dkl + b_ql * b_dql\n"
+        "    b_tr = b_kr * b_dkr\n"
+        "    b_dG += b_tl - b_tr\n"
+        "    b_dG += tl.where((o_c == i_ref)[:, None], (tl.sum(b_tr, 0) - tl.sum(b_tl, 0))[None, :], 0.0)\n"
+        "# diagonal blocks, column jj of every block at once; row j of each block collects its column's sums\n"
+        f"for jj in range(0, {bc}):\n"
+        f"    o_j = o_blk * {bc} + jj\n"
+        "    t_j = i_t * C + o_j\n"
+        "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
+        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        "    b_kj = b_kj.to(tl.float32)\n"
+        "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        "    b_e = tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
+        "    m_sel = o_c[None, :] == o_j[:, None]\n"
+        "    b_dPj = tl.sum(tl.where(m_sel, b_dP, 0.0), 1)\n"
+        "    b_dQj = tl.sum(tl.where(m_sel, b_dPqk, 0.0), 1)\n"
+        "    b_kje = b_kj * b_e\n"
+        "    b_dk += b_dPj[:, None] * b_kje\n"
+        "    b_dq += b_dQj[:, None] * b_kje\n"
+        "    b_x = (b_dPj[:, None] * b_k + b_dQj[:, None] * b_q) * b_e\n"
+        "    b_tj = b_x * b_kj\n"
+        "    b_dG += b_tj\n"
+        "    m_isj = ((o_c % " + str(bc) + ") == jj)[:, None]\n"
+        f"    b_xs = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(b_x, (C // {bc}, {bc}, BK)), 1)[:, None, :], "
+        f"(C // {bc}, {bc}, BK)), (C, BK))\n"
+        f"    b_ts = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(b_tj, (C // {bc}, {bc}, BK)), 1)[:, None, :], "
+        f"(C // {bc}, {bc}, BK)), (C, BK))\n"
+        "    b_dk += tl.where(m_isj, b_xs, 0.0)\n"
+        "    b_dG -= tl.where(m_isj, b_ts, 0.0)")
+
+
+GDN_FWD = {
+    "LOAD_DECAY": (
+        "b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)\n"
+        "b_G = tl.cumsum(b_g, 0)\n"
+        "tl.store(g_cum + r_hv, b_G, mask=m_c)"),
+    "KEY_DECAY": "tl.exp(b_G)[:, None]",
+    "CHUNK_DECAY": (
+        "b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)\n"
+        "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
+        "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
+        "b_h *= tl.exp(b_glast)"),
+    "QUERY_DECAY": (
+        "b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)\n"
+        "b_qg = b_q * tl.exp(b_g)[:, None]"),
+}
+
+KDA_FWD = {
+    "LOAD_DECAY": (
+        "b_g = tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)\n"
+        "b_G = tl.cumsum(b_g, 0)\n"
+        "tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], b_G, mask=m_ck)\n"
+        "tl.debug_barrier()  # the pair products gather rows of g_cum written just now"),
+    "KEY_DECAY": "tl.exp(b_G)",
+    "CHUNK_DECAY": (
+        "b_g = tl.load(g_cum + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+        "b_glast = tl.load(g_cum + (i_last * HV + i_hv) * K + o_k, mask=m_k, other=0)\n"
+        "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_g), 0.0)\n"
+        "b_h *= tl.exp(b_glast)[:, None]"),
+    "QUERY_DECAY": (
+        "b_g = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+        "b_qg = b_q * tl.exp(b_g)"),
+}
+
+QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_scale, nvfp4_block_scale,  # noqa: F401\n"
+              "    nvfp4_global_scale, qdq_e2m1, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32)")
+
+
+
+def solve_grad(p: ChunkParams) -> str:
+    if p.solve == "exact":
+        return ("# T = (I + A)^-1: dA = -T^T dT T^T\n"
+                "b_dA = -tl.dot(tl.trans(b_T), tl.dot(b_dT, tl.trans(b_T), input_precision=DOT_PRECISION),\n"
+                "               input_precision=DOT_PRECISION)")
+    return (
+        f"# Horner T_m+1 = I - A T_m (m < {p.degree}) differentiated step by step; T_m recomputed\n"
+        "b_I = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)\n"
+        "b_dA = tl.zeros([C, C], dtype=tl.float32)\n"
+        "b_dTm = b_dT\n"
+        f"for i_r in range(0, {p.degree}):\n"
+        f"    b_Tm = b_I\n"
+        f"    for _ in range(0, {p.degree} - 1 - i_r):\n"
+        "        b_Tm = b_I - tl.dot(b_A, b_Tm, input_precision=DOT_PRECISION)\n"
+        "    b_dA -= tl.dot(b_dTm, tl.trans(b_Tm), input_precision=DOT_PRECISION)\n"
+        "    b_dTm = -tl.dot(tl.trans(b_A), b_dTm, input_precision=DOT_PRECISION)")
+
+
+GDN_BWD = {
+    "LOAD_G": (
+        "b_G = tl.cumsum(tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32), 0)"),
+    "EXP_G": "tl.exp(b_G)[:, None]",
+    "ROWS": "_row_sum",
+    "PAIR_GRADS": (
+        "# P = (K_l K_r^T) ⊙ Γ, P_qk = (Q_l K_r2^T) ⊙ Γ, Γ_ij = exp(G_i - G_j); rounded operands, identity STE\n"
+        "b_dKK = b_dP * b_Gam\n"
+        "b_dQK = b_dPqk * b_Gam\n"
+        "b_dk += tl.dot(b_dKK, b_kr, input_precision=DOT_PRECISION) \\\n"
+        "    + tl.dot(tl.trans(b_dKK), b_kl, input_precision=DOT_PRECISION) \\\n"
+        "    + tl.dot(tl.trans(b_dQK), b_ql, input_precision=DOT_PRECISION)\n"
+        "b_dq += tl.dot(b_dQK, b_kr2, input_precision=DOT_PRECISION)\n"
+        "b_M = b_dP * b_P + b_dPqk * b_Pqk\n"
+        "b_dG += tl.sum(b_M, 1) - tl.sum(b_M, 0)"),
+    "LAST_ROW_GRADS": (
+        "b_glast = tl.sum(tl.where(o_c == i_row_last, b_G, 0.0), 0)\n"
+        "b_ed = tl.where(m_c, tl.exp(b_glast - b_G), 0.0)\n"
+        "b_dk += b_ed[:, None] * b_dKd\n"
+        "b_t = tl.sum(b_k * b_dKd, 1) * b_ed\n"
+        "b_dG -= b_t\n"
+        "b_dGlast = tl.sum(b_t, 0) + tl.exp(b_glast) * tl.sum(b_dlast, 0)\n"
+        "b_dG += tl.where(o_c == i_row_last, b_dGlast, 0.0)"),
+    "STORE_DG": "tl.store(dg + r_hv, b_dg.to(dg.dtype.element_ty), mask=m_c)",
+    "KEY_TO_END": (
+        "b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)\n"
+        "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
+        "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
+        "b_dlast = tl.exp(b_glast)"),
+}
+
+KDA_BWD = {
+    "LOAD_G": (
+        "b_G = tl.cumsum(tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32), 0)"),
+    "EXP_G": "tl.exp(b_G)",
+    "ROWS": "",
+    "LAST_ROW_GRADS": (
+        "b_glast = tl.sum(tl.where((o_c == i_row_last)[:, None], b_G, 0.0), 0)\n"
+        "b_ed = tl.where(m_c[:, None], tl.exp(b_glast[None, :] - b_G), 0.0)\n"
+        "b_dk += b_ed * b_dKd\n"
+        "b_t = b_k * b_dKd * b_ed\n"
+        "b_dG -= b_t\n"
+        "b_dGlast = tl.sum(b_t, 0) + tl.exp(b_glast) * b_dlast\n"
+        "b_dG += tl.where((o_c == i_row_last)[:, None], b_dGlast[None, :], 0.0)"),
+    "STORE_DG": "tl.store(dg + r_hv[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty), mask=m_ck)",
+    "KEY_TO_END": (
+        "b_g = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+        "b_glast = tl.load(g_cum + (i_last * HV + i_hv) * K + o_k, mask=m_k, other=0)\n"
+        "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_g), 0.0)\n"
+        "b_dlast = tl.exp(b_glast)[:, None]"),
+}
+
+ROW_SUM_HELPER = "@triton.jit\ndef _row_sum(x):\n    return tl.sum(x, 1)"

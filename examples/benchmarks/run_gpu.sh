@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs laqat's GPU checks and benchmarks on a CUDA machine whose torch and triton are
 # preinstalled and which has FLA as wheels in .whl/ (see ../shared/tools/device-wheels).
-# Usage: examples/benchmarks/run_gpu.sh [stage ...]   stages: recurrent step decode chunk qdq
+# Usage: examples/benchmarks/run_gpu.sh [stage ...]   stages: recurrent step decode chunk qdq fla
 # Each stage prints its table and writes JSON under $OUT (default ./out).
 set -uo pipefail
 export OUT=${OUT:-out} PYTHONUNBUFFERED=1
@@ -20,6 +20,7 @@ for stage in $stages; do
     step)      timeout 300 python3 examples/benchmarks/compiled_step_vs_eager.py ;;
     decode)    timeout 300 python3 examples/benchmarks/decode_bench.py ;;
     chunk)     timeout 420 python3 examples/benchmarks/chunk_bench.py ;;
+    fla)       timeout 300 python3 examples/benchmarks/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;
   esac

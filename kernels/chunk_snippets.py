@@ -96,11 +96,12 @@ def acc_dot(p: ChunkParams, site: str, out: str, lhs: str, rhs: str, red: str) -
         return f"{out} = " + dot.format(lhs)
     name, block = parse_acc(acc)
     rnd = ACC_ROUNDING[name]
-    blk = f"tl.where(((o_red >= i_rb * {block}) & (o_red < i_rb * {block} + {block}))[None, :], {lhs}, 0.0)"
+    o_red = f"o_red_{site}"  # one name per site: a loop must not see it change shape (BK vs C)
+    blk = f"tl.where((({o_red} >= i_rb * {block}) & ({o_red} < i_rb * {block} + {block}))[None, :], {lhs}, 0.0)"
     return lines(
         f"# acc.{site}={acc}: {name} accumulator, reduction blocks of {block}",
-        f"o_red = tl.arange(0, {red})",
-        f"{out} = " + rnd.format(dot.format(f"tl.where((o_red < {block})[None, :], {lhs}, 0.0)")),
+        f"{o_red} = tl.arange(0, {red})",
+        f"{out} = " + rnd.format(dot.format(f"tl.where(({o_red} < {block})[None, :], {lhs}, 0.0)")),
         f"for i_rb in range(1, tl.cdiv({red}, {block})):",
         f"    {out} = " + rnd.format(f"{out} + " + dot.format(blk)))
 
@@ -214,8 +215,8 @@ def kda_pairs(p: ChunkParams) -> str:
         f"    o_j = o_blk * {bc} + jj\n"
         "    t_j = i_t * C + o_j\n"
         "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
-        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
-        "    b_kj = b_kj.to(tl.float32)\n"
+        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :],\n"
+        "                   mask=m_jk, other=0).to(tl.float32)\n"
         "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
         "    b_kj = b_kj * tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
         "    m_sel = o_c[None, :] == o_j[:, None]\n"
@@ -309,8 +310,8 @@ def kda_pair_grads(p: ChunkParams) -> str:
         f"    o_j = o_blk * {bc} + jj\n"
         "    t_j = i_t * C + o_j\n"
         "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
-        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
-        "    b_kj = b_kj.to(tl.float32)\n"
+        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :],\n"
+        "                   mask=m_jk, other=0).to(tl.float32)\n"
         "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
         "    b_e = tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
         "    m_sel = o_c[None, :] == o_j[:, None]\n"

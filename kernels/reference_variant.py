@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from la_compiler.kernels.autograd_inside_op import autograd_enabled
+from la_compiler.kernels.autograd_inside_op import recompute_vjp
 from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
 from la_compiler.kernels.chunk_rounding import ChunkRounding
 from la_compiler.kernels.reference import delta_rule_reference, sequence_bounds
@@ -84,18 +84,7 @@ def reference_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
 
 
 def reference_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):
-    inputs = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.detach().requires_grad_(True)
-    with autograd_enabled():
-        o, ht = _run(spec, *inputs, h0, cu_seqlens, scale)
-        outs, grads = [o], [do.to(o.dtype)]
-        if dht is not None:
-            outs.append(ht)
-            grads.append(dht.to(ht.dtype))
-        wrt = inputs + ([h0] if h0 is not None else [])
-        result = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-    result = [torch.zeros_like(x) if r is None else r.to(x.dtype) for r, x in zip(result, wrt)]
-    return (*result[:5], result[5] if h0 is not None else None)
+    return recompute_vjp(lambda *xs: _run(spec, *xs, cu_seqlens, scale), q, k, v, g, beta, initial_state, do, dht)
 
 
 register_variant(

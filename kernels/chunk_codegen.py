@@ -59,9 +59,13 @@ class ChunkParams:
             cfg = _parse(fmt)
             if site not in OPERAND_SITES:
                 raise CodegenError(f"chunk: q.{site} is not a GEMM operand site of the chunk kernels")
-            if cfg.format not in ("fp8_e4m3", "int8") or cfg.group != "row" or cfg.ste != "identity":
+            row = cfg.format in ("fp8_e4m3", "int8") and cfg.group == "row"
+            if not (row or cfg.format == "nvfp4") or cfg.ste != "identity":
                 raise CodegenError(f"chunk: q.{site}={fmt} is not implemented by the chunk kernels "
-                                   "(GEMM operands take fp8_e4m3/row or int8/row, identity STE)")
+                                   "(GEMM operands take fp8_e4m3/row, int8/row or nvfp4/block16, identity STE)")
+            if cfg.format == "nvfp4" and self.chunk % 16:
+                raise CodegenError(f"chunk: q.{site}={fmt}: NVFP4 blocks of 16 along a chunk need chunk % 16 == 0, "
+                                   f"got chunk={self.chunk}")
         for site, text in self.acc:
             if site not in GEMM_SITES:
                 raise CodegenError(f"chunk: acc.{site}: not a GEMM site")
@@ -75,6 +79,13 @@ class ChunkParams:
             if not ok:
                 raise CodegenError(f"chunk: q.w={self.w_quant} is not implemented by the chunk kernels "
                                    f"(they take {W_FORMATS} with row or block<N> groups and the identity STE)")
+
+    @property
+    def h_full_v(self) -> bool:
+        """The h stage holds all value columns in one tile: NVFP4 operands of state_read / state_update
+        take a global amax over all of V."""
+        return any(site in ("state_read.rhs", "state_update.rhs") and fmt.startswith("nvfp4")
+                   for site, fmt in self.operands)
 
     @property
     def sub_chunk(self) -> int:
@@ -143,7 +154,8 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": decay["LOAD_DECAY"], "PAIR_PRODUCTS": decay["PAIR_PRODUCTS"],
         "SOLVE": solve(p), "KEY_DECAY": decay["KEY_DECAY"], "ON_W": w_qdq(p),
         "WY_OPERANDS": ops["WY_OPERANDS"], "WY_VALUE_RHS": ops["WY_VALUE_RHS"],
-        "WY_KEY_DOT": dots["WY_KEY_DOT"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"]}, where="chunk_fwd_intra")
+        "WY_KEY_DOT": dots["WY_KEY_DOT"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
+        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
     h = render(template("chunk_fwd_h"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": decay["CHUNK_DECAY"],
         "ON_STATE_LOAD": state_hook, "ON_STATE_WRITE": state_hook,
@@ -152,8 +164,8 @@ def chunk_fwd_source(p: ChunkParams) -> str:
     o = render(template("chunk_fwd_o"), {
         "OP": p.kind, "PROGRAM": program, "QUERY_DECAY": decay["QUERY_DECAY"],
         "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"],
-        "OUTPUT_STATE_DOT": dots["OUTPUT_STATE_DOT"], "OUTPUT_VALUE_DOT": dots["OUTPUT_VALUE_DOT"]},
-        where="chunk_fwd_o")
+        "OUTPUT_STATE_DOT": dots["OUTPUT_STATE_DOT"], "OUTPUT_VALUE_DOT": dots["OUTPUT_VALUE_DOT"],
+        "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: intra, h, o."
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, intra, h, o])
 
@@ -182,7 +194,8 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     intra = render(template("chunk_bwd_intra"), {
         "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": solve(p), "SOLVE_GRAD": solve_grad(p),
         **{key: bwd[key] for key in ("LOAD_G", "PAIRS", "EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")},
-        **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS")}},
+        **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS",
+                                     "BWD_INTRA_AMAX")}},
         where="chunk_bwd_intra")
     title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)."
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, ROW_SUM_HELPER, dh, intra])

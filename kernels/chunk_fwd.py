@@ -103,6 +103,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     BK = max(w_block, triton.next_power_of_2(K))
     BV_io = min(64, max(16, triton.next_power_of_2(V)))
     BV_h = p.state_block_v or min(32, BV_io)  # no state tile to honour: more programs for the serial stage
+    if p.h_full_v:  # NVFP4 state_read / state_update operands: one tile over all of V (and whole state tiles)
+        BV_h = max(16, triton.next_power_of_2(V), p.state_block_v or 16)
     wide = 8 if C * BK >= 4096 else 4  # [C, BK] fp32 tiles: spread registers over more warps
     dev, f32 = q.device, torch.float32
     g_cum = scratch(g.shape, f32, dev)

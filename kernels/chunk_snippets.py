@@ -31,8 +31,15 @@ def state_qdq(p: ChunkParams) -> str:
     if cfg.format == "int8_h32":
         return "b_h = tl.reshape(qdq_int8_h32(tl.reshape(b_h, (BK * BV // 32, 32))), (BK, BV))"
     scale_fn, qdq_fn = _QDQ[cfg.format]
-    return (f"# state quantizer {p.state_quant}: one scale per [K x BV] tile\n"
-            f"b_h = {qdq_fn}(b_h, {scale_fn}(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))")
+    if not p.h_full_v:
+        return (f"# state quantizer {p.state_quant}: one scale per [K x BV] tile\n"
+                f"b_h = {qdq_fn}(b_h, {scale_fn}(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))")
+    ts = cfg.block_v  # the h tile holds all of V: one scale per [K x TS] sub-tile
+    return lines(
+        f"# state quantizer {p.state_quant}: one scale per [K x {ts}] tile of the all-V register tile",
+        f"b_h3 = tl.reshape(b_h, (BK, BV // {ts}, {ts}))",
+        f"b_h = tl.reshape({qdq_fn}(b_h3, {scale_fn}(tl.max(tl.max(amax_abs(b_h3), axis=2), axis=0))[None, :, None]), "
+        "(BK, BV))")
 
 
 def w_qdq(p: ChunkParams) -> str:
@@ -55,16 +62,65 @@ def w_qdq(p: ChunkParams) -> str:
         f"b_w = tl.reshape({qdq_fn}(b_w3, {scale_fn}(tl.max(amax_abs(b_w3), axis=2))[:, :, None]), (C, BK))")
 
 
-def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None) -> str:
+def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None,
+        shape: tuple[str, str] | None = None, gam: str | None = None) -> str:
     """``out = QDQ(var)`` for a GEMM operand site (identity when the site is off); ``axis`` is the
-    reduction axis of the register tile: 1 = one scale per row, 0 = one scale per column."""
+    reduction axis of the register tile: 1 = one scale per row, 0 = one scale per column. NVFP4 needs
+    the tile's ``shape`` (constexpr names) for its blocks of 16 along the reduction, and takes its
+    global amax over the tile, or ``gam`` (an amax computed over the whole operand when the tile is a
+    value block of it)."""
     out = out or var
     fmt = dict(p.operands).get(site)
     if fmt is None:
         return "" if out == var else f"{out} = {var}"
-    scale_fn, qdq_fn = _QDQ[parse_quant(fmt).format]
+    cfg = parse_quant(fmt)
+    if cfg.format == "nvfp4":
+        m, n = shape
+        gam = gam or f"tl.max(tl.max(amax_abs({var}), axis=1), axis=0)"
+        if axis == 1:
+            blocks, red_axis, bcast = f"({m}, {n} // 16, 16)", 2, "[:, :, None]"
+        else:
+            blocks, red_axis, bcast = f"({m} // 16, 16, {n})", 1, "[:, None, :]"
+        x3 = f"b_x3_{site.replace('.', '_')}"  # one name per site: loops must not see a temporary change shape
+        return lines(
+            f"{x3} = tl.reshape({var}, {blocks})  # q.{site}={fmt}",
+            f"{out} = tl.reshape(qdq_e2m1({x3}, nvfp4_block_scale(tl.max(amax_abs({x3}), axis={red_axis}), "
+            f"nvfp4_global_scale({gam})){bcast}), ({m}, {n}))")
+    scale_fn, qdq_fn = _QDQ[cfg.format]
     bcast = "[:, None]" if axis == 1 else "[None, :]"
     return f"{out} = {qdq_fn}({var}, {scale_fn}(tl.max(amax_abs({var}), axis={axis})){bcast})  # q.{site}={fmt}"
+
+
+def _nvfp4(p: ChunkParams, site: str) -> bool:
+    fmt = dict(p.operands).get(site)
+    return fmt is not None and fmt.startswith("nvfp4")
+
+
+def whole_operand_amax(p: ChunkParams, kernel: str) -> str:
+    """Loops that take the global amax of NVFP4 operands spanning every value block (the kernel's
+    tiles see one block at a time): b_gam_wv (beta V), b_gam_h (h_n), b_gam_vn (V_new)."""
+    def amax_loop(name, load):
+        return lines(
+            f"{name} = tl.max(tl.zeros([BV], dtype=tl.float32), axis=0)",
+            "for i_v in range(0, tl.cdiv(V, BV)):",
+            "    o_v = i_v * BV + tl.arange(0, BV)",
+            f"    b_amax_x = {load}",
+            f"    {name} = tl.maximum({name}, tl.max(tl.max(amax_abs(b_amax_x), axis=1), axis=0))")
+    m_cv = "m_c[:, None] & (o_v < V)[None, :]"
+    beta_v = f"tl.load(v + r_hv[:, None] * V + o_v[None, :], mask={m_cv}, other=0).to(tl.float32) * b_beta[:, None]"
+    h_n = ("tl.load(h + (i_chunk * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], "
+           "mask=m_k[:, None] & (o_v < V)[None, :], other=0)")
+    v_new_ = f"tl.load(v_new + r_hv[:, None] * V + o_v[None, :], mask={m_cv}, other=0)"
+    parts = []
+    if kernel in ("fwd_intra", "bwd_intra") and _nvfp4(p, "wy_value.rhs"):
+        parts.append(amax_loop("b_gam_wv", beta_v))
+    if (kernel == "fwd_o" and _nvfp4(p, "output_state.rhs")) or (
+            kernel == "bwd_intra" and (_nvfp4(p, "output_state.rhs") or _nvfp4(p, "state_read.rhs"))):
+        parts.append(amax_loop("b_gam_h", h_n))
+    if (kernel == "fwd_o" and _nvfp4(p, "output_value.rhs")) or (
+            kernel == "bwd_intra" and (_nvfp4(p, "output_value.rhs") or _nvfp4(p, "state_update.rhs"))):
+        parts.append(amax_loop("b_gam_vn", v_new_))
+    return lines(*parts)
 
 
 ACC_ROUNDING = {"fp16": "({}).to(tl.float16).to(tl.float32)", "bf16": "_round_bf16({})"}
@@ -139,31 +195,42 @@ def lines(*parts: str) -> str:
 
 def operand_values(p: ChunkParams) -> dict[str, str]:
     """Template values of the GEMM operand sites (empty or plain renames when no site is on)."""
-    t_ops = lines(_op(p, "wy_key.lhs", "b_T", 1, "b_Tw"), _op(p, "wy_value.lhs", "b_T", 1, "b_Tu"))
+    CC, CK, CV, KV = ("C", "C"), ("C", "BK"), ("C", "BV"), ("BK", "BV")
+    t_ops = lines(_op(p, "wy_key.lhs", "b_T", 1, "b_Tw", CC), _op(p, "wy_value.lhs", "b_T", 1, "b_Tu", CC))
+    wv_rhs = _op(p, "wy_value.rhs", "b_bv", 0, None, CV, "b_gam_wv")
     return {
         "T_OPERANDS": t_ops,
-        "WY_OPERANDS": lines(t_ops, _op(p, "wy_key.rhs", "b_bk", 0)),
-        "WY_KEY_RHS": _op(p, "wy_key.rhs", "b_bk", 0),
-        "WY_VALUE_RHS": _op(p, "wy_value.rhs", "b_bv", 0),
-        "STATE_READ_RHS": _op(p, "state_read.rhs", "b_h", 0, "b_hr"),
-        "STATE_UPDATE_OPERANDS": lines(_op(p, "state_update.lhs", "b_kd", 0),
-                                        _op(p, "state_update.rhs", "b_v", 0, "b_vu")),
-        "OUTPUT_STATE_OPERANDS": lines(_op(p, "output_state.lhs", "b_qg", 1), _op(p, "output_state.rhs", "b_h", 0)),
-        "OUTPUT_VALUE_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1), _op(p, "output_value.rhs", "b_v", 0)),
-        "BWD_DH_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1), _op(p, "state_update.lhs", "b_kd", 0)),
-        "OUTPUT_STATE_LHS": _op(p, "output_state.lhs", "b_qg", 1),
-        "BWD_V_OPERANDS": lines(_op(p, "output_value.rhs", "b_vn", 0, "b_vn_ov"),
-                                 _op(p, "state_read.rhs", "b_hn", 0, "b_hn_sr"),
-                                 _op(p, "output_state.rhs", "b_hn", 0, "b_hn_os"),
-                                 _op(p, "state_update.rhs", "b_vn", 0, "b_vn_su")),
+        "WY_OPERANDS": lines(t_ops, _op(p, "wy_key.rhs", "b_bk", 0, None, CK)),
+        "WY_KEY_RHS": _op(p, "wy_key.rhs", "b_bk", 0, None, CK),
+        "WY_VALUE_RHS": wv_rhs,
+        # the h stage holds all of V in one tile when an NVFP4 operand needs it (ChunkParams.h_full_v)
+        "STATE_READ_RHS": _op(p, "state_read.rhs", "b_h", 0, "b_hr", KV),
+        "STATE_UPDATE_OPERANDS": lines(_op(p, "state_update.lhs", "b_kd", 0, None, CK),
+                                        _op(p, "state_update.rhs", "b_v", 0, "b_vu", CV)),
+        "OUTPUT_STATE_OPERANDS": lines(_op(p, "output_state.lhs", "b_qg", 1, None, CK),
+                                        _op(p, "output_state.rhs", "b_h", 0, None, KV, "b_gam_h")),
+        "OUTPUT_VALUE_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1, None, CC),
+                                        _op(p, "output_value.rhs", "b_v", 0, None, CV, "b_gam_vn")),
+        "BWD_DH_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1, None, CC),
+                                  _op(p, "state_update.lhs", "b_kd", 0, None, CK)),
+        "OUTPUT_STATE_LHS": _op(p, "output_state.lhs", "b_qg", 1, None, CK),
+        "BWD_V_OPERANDS": lines(_op(p, "output_value.rhs", "b_vn", 0, "b_vn_ov", CV, "b_gam_vn"),
+                                 _op(p, "state_read.rhs", "b_hn", 0, "b_hn_sr", KV, "b_gam_h"),
+                                 _op(p, "output_state.rhs", "b_hn", 0, "b_hn_os", KV, "b_gam_h"),
+                                 _op(p, "state_update.rhs", "b_vn", 0, "b_vn_su", CV, "b_gam_vn")),
+        "FWD_INTRA_AMAX": whole_operand_amax(p, "fwd_intra"),
+        "FWD_O_AMAX": whole_operand_amax(p, "fwd_o"),
+        "BWD_INTRA_AMAX": whole_operand_amax(p, "bwd_intra"),
     }
 
 
 def gdn_pairs(p: ChunkParams) -> str:
     """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding."""
     return lines(
-        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl"), _op(p, "key_interaction.rhs", "b_k", 1, "b_kr"),
-        _op(p, "output_score.lhs", "b_q", 1, "b_ql"), _op(p, "output_score.rhs", "b_k", 1, "b_kr2"),
+        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
+        _op(p, "key_interaction.rhs", "b_k", 1, "b_kr", ("C", "BK")),
+        _op(p, "output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
+        _op(p, "output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")),
         "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))",
         acc_dot(p, "key_interaction", "b_P", "b_kl", "tl.trans(b_kr)", "BK"),
         acc_dot(p, "output_score", "b_Pqk", "b_ql", "tl.trans(b_kr2)", "BK"),
@@ -229,25 +296,53 @@ def kda_rounds_pairs(p: ChunkParams) -> bool:
     return any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc)
 
 
+_PAIR_ROWS = (
+    "    m_j = o_c == j",
+    "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
+    "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
+    "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
+    "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
+    "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
+)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines()) if text else ""
+
+
+def _pair_amax(p: ChunkParams) -> str:
+    """NVFP4 on the pairwise operands: the global amax over the chunk's whole [C x C x K] pair tile, first."""
+    if not (_nvfp4(p, "key_interaction.rhs") or _nvfp4(p, "output_score.rhs")):
+        return ""
+    return lines(
+        "b_gam_pk = tl.max(tl.zeros([C], dtype=tl.float32), axis=0)",
+        "b_gam_pq = tl.max(tl.zeros([C], dtype=tl.float32), axis=0)",
+        "for j in range(0, C):",
+        *_PAIR_ROWS,
+        "    b_gam_pk = tl.maximum(b_gam_pk, tl.max(tl.max(amax_abs(b_pk), axis=1), axis=0))",
+        "    b_gam_pq = tl.maximum(b_gam_pq, tl.max(tl.max(amax_abs(b_pq), axis=1), axis=0))")
+
+
+def _pair_operands(p: ChunkParams, pk: str, pq: str) -> str:
+    return lines(_indent(_op(p, "key_interaction.rhs", "b_pk", 1, pk, ("C", "BK"), "b_gam_pk")),
+                 _indent(_op(p, "output_score.rhs", "b_pq", 1, pq, ("C", "BK"), "b_gam_pq")))
+
+
 def kda_pairs_rounded(p: ChunkParams) -> str:
     """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
     k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column."""
     return lines(
         "# column by column: the pairwise operands k_j exp(G_i - G_j) (rows (i, j) over K) are rounded per pair",
-        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl"), _op(p, "output_score.lhs", "b_q", 1, "b_ql"),
+        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
+        _op(p, "output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
+        _pair_amax(p),
         "b_P = tl.zeros([C, C], dtype=tl.float32)",
         "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
         "for j in range(0, C):",
-        "    m_j = o_c == j",
-        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
-        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
-        "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
-        "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
-        "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
-        "    " + _op(p, "key_interaction.rhs", "b_pk", 1, "b_pk_q"),
-        "    " + _op(p, "output_score.rhs", "b_pq", 1, "b_pq_q"),
-        "    " + acc_row_sum(p, "key_interaction", "b_cp", "b_kl * b_pk_q").replace("\n", "\n    "),
-        "    " + acc_row_sum(p, "output_score", "b_cq", "b_ql * b_pq_q").replace("\n", "\n    "),
+        *_PAIR_ROWS,
+        _pair_operands(p, "b_pk_q", "b_pq_q"),
+        _indent(acc_row_sum(p, "key_interaction", "b_cp", "b_kl * b_pk_q")),
+        _indent(acc_row_sum(p, "output_score", "b_cq", "b_ql * b_pq_q")),
         "    b_P = tl.where(m_j[None, :], b_cp[:, None], b_P)",
         "    b_Pqk = tl.where(m_j[None, :], b_cq[:, None], b_Pqk)")
 
@@ -255,15 +350,10 @@ def kda_pairs_rounded(p: ChunkParams) -> str:
 def kda_pair_grads_rounded(p: ChunkParams) -> str:
     """Gradients of ``kda_pairs_rounded``: the rounded other operand in every product, identity STE."""
     return lines(
+        _pair_amax(p),
         "for j in range(0, C):",
-        "    m_j = o_c == j",
-        "    b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)",
-        "    b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)",
-        "    b_e = tl.exp(tl.where((o_c >= j)[:, None], b_G - b_gj[None, :], 0.0))",
-        "    b_pk = tl.where((o_c > j)[:, None], b_kj[None, :] * b_e, 0.0)",
-        "    b_pq = tl.where((o_c >= j)[:, None], b_kj[None, :] * b_e, 0.0)",
-        "    " + _op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq"),
-        "    " + _op(p, "output_score.rhs", "b_pq", 1, "b_pqq"),
+        *_PAIR_ROWS,
+        _pair_operands(p, "b_pkq", "b_pqq"),
         "    b_dPj = tl.sum(tl.where(m_j[None, :], b_dP, 0.0), 1)",
         "    b_dQj = tl.sum(tl.where(m_j[None, :], b_dPqk, 0.0), 1)",
         "    b_dk += b_dPj[:, None] * b_pkq",

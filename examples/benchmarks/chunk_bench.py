@@ -15,6 +15,7 @@ First use of every spec compiles its Triton kernels (seconds each); split long r
      FLA exact (chunk_kda fwd / fwd+bwd; chunk_gated_delta_rule fwd, its backward where FLA allows it),
      laqat exact / FP8 state / INT8 state / FP8 state + W  (torch.ops.laqat.delta_rule, kernel=chunk),
      laqat FP8 all sites / NVFP4 operands (reported as not implemented where the chunk kernels refuse),
+     laqat FP16 accumulators (block 16) at every GEMM site (the seeds' accumulator study),
      fp32 torch chunk emulation with FP8 state (kernels/chunk_reference.py in fp32),
    with ratios to FLA's time for the same pass.
 Prints a table and writes $OUT/chunk_bench.json. Every measurement that fails (FLA's guard,
@@ -78,7 +79,9 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 state + W": {"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat FP8 all sites": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat NVFP4 operands": {**NVFP4_ALL, "w": "nvfp4/block16"},
+    "laqat FP16 accumulators (block 16)": {},  # acc.<every GEMM site>=fp16:16, see ACCUMULATORS
 }
+ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
 
 def rel_l2(a, b) -> float:
@@ -197,7 +200,8 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
     for name, quant in POLICIES.items():
         if name not in policies:
             continue
-        spec = RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=quant)
+        spec = RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=quant,
+                                                                           acc=ACCUMULATORS.get(name, {}))
         why = unsupported(spec)
         if why:
             rows[name] = {"error_fwd": f"not implemented: {why}"}
@@ -215,7 +219,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
             o.float().sum().backward()
 
         rows[name] = measure(ours_fwd, ours_fwd_bwd)
-        if not quant:
+        if not quant and name not in ACCUMULATORS:
             try:
                 rows[name]["rel_l2_o_vs_fla"] = rel_l2(ours_fwd()[0], fla_o)
             except Exception as e:  # noqa: BLE001

@@ -118,19 +118,22 @@ OPERAND_SITES = [f"{s}.{side}" for s in ("key_interaction", "wy_value", "wy_key"
                                          "output_state", "output_score", "output_value") for side in ("lhs", "rhs")]
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])  # int8/row operands: test_qdq_forward_rounds_like_the_reference
-def test_operand_sites_forward_and_backward(kind, fmt="fp8_e4m3/row"):
-    """All eight GEMM operand sites (+ state and W; KDA: per-pair rounding of its pairwise operands): QDQ'd
-    W and h element for element (flips counted), outputs, and every gradient (identity STE: the products'
-    other operands are the rounded ones)."""
-    if kind == "gdn":
-        inputs, cu = _case(kind, True, "kv", K=16, V=16)
+@pytest.mark.parametrize("kind,fmt,C", [  # int8/row operands: test_qdq_forward_rounds_like_the_reference
+    ("gdn", "fp8_e4m3/row", 8), ("kda", "fp8_e4m3/row", 8), ("gdn", "nvfp4/block16", 16), ("kda", "nvfp4/block16", 16),
+])
+def test_operand_sites_forward_and_backward(kind, fmt, C):
+    """All eight GEMM operand sites (+ state and W; KDA: per-pair rounding of its pairwise operands; NVFP4:
+    global amax over each operand tile, all of V for value-spanning operands): QDQ'd W and h element for
+    element (flips counted), outputs, and every gradient (identity STE: the products' other operands are the
+    rounded ones)."""
+    if kind == "gdn":  # NVFP4: V = 32 makes the h stage hold two [K x 16] state tiles in its all-V tile
+        inputs, cu = _case(kind, True, "kv", K=16, V=32 if fmt.startswith("nvfp4") else 16)
     else:  # KDA's rounded pairwise operands run column by column: a shorter sequence keeps the interpreter quick
-        inputs, cu = make_inputs(kind, B=1, T=10, H=1, HV=2, K=16, V=16, dtype=torch.float32), None
+        inputs, cu = make_inputs(kind, B=1, T=C + 2, H=1, HV=2, K=16, V=16, dtype=torch.float32), None
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
-    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={**quant, "state": "fp8_e4m3/tile16", "w": fmt})
+    spec = RecurrenceSpec(kind=kind, chunk=C).replace(quant={**quant, "state": "fp8_e4m3/tile16", "w": fmt})
     (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
-    w, h, active = _kernel_chunks(parts, ref, inputs, cu, 8)
+    w, h, active = _kernel_chunks(parts, ref, inputs, cu, C)
     w_flips = _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
     h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]
     h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
@@ -140,7 +143,7 @@ def test_operand_sites_forward_and_backward(kind, fmt="fp8_e4m3/row"):
     # moves a whole row or column of the product it feeds (observed: 1.4e-3 on dq, 7.9e-3 on a 512-element
     # final state), hence ALL_SITES_TOL; the kernel must still sit far closer to the rounding reference
     # than to exact numerics.
-    exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
+    exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=C), scale=0.4,
                                           initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, o_ref) <= ALL_SITES_TOL and rel_l2(ht, ht_ref) <= ALL_SITES_TOL
     assert rel_l2(o, exact) > max(2 * QDQ_TOL, 10 * rel_l2(o, o_ref))

@@ -51,23 +51,26 @@ class Dataflow:
         self.graph.add_nodes_from(self.nodes)
         self.writers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         latest_write: dict[torch.fx.Node, torch.fx.Node] = {}
+        edges = []
         for n in self.nodes:
+            writes = is_inplace_write(n)
             for a in n.all_input_nodes:
-                self.graph.add_edge(a, n)
-                if a in latest_write and not is_inplace_write(n):
-                    self.graph.add_edge(latest_write[a], n)  # reads the mutated tensor
-            if is_inplace_write(n):
+                edges.append((a, n))
+                if not writes and a in latest_write:
+                    edges.append((latest_write[a], n))  # reads the mutated tensor
+            if writes:
                 base = written_base(n)
                 if base is not None:
                     if base in latest_write:  # writes to one tensor stay ordered (and reach its readers)
-                        self.graph.add_edge(latest_write[base], n)
+                        edges.append((latest_write[base], n))
                     latest_write[base] = n
                     self.writers.setdefault(base, []).append(n)
+        self.graph.add_edges_from(edges)
         # pure nodes nobody reads (Dynamo keeps e.g. a zeros state that a later branch replaces)
         self.dead: set = set()
         for n in reversed(self.nodes):
-            if n.op in ("call_function", "call_method") and not is_inplace_write(n) and not n.is_impure() \
-                    and all(r in self.dead for r in self.graph.successors(n)):
+            if n.op in ("call_function", "call_method") and all(r in self.dead for r in self.graph.successors(n)) \
+                    and not is_inplace_write(n) and not n.is_impure():
                 self.dead.add(n)
 
     def readers(self, node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -141,10 +141,17 @@ def _flatten(x, out):
 
 
 class _Windows:
-    """Where each node sits: (window index, offset)."""
+    """Where each node sits: (window index, offset); and each node's flattened arguments."""
 
     def __init__(self):
         self.where: dict[torch.fx.Node, tuple[int, int]] = {}
+        self.flat: dict[torch.fx.Node, list] = {}
+
+    def flat_args(self, node: torch.fx.Node) -> list:
+        flat = self.flat.get(node)
+        if flat is None:  # each node is compared twice: as the later and as the earlier step
+            flat = self.flat[node] = _flatten((node.args, node.kwargs), [])
+        return flat
 
     def classify(self, leaf, w: int):
         at = self.where.get(leaf)
@@ -165,7 +172,7 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
     vc, vp = tensor_value(cur), tensor_value(prev)
     if (vc is None) != (vp is None) or (vc is not None and (vc.shape != vp.shape or vc.dtype != vp.dtype)):
         return f"shape of {cur.name} differs from {prev.name}"
-    lc, lp = _flatten((cur.args, cur.kwargs), []), _flatten((prev.args, prev.kwargs), [])
+    lc, lp = where.flat_args(cur), where.flat_args(prev)
     if len(lc) != len(lp):
         return f"arguments of {cur.name} differ from {prev.name}"
     for a, b in zip(lc, lp):

@@ -44,15 +44,13 @@ def delta_rule_steps(q, k, v, decay, beta, h0, variant: Variant = EXACT):
             d = torch.ones_like(d)
         b = torch.ones_like(beta[:, t]) if variant.beta_one else beta[:, t]
         kt = k[:, t]
-        if not variant.decay_after:
-            S_prev = S * d
-        else:
-            S_prev = S
-        u = b[..., None] * (v[:, t] + variant.sign * torch.einsum("bhkv,bhk->bhv", S_prev, kt))
+        S_prev = S if variant.decay_after else S * d
+        read = (S_prev * kt[..., :, None]).sum(-2)  # S^T k: [B, HV, V]
+        u = b[..., None] * (v[:, t] + variant.sign * read)
         S_new = S_prev + kt[..., :, None] * u[..., None, :]
         if variant.decay_after:
             S_new = S_new * d
-        read = S_prev if variant.read_before else S_new
-        outs.append(torch.einsum("bhkv,bhk->bhv", read, q[:, t]))
+        state = S_prev if variant.read_before else S_new
+        outs.append((state * q[:, t][..., :, None]).sum(-2))
         S = S_new
     return torch.stack(outs, 1), S

@@ -102,14 +102,12 @@ def grow(flow: Dataflow, body: LoopBody) -> tuple[set, list, int, int]:
         region.add(n)
         _add_dead_readers(flow, n, region)
         push_inputs(n)
-    frontier = []
-    for n in sorted(region, key=flow.pos.__getitem__):
-        if n in flow.dead:
-            continue
-        for a in n.all_input_nodes:
-            if a not in region and a not in frontier:
-                frontier.append(a)
-    return region, frontier, chunk, padded
+    frontier = set()
+    for n in region:
+        if n not in flow.dead:
+            frontier.update(a for a in n.all_input_nodes if a not in region)
+    # graph order: the role search tries the arguments' order (q, k, v, ...) first
+    return region, sorted(frontier, key=flow.pos.__getitem__), chunk, padded
 
 
 def _add_dead_readers(flow: Dataflow, n, region: set):

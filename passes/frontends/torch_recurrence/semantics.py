@@ -89,7 +89,7 @@ def _shape(layout: Layout):
     return tuple(v.shape[d] for d in layout.perm)
 
 
-def candidate_assignments(region: Region, seq_len: int):
+def candidate_assignments(flow: Dataflow, region: Region, seq_len: int):
     """Every shape-consistent role assignment of the frontier (lazy)."""
     per_token3, per_token4, states = [], [], []
     state = tuple(tensor_value(region.body.states[0]).shape)
@@ -117,6 +117,9 @@ def candidate_assignments(region: Region, seq_len: int):
         raise _RoleCountError(counts, per_token3, per_token4, h0)
     kind = kinds[counts]
     out = []
+    # likely first: q is the one input that never reaches the state (it only reads it)
+    reaches = {n: flow.reaches(n, region.body.states[0], limit=512) for n in per_token4}
+    per_token4.sort(key=lambda n: reaches[n])
     for roles4 in itertools.permutations(per_token4):
         for roles3 in itertools.permutations(per_token3):
             if kind == "gdn":
@@ -287,7 +290,7 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
     """The role assignment under which the region is the delta rule; raises NotARecurrence
     with the most specific reason otherwise."""
     try:
-        assignments = candidate_assignments(region, region.seq_len)
+        assignments = candidate_assignments(flow, region, region.seq_len)
     except _RoleCountError as e:
         raise NotARecurrence(_diagnose_counts(flow, region, e) or e.reason, nodes=e.nodes) from None
     if not assignments:

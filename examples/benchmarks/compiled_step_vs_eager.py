@@ -21,25 +21,27 @@ def rel_l2(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def step(model, tokens, compiled):
+def step(model, tokens, compiler=None):
     model.zero_grad(set_to_none=True)
-    fn = torch.compile(model.loss, backend="laqat", fullgraph=True) if compiled else model.loss
+    fn = (torch.compile(model.loss, backend="laqat", fullgraph=True, options={"compiler": compiler})
+          if compiler else model.loss)
     loss = fn(tokens)
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_case(name, layers, dtype, hidden=256, heads=4, head_dim=64, T=512, B=2):
+def run_case(name, layers, dtype, compiler, hidden=256, heads=4, head_dim=64, T=512, B=2):
     torch.manual_seed(0)
     cfg = TinyConfig(vocab_size=512, hidden_size=hidden, num_heads=heads, head_dim=head_dim, layers=layers)
     model = TinyHybridLM(cfg).cuda().to(dtype)
     tokens = torch.randint(0, cfg.vocab_size, (B, T + 1), device="cuda")
-    row = {"case": name, "dtype": str(dtype).replace("torch.", ""), "shape": f"B={B} T={T} H={heads} D={head_dim}"}
+    row = {"case": name, "dtype": str(dtype).replace("torch.", ""), "compiler": compiler,
+           "shape": f"B={B} T={T} H={heads} D={head_dim}"}
     try:
-        eager_loss, eager_grads = step(model, tokens, compiled=False)
+        eager_loss, eager_grads = step(model, tokens)
         torch._dynamo.reset()
         report = la_compiler.explain(model.loss, tokens)
-        laqat_loss, laqat_grads = step(model, tokens, compiled=True)
+        laqat_loss, laqat_grads = step(model, tokens, compiler)
         row["kernels"] = ",".join(sorted({m.kernel for m in report.matches}))
         row["nodes"] = len(report.matches)
         row["loss_rel"] = abs(laqat_loss.item() - eager_loss.item()) / abs(eager_loss.item())
@@ -55,17 +57,17 @@ def main():
         sys.exit("needs a CUDA device")
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
+    # GDN is left out: FLA's eager GDN chunk backward refuses to run on Hopper with Triton < 3.7.1.
     rows = [
-        run_case("KDA model fp32", ("kda", "kda"), torch.float32),
-        run_case("KDA model bf16", ("kda", "kda"), torch.bfloat16),
-        run_case("GDN+KDA model fp32", ("gdn", "kda"), torch.float32),
+        run_case("KDA model fp32", ("kda", "kda"), torch.float32, "inductor"),
+        run_case("KDA model bf16", ("kda", "kda"), torch.bfloat16, "eager"),
     ]
-    print(f"{'case':22s} {'dtype':9s} {'nodes':>5s} {'kernels':28s} {'loss rel':>10s} {'max grad rel':>12s}")
+    print(f"{'case':22s} {'dtype':9s} {'compiler':9s} {'nodes':>5s} {'kernels':28s} {'loss rel':>10s} {'max grad rel':>12s}")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:22s} {r['dtype']:9s} ERROR {r['error']}")
         else:
-            print(f"{r['case']:22s} {r['dtype']:9s} {r['nodes']:5d} {r['kernels']:28s} {r['loss_rel']:10.2e} "
+            print(f"{r['case']:22s} {r['dtype']:9s} {r['compiler']:9s} {r['nodes']:5d} {r['kernels']:28s} {r['loss_rel']:10.2e} "
                   f"{r['grad_rel_max']:12.2e}")
     with open(os.path.join(out, "compiled_step_vs_eager.json"), "w") as f:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

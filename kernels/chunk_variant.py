@@ -1,8 +1,8 @@
 """The "chunk" kernel variant: generated chunked (WY) Triton kernels of GDN/KDA, forward and backward.
 
 Forward: ``chunk_fwd.py`` (intra, h, o); backward: ``chunk_bwd.py`` (forward recomputed, then
-dh, intra). Exact numerics, the Neumann solve, state / W quantization, the FP8/INT8 (row) GEMM
-operand sites and accumulator emulation; what else a spec asks for is refused by ``chunk_codegen.unsupported`` (the
+dh, intra). Exact numerics, the Neumann solve, state / W quantization, the FP8/INT8 (row) and NVFP4
+GEMM operand sites and accumulator emulation; what else a spec asks for is refused by ``chunk_codegen.unsupported`` (the
 selection table then moves on).
 """
 from __future__ import annotations
@@ -28,5 +28,5 @@ register_variant(
     chunk_forward,
     chunk_backward,
     "generated chunked (WY) Triton kernels, forward and backward (exact, Neumann solve, state and W QDQ, "
-    "FP8/INT8 row GEMM operand sites, fp16/bf16 accumulator emulation)",
+    "FP8/INT8 row and NVFP4 GEMM operand sites, fp16/bf16 accumulator emulation)",
 )

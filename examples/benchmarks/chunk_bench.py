@@ -14,7 +14,7 @@ First use of every spec compiles its Triton kernels (seconds each); split long r
    o.float().sum()) and peak extra MiB above the pre-run allocation, for
      FLA exact (chunk_kda fwd / fwd+bwd; chunk_gated_delta_rule fwd, its backward where FLA allows it),
      laqat exact / FP8 state / INT8 state / FP8 state + W  (torch.ops.laqat.delta_rule, kernel=chunk),
-     laqat FP8 all sites / NVFP4 operands (reported as not implemented where the chunk kernels refuse),
+     laqat FP8 all sites (+ state + W) / NVFP4 operands (all eight sites + W),
      laqat FP16 accumulators (block 16) at every GEMM site (the seeds' accumulator study),
      fp32 torch chunk emulation with FP8 state (kernels/chunk_reference.py in fp32),
    with ratios to FLA's time for the same pass.

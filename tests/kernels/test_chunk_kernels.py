@@ -129,7 +129,7 @@ def test_operand_sites_forward_and_backward(kind, fmt, C):
     if kind == "gdn":  # NVFP4: V = 32 makes the h stage hold two [K x 16] state tiles in its all-V tile
         inputs, cu = _case(kind, True, "kv", K=16, V=32 if fmt.startswith("nvfp4") else 16)
     else:  # KDA's rounded pairwise operands run column by column: a shorter sequence keeps the interpreter quick
-        inputs, cu = make_inputs(kind, B=1, T=C + 2, H=1, HV=2, K=16, V=16, dtype=torch.float32), None
+        inputs, cu = make_inputs(kind, B=1, T=C - 3, H=1, HV=2, K=16, V=16, dtype=torch.float32), None
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
     spec = RecurrenceSpec(kind=kind, chunk=C).replace(quant={**quant, "state": "fp8_e4m3/tile16", "w": fmt})
     (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
@@ -247,7 +247,8 @@ def test_selection_row_takes_only_what_the_kernels_implement():
     assert choose("gdn[chunk=64; solve=neumann:3]").variant == "chunk"
     assert choose("gdn[chunk=64; q.state=fp8_e4m3/tile64; q.output_value.lhs=fp8_e4m3/row]").variant == "chunk"
     assert choose("kda[chunk=64; q.key_interaction.rhs=fp8_e4m3/row]").variant == "chunk"
-    operand = choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.output_value.lhs=nvfp4/block16]")
+    assert choose("kda[chunk=64; q.output_value.rhs=nvfp4/block16; acc.wy_key=bf16:16]").variant == "chunk"
+    operand = choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.output_value.lhs=fp8_e4m3/row/clip]")
     assert operand.variant == "reference" and "output_value.lhs" in dict(operand.rejected)["chunk"]
     wide = choose("gdn[chunk=64; q.state=fp8_e4m3/tile64]", head_k=256)
     assert wide.variant == "reference" and "head_k" in dict(wide.rejected)["chunk"]

@@ -20,11 +20,15 @@ from la_compiler.record import GraphRecord, NearMiss
 def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool = False) -> int:
     # the pass allocates many small objects next to Dynamo's large heap: cyclic GC passes would
     # dominate its time (measured 2x on a 22k-node graph); nothing it creates is cyclic garbage
-    enabled = gc.isenabled()
+    # the float64 probes are small: one thread, so that OpenMP workers spinning next to other
+    # processes do not turn milliseconds into seconds
+    enabled, threads = gc.isenabled(), torch.get_num_threads()
     gc.disable()
+    torch.set_num_threads(1)
     try:
         return _rewrite(gm, record, verify=verify)
     finally:
+        torch.set_num_threads(threads)
         if enabled:
             gc.enable()
 

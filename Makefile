@@ -20,5 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 tests
 
+bench-rewrite: $(STAMP)
+	$(PY) examples/benchmarks/rewrite_time.py
+
 clean:
 	rm -rf $(VENV) .laqat_cache

@@ -69,6 +69,12 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
                 record.near_misses.append(NearMiss(frontend="torch", module=module_name(where), reason=e.reason,
                                                    nodes=e.nodes or (where.name,)))
             continue
+        except Exception as e:  # a bug in the analysis leaves the graph untouched, and says so
+            record.near_misses.append(NearMiss(
+                frontend="torch", module=module_name(where), nodes=(where.name,),
+                reason=f"torch frontend internal error while analysing the loop at {where.name}: "
+                       f"{type(e).__name__}: {e}"))
+            continue
         taken |= region.nodes
         accepted.append((region, assignment, spec))
     # graph positions of the original nodes keep their relative order while others are inserted

@@ -12,12 +12,11 @@ the final state is not used).
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections import defaultdict
 
 import torch
 
-from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value, value
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
 from la_compiler.passes.frontends.torch_recurrence.slices import TimeSlice, time_slices
 
 

@@ -302,6 +302,8 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
     groups = {}
     for a in assignments:
         groups.setdefault((a.g.node, a.decay_form), []).append(a)
+    # one region run per (g, form): try first the input that meets an exp or a cumsum soon (a log-decay)
+    groups = dict(sorted(groups.items(), key=lambda item: not _feeds_exp(region, item[0][0])))
     best = (math.inf, None)
     results = []
     for (g_node, form), members in groups.items():
@@ -328,6 +330,21 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
         raise NotARecurrence(prop)
     raise NotARecurrence(f"the region does not compute the GDN/KDA delta rule: best relative error {best[0]:.2e} "
                          f"over {len(assignments)} role assignments ({best[1]})")
+
+
+def _feeds_exp(region: Region, node, depth: int = 6) -> bool:
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in region.nodes and u not in seen:
+                    if getattr(u.target, "__name__", u.target) in ("exp", "cumsum"):
+                        return True
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _snap_scale(c: float, head_k: int) -> float:

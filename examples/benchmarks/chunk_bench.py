@@ -24,7 +24,6 @@ out of memory) is caught and reported in the table and the JSON, never hidden.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -34,29 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
+from checkout_import import ensure_la_compiler  # noqa: E402
 
-
-def _bootstrap_la_compiler():
-    """Import la_compiler from this checkout, mapping kernels/ and passes/ like pyproject's package-dir."""
-    try:
-        import la_compiler.kernels.chunk_fwd  # noqa: F401
-        return
-    except ImportError:
-        pass
-    sys.path.insert(0, str(REPO))
-    import la_compiler  # noqa: F401
-
-    for sub, folder in (("kernels", "kernels"), ("passes", "passes")):
-        name = f"la_compiler.{sub}"
-        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-
-
-_bootstrap_la_compiler()
+ensure_la_compiler()
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402

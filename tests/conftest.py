@@ -5,6 +5,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # pytest-xdist runs one worker per core: more intra-op threads only oversubscribe (small fp64
+    # ops ran ~100x slower with two threads per worker on two cores).
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

@@ -2,10 +2,6 @@
 import torch
 import torch.nn.functional as F
 
-# Tiny fp64 ops: on the shared 2-core machine, torch's intra-op thread pool makes each op ~100x
-# slower under load (spin-waiting workers). One thread is the fast choice for these shapes.
-torch.set_num_threads(1)
-
 
 def make_inputs(kind, *, B=1, T=13, H=2, HV=4, K=8, V=8, N=None, dtype=torch.float64, device="cpu",
                 with_state=True, decay=0.5):

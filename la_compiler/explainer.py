@@ -75,16 +75,16 @@ def explain(model_or_fn, *args, policy=None, compiler: str = "eager", **kwargs) 
     from la_compiler.backend import laqat_backend
 
     record = CompileRecord()
-    breaks = []
+    counters = torch._dynamo.utils.counters["graph_break"]
+    breaks_before = sum(counters.values())
     options = {"policy": policy, "compiler": compiler}
 
     def backend(gm, example_inputs):
-        breaks.append(gm)
         return laqat_backend(gm, example_inputs, options=options, _record=record)
 
     compiled = torch.compile(_unwrap(model_or_fn), backend=backend)
     output = compiled(*args, **kwargs)
-    report = ExplainReport(graphs=record.graphs, graph_breaks=max(len(breaks) - 1, 0), output=output)
+    report = ExplainReport(graphs=record.graphs, graph_breaks=sum(counters.values()) - breaks_before, output=output)
     if not report.matches:
         reasons = "; ".join(n.reason for n in report.near_misses) or "no candidate region found"
         warnings.warn(f"laqat found no GDN/KDA recurrence to rewrite ({reasons})", NothingMatchedWarning,

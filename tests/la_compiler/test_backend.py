@@ -93,3 +93,15 @@ def test_module_names_come_from_the_module_stack():
     (q, k, v, g, beta, _), _ = random_inputs("gdn", T=3)
     report = la_compiler.explain(Model(), q, k, v, g, beta)
     assert sorted(m.module for m in report.matches) == ["layers.0", "layers.1"]
+
+
+def test_explain_counts_graph_breaks():
+    def fn(x):
+        y = x * 2
+        print("a graph break")
+        return y + 1
+
+    with pytest.warns(NothingMatchedWarning):
+        report = la_compiler.explain(fn, torch.randn(3))
+    assert report.graph_breaks == 1 and len(report.graphs) == 2
+    assert "1 graph break(s)" in str(report)

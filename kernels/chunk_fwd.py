@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 
+from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module
 
 
@@ -51,25 +52,8 @@ def chunk_layout(B: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> Chu
 
 
 def check_inputs(kind, state, q, k, v, g, beta, initial_state, cu_seqlens):
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:2] != (B, T) or HV % H:
-        raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
-    if tuple(g.shape) != g_shape:
-        raise ValueError(f"{kind.upper()} g must be {g_shape}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
-    if K > MAX_HEAD_K or V > 256:
-        raise ValueError(f"the chunk kernels support K <= {MAX_HEAD_K} (a [C x K] register tile per operand) "
-                         f"and V <= 256, got K={K}, V={V}")
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    state_shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must be {state_shape} (state={state}), got {tuple(initial_state.shape)}")
-    return B, T, H, K, HV, V, N, state_shape
+    return check_canonical_inputs("the chunk kernels", kind, state, q, k, v, g, beta, initial_state, cu_seqlens,
+                                  max_k=MAX_HEAD_K, max_v=256, why_max=" (a [C x K] register tile per operand)")
 
 
 def scratch(shape, dtype, device) -> torch.Tensor:

@@ -6,11 +6,11 @@ docs/kernels-fused-recurrent.md for the backward's math and its memory cost.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 
+from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.codegen import FusedRecurrentParams, fused_recurrent_module
 from la_compiler.kernels.registry import register_variant, spec_of
 
@@ -18,29 +18,8 @@ CHECKPOINT_INTERVAL = 64  # tokens between stored states in the backward (docs: 
 
 
 def _check_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, state):
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"fused_recurrent runs Triton kernels: it needs CUDA tensors (got {q.device}), "
-                           "or TRITON_INTERPRET=1 set before triton is imported")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:2] != (B, T) or HV % H:
-        raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
-    if tuple(g.shape) != g_shape:
-        raise ValueError(f"{kind.upper()} g must be {g_shape}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
-    if K > 256 or V > 256:
-        raise ValueError(f"fused_recurrent supports head dims up to 256, got K={K}, V={V}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    state_shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must be {state_shape} (state={state}), got {tuple(initial_state.shape)}")
-    return B, T, H, K, HV, V, N, state_shape
+    return check_canonical_inputs("fused_recurrent", kind, state, q, k, v, g, beta, initial_state, cu_seqlens,
+                                  max_k=256, max_v=256)
 
 
 def _contiguous(*xs):

@@ -6,7 +6,8 @@ Steps (one module each): ``dataflow`` (networkx DiGraph with mutation edges), ``
 ``loops`` (chain discovery and step isomorphism of unrolled loops), ``region`` + ``rules``
 (what the IR node replaces, and its inputs), ``semantics`` (role assignment and the
 algebra check on fp64 probes, near-miss diagnosis), ``replace`` (emit the IR node),
-``verify_mode`` (optional whole-region check). docs/torch_frontend.md explains the design.
+``verify_mode`` (optional whole-region check), ``one_step`` (loops unrolled to one step: reported
+only). docs/torch_frontend.md explains the design.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
             continue
         taken |= region.nodes
         accepted.append((region, assignment, spec))
+    _report_one_step_loops(flow, loops, taken, record)
     # graph positions of the original nodes keep their relative order while others are inserted
     renamed: dict = {}
     accepted.sort(key=lambda item: flow.pos[item[0].body.windows[0][0]])
@@ -85,3 +87,22 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     if accepted:
         gm.recompile()  # the pipeline lints and recompiles again after all passes; a direct caller needs this
     return len(accepted)
+
+
+def _report_one_step_loops(flow, loops, taken: set, record: GraphRecord) -> None:
+    """Loops unrolled to a single step are not rewritten (``one_step.py``), but explain says so."""
+    from la_compiler.passes.frontends.torch_recurrence.one_step import find_one_step_loops
+    from la_compiler.passes.module_names import module_name
+
+    try:
+        found = find_one_step_loops(flow, loops, taken)
+    except Exception as e:  # a bug in the detection only costs the report, and says so
+        first = flow.nodes[0] if flow.nodes else None
+        record.near_misses.append(NearMiss(
+            frontend="torch", module=module_name(first) if first is not None else "", nodes=(),
+            reason=f"torch frontend internal error while looking for one-step loops: {type(e).__name__}: {e}"))
+        return
+    for one in found:
+        where = one.slices[0].node
+        record.near_misses.append(NearMiss(frontend="torch", module=module_name(where), reason=one.reason(),
+                                           nodes=tuple(s.node.name for s in one.slices)))

@@ -31,9 +31,8 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from checkout_import import ensure_la_compiler  # noqa: E402
+from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2  # noqa: E402
 
 ensure_la_compiler()
 
@@ -63,21 +62,6 @@ POLICIES = {  # name -> quant sites of the spec
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
 
-def rel_l2(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make_inputs(kind, B, T, H, HV, K, V, dtype, *, device="cuda"):
-    q = torch.randn(B, T, H, K, device=device)
-    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
-    v = torch.randn(B, T, HV, V, device=device)
-    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
-    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
-    beta = torch.rand(B, T, HV, device=device).sigmoid()
-    return [x.to(dtype) for x in (q, k, v, g, beta)]
-
-
 # ---- 1. exactness ------------------------------------------------------------------------------
 EXACT_CASES = [
     dict(kind="gdn", state="kv", B=2, T=200, H=2, HV=2, K=64, V=64, cu=None, quant={}),
@@ -95,8 +79,8 @@ def exactness(c, device="cuda") -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     os.environ["LAQAT_NAN_FILL"] = "1"  # unwritten elements show up as NaN errors (timing runs use empty buffers)
     cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.int32, device=device)
-    q, k, v, g, beta = make_inputs(c["kind"], c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"], torch.float32,
-                                   device=device)
+    (q, k, v, g, beta), _ = make_inputs(c["kind"], c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"],
+                                        torch.float32, device=device)
     N = c["B"] if cu is None else len(c["cu"]) - 1
     h0 = torch.randn((N, c["HV"], c["K"], c["V"]) if c["state"] == "kv" else (N, c["HV"], c["V"], c["K"]),
                      device=device)
@@ -116,14 +100,6 @@ def exactness(c, device="cuda") -> dict:
 
 
 # ---- 2. timing ---------------------------------------------------------------------------------
-def peak_extra_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
 
 def measure(fwd, fwd_bwd) -> dict:
     """ms (median) and extra MiB of the forward and of forward+backward; errors are recorded, not raised."""
@@ -148,7 +124,7 @@ def leaves_of(xs):
 def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES)) -> dict:
     from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
 
-    xs = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
+    xs, _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
     scale = D ** -0.5
     rows = {}
 

@@ -16,10 +16,7 @@ import torch
 import la_compiler
 from la_compiler.tiny_models import TinyConfig, TinyHybridLM
 
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+from bench_common import rel_l2
 
 
 def step(model, tokens, compiler=None):

@@ -22,9 +22,8 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from checkout_import import ensure_la_compiler  # noqa: E402
+from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2  # noqa: E402
 
 ensure_la_compiler()
 
@@ -51,24 +50,6 @@ POLICIES = {
 
 def spec_of(kind: str, policy: str, state: str = "kv") -> RecurrenceSpec:
     return RecurrenceSpec(kind, state=state, kernel="decode_fused", **POLICIES[policy])
-
-
-def rel_l2(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make_inputs(kind, B, T, H, HV, K, V, dtype, *, h0=False, n_seqs=None, state="kv", device="cuda"):
-    q = torch.randn(B, T, H, K, device=device)
-    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
-    v = torch.randn(B, T, HV, V, device=device)
-    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
-    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
-    beta = torch.rand(B, T, HV, device=device).sigmoid()
-    N = n_seqs or B
-    shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
-    initial = torch.randn(shape, device=device) if h0 else None
-    return [x.to(dtype) for x in (q, k, v, g, beta)], initial
 
 
 # ---- 1. accuracy against the fp64 reference ---------------------------------------------------
@@ -113,14 +94,6 @@ def accuracy(case, device="cuda") -> dict:
 
 
 # ---- 2. timing ------------------------------------------------------------------------------------
-def peak_extra_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
 
 class _DirectDecode(torch.autograd.Function):
     """decode_fused without the custom-op dispatch (used only if the op path fails to import/run)."""

@@ -21,9 +21,8 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from checkout_import import ensure_la_compiler  # noqa: E402
+from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2  # noqa: E402
 
 ensure_la_compiler()
 
@@ -34,24 +33,6 @@ from la_compiler.kernels import cache  # noqa: E402
 from la_compiler.kernels.codegen import FusedRecurrentParams  # noqa: E402
 from la_compiler.kernels.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd  # noqa: E402
 from la_compiler.kernels.reference import delta_rule_reference  # noqa: E402
-
-
-def rel_l2(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make_inputs(kind, B, T, H, HV, K, V, dtype, *, h0=False, n_seqs=None, state="kv", device="cuda"):
-    q = torch.randn(B, T, H, K, device=device)
-    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
-    v = torch.randn(B, T, HV, V, device=device)
-    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
-    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
-    beta = torch.rand(B, T, HV, device=device).sigmoid()
-    N = n_seqs or B
-    shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
-    initial = torch.randn(shape, device=device) if h0 else None
-    return [x.to(dtype) for x in (q, k, v, g, beta)], initial
 
 
 # ---- 1. exactness against the fp64 reference ------------------------------------------------
@@ -87,14 +68,6 @@ def exactness(case, device="cuda") -> dict:
 
 
 # ---- 2. against FLA ----------------------------------------------------------------------------
-def peak_extra_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
 
 def versus_fla(kind: str, B: int, T: int, H: int, D: int) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -1,0 +1,63 @@
+"""Shared benchmark helpers. ``ensure_la_compiler``: make ``la_compiler`` importable from this
+checkout when it is not pip-installed (e.g. on a
+GPU machine with only torch, triton and FLA), mapping kernels/ and passes/ as pyproject's
+package-dir does. Benchmarks call ``ensure_la_compiler()`` before importing laqat."""
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ensure_la_compiler() -> None:
+    try:
+        import la_compiler.kernels  # noqa: F401
+        import la_compiler.passes  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO))
+    import la_compiler  # noqa: F401
+
+    for folder in ("kernels", "passes"):
+        name = f"la_compiler.{folder}"
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(kind, B, T, H, HV, K, V, dtype, *, h0=False, n_seqs=None, state="kv", device="cuda"):
+    """BASELINES.md's inputs: q, v randn; k l2-normalised; g = 0.1*logsigmoid(randn) (per channel
+    for KDA); beta = sigmoid(rand). Returns ([q, k, v, g, beta] in dtype, fp32 initial state or None)."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(B, T, H, K, device=device)
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    v = torch.randn(B, T, HV, V, device=device)
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    g = 0.1 * F.logsigmoid(torch.randn(g_shape, device=device))
+    beta = torch.rand(B, T, HV, device=device).sigmoid()
+    N = n_seqs or B
+    shape = (N, HV, K, V) if state == "kv" else (N, HV, V, K)
+    initial = torch.randn(shape, device=device) if h0 else None
+    return [x.to(dtype) for x in (q, k, v, g, beta)], initial
+
+
+def peak_extra_mib(fn) -> float:
+    """Peak CUDA allocation above the pre-run baseline while ``fn`` runs, in MiB."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20

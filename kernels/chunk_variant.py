@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from la_compiler.kernels.chunk_bwd import chunk_bwd
 from la_compiler.kernels.chunk_codegen import ChunkParams
-from la_compiler.kernels.chunk_codegen import unsupported as unsupported_reason  # noqa: F401 (selection)
 from la_compiler.kernels.chunk_fwd import chunk_fwd
 from la_compiler.kernels.registry import register_variant, spec_of
 

@@ -1,15 +1,14 @@
-"""Checks of the IR's canonical tensors at a kernel launcher (shapes, head limits, device)."""
+"""Checks of the IR's canonical tensors: their shapes (every kernel and reference), and at a
+Triton launcher also the device, head-dim limits and state shape."""
 from __future__ import annotations
 
 import os
 
 
-def check_canonical_inputs(kernel: str, kind: str, state: str, q, k, v, g, beta, initial_state, cu_seqlens, *,
-                           max_k: int, max_v: int, why_max: str = ""):
-    """Returns (B, T, H, K, HV, V, N, state_shape); raises naming the offending argument."""
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{kernel} runs Triton kernels: it needs CUDA tensors (got {q.device}), "
-                           "or TRITON_INTERPRET=1 set before triton is imported")
+def check_shapes(kind: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
+    """Returns (B, T, H, K, HV, V); raises naming the tensor whose shape breaks the IR contract."""
+    if kind not in ("gdn", "kda"):
+        raise ValueError(f"kind must be 'gdn' or 'kda', got {kind!r}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if k.shape != q.shape:
@@ -21,6 +20,16 @@ def check_canonical_inputs(kernel: str, kind: str, state: str, q, k, v, g, beta,
         raise ValueError(f"{kind.upper()} g must be {g_shape}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
+    return B, T, H, K, HV, V
+
+
+def check_canonical_inputs(kernel: str, kind: str, state: str, q, k, v, g, beta, initial_state, cu_seqlens, *,
+                           max_k: int, max_v: int, why_max: str = ""):
+    """Returns (B, T, H, K, HV, V, N, state_shape); raises naming the offending argument."""
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{kernel} runs Triton kernels: it needs CUDA tensors (got {q.device}), "
+                           "or TRITON_INTERPRET=1 set before triton is imported")
+    B, T, H, K, HV, V = check_shapes(kind, q, k, v, g, beta)
     if K > max_k or V > max_v:
         raise ValueError(f"{kernel} supports K <= {max_k} and V <= {max_v}{why_max}, got K={K}, V={V}")
     if cu_seqlens is not None and B != 1:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from la_compiler.kernels.canonical_inputs import check_shapes
 from la_compiler.kernels.chunk_rounding import ChunkRounding
 from la_compiler.kernels.reference import expand_heads, sequence_bounds
 from la_compiler.spec import RecurrenceSpec
@@ -73,9 +74,7 @@ def chunk_delta_rule_reference(
         raise ValueError(f"spec phase={spec.phase!r}: the chunk reference computes prefill only (phase=none)")
     rounding = ChunkRounding.from_spec(spec) if rounding is None else rounding
     kind, C = spec.kind, spec.chunk
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _check_shapes(kind, q, k, v, g, beta)
+    B, T, H, K, HV, V = check_shapes(kind, q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
 
     seqs = sequence_bounds(B, T, cu_seqlens)
@@ -146,20 +145,6 @@ def chunk_delta_rule_reference(
 
 
 # ---- pieces ---------------------------------------------------------------------------------
-
-def _check_shapes(kind, q, k, v, g, beta):
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:2] != (B, T) or HV % H:
-        raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    want_g = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
-    if tuple(g.shape) != want_g:
-        raise ValueError(f"{kind.upper()} g must be {list(want_g)}, got {list(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must be {[B, T, HV]}, got {list(beta.shape)}")
-
 
 def _to_chunks(x: Tensor, seqs, NC: int, C: int) -> Tensor:
     """[B, T, HV, ...] -> [N, HV, NC, C, ...], every sequence zero-padded to NC * C tokens."""

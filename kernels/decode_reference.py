@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from la_compiler.kernels.canonical_inputs import check_shapes
 from la_compiler.kernels.decode_options import DecodeOptions
 from la_compiler.kernels.reference import expand_heads, sequence_bounds
 
@@ -125,10 +126,7 @@ def delta_rule_decode_reference(
     ``prefill_lengths`` / ``valid_lengths``: one int per sequence (lists or int tensors).
     Differentiable with torch autograd (identity gradient through every rounding).
     """
-    if kind not in ("gdn", "kda"):
-        raise ValueError(f"kind must be 'gdn' or 'kda', got {kind!r}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    B, T, H, K, HV, V = check_shapes(kind, q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     qe, ke = (expand_heads(x, HV).to(dtype) for x in (q, k))
     ve, ge, be = v.to(dtype), g.to(dtype), beta.to(dtype)

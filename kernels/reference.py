@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from la_compiler.kernels.canonical_inputs import check_shapes
+
 
 def expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
     """[B, T, H, ...] -> [B, T, HV, ...] for grouped heads (value head j uses head j // (HV/H))."""
@@ -58,17 +60,10 @@ def delta_rule_reference(
     far in that sequence) and returns the state to carry on with; the quantization references use it to
     round the state where a policy says so.
     """
-    if kind not in ("gdn", "kda"):
-        raise ValueError(f"kind must be 'gdn' or 'kda', got {kind!r}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    B, T, H, K, HV, V = check_shapes(kind, q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     qe, ke = (expand_heads(x, HV).to(dtype) for x in (q, k))
     ve, ge, be = v.to(dtype), g.to(dtype), beta.to(dtype)
-    if kind == "gdn" and ge.shape != (B, T, HV):
-        raise ValueError(f"GDN g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
-    if kind == "kda" and ge.shape != (B, T, HV, K):
-        raise ValueError(f"KDA g must be [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
 
     seqs = sequence_bounds(B, T, cu_seqlens)
     outputs = [[None] * T for _ in range(B)]

@@ -77,14 +77,36 @@ def delta_rule(
     return o, ht
 
 
-@delta_rule.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
-    parsed = RecurrenceSpec.parse(spec)
+def empty_outputs(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], spec: str) -> tuple[Tensor, Tensor]:
+    """(o, final_state) of the right shapes and dtypes: the fake implementation of the forward ops."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
-    ht = q.new_empty(_state_shape(parsed, _num_sequences(q, cu_seqlens), HV, K, V), dtype=torch.float32)
-    return o, ht
+    shape = _state_shape(RecurrenceSpec.parse(spec), _num_sequences(q, cu_seqlens), HV, K, V)
+    return o, q.new_empty(shape, dtype=torch.float32)
+
+
+def empty_grads(q, k, v, g, beta, initial_state) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dbeta, dh0): the fake implementation of the backward ops."""
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), _no_state_grad(q) if initial_state is None else torch.empty_like(initial_state))
+
+
+def _no_state_grad(q: Tensor) -> Tensor:
+    """A custom op cannot return None: an empty tensor stands for "no initial state"."""
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+def pack_grads(grads) -> tuple[Tensor, ...]:
+    """A variant's (dq, dk, dv, dg, dbeta, dh0 or None) as a custom op's contiguous outputs."""
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    dh0 = _no_state_grad(dq) if dh0 is None else dh0
+    return tuple(x.contiguous() for x in (dq, dk, dv, dg, dbeta, dh0))
+
+
+@delta_rule.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
+    return empty_outputs(q, v, cu_seqlens, spec)
 
 
 @torch.library.custom_op("laqat::delta_rule_backward", mutates_args=())
@@ -102,18 +124,13 @@ def delta_rule_backward(
     spec: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     parsed = RecurrenceSpec.parse(spec)
-    grads = _variant_for(parsed, q, v).backward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht)
-    dq, dk, dv, dg, dbeta, dh0 = grads
-    if dh0 is None:  # a custom op cannot return None: an empty tensor stands for "no initial state"
-        dh0 = q.new_empty((0,), dtype=torch.float32)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dg.contiguous(), dbeta.contiguous(), dh0.contiguous()
+    return pack_grads(_variant_for(parsed, q, v).backward(parsed, q, k, v, g, beta, initial_state, cu_seqlens,
+                                                           scale, do, dht))
 
 
 @delta_rule_backward.register_fake
 def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    return empty_grads(q, k, v, g, beta, initial_state)
 
 
 def _setup_context(ctx, inputs, output):

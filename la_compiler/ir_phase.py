@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from la_compiler.ir import _num_sequences, _state_shape, _variant_for
+from la_compiler.ir import _num_sequences, _state_shape, _variant_for, empty_grads, empty_outputs, pack_grads
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -67,12 +67,7 @@ def delta_rule_phased(
 
 @delta_rule_phased.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
-    parsed = RecurrenceSpec.parse(spec)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    o = q.new_empty((B, T, HV, V))
-    ht = q.new_empty(_state_shape(parsed, _num_sequences(q, cu_seqlens), HV, K, V), dtype=torch.float32)
-    return o, ht
+    return empty_outputs(q, v, cu_seqlens, spec)
 
 
 @torch.library.custom_op("laqat::delta_rule_phased_backward", mutates_args=())
@@ -82,19 +77,14 @@ def delta_rule_phased_backward(
     prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     parsed = RecurrenceSpec.parse(spec)
-    dq, dk, dv, dg, dbeta, dh0 = _variant_for(parsed, q, v).backward(
+    return pack_grads(_variant_for(parsed, q, v).backward(
         parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht,
-        prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
-    if dh0 is None:
-        dh0 = q.new_empty((0,), dtype=torch.float32)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dg.contiguous(), dbeta.contiguous(), dh0.contiguous()
+        prefill_lengths=prefill_lengths, valid_lengths=valid_lengths))
 
 
 @delta_rule_phased_backward.register_fake
 def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    return empty_grads(q, k, v, g, beta, initial_state)
 
 
 def _setup_context(ctx, inputs, output):

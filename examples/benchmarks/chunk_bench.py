@@ -233,6 +233,7 @@ def main():
     parser.add_argument("--no-emulation-above", type=int, default=1 << 62,
                         help="skip the fp32 torch emulation above this many B*T*H tokens")
     parser.add_argument("--skip-exactness", action="store_true")
+    parser.add_argument("--exactness-only", action="store_true")
     parser.add_argument("--policies", default=None,
                         help="comma-separated subset of: " + ", ".join(POLICIES) + " (default: all)")
     args = parser.parse_args()
@@ -265,7 +266,7 @@ def main():
         (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))
 
     os.environ["LAQAT_NAN_FILL"] = "0"
-    for kind in args.kinds.split(","):
+    for kind in [] if args.exactness_only else args.kinds.split(","):
         for shape in shapes:
             B, T, H, D = shape
             policies = tuple(POLICIES) if args.policies is None else tuple(x.strip() for x in args.policies.split(","))

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Runs laqat's GPU checks and benchmarks on a CUDA machine whose torch and triton are
 # preinstalled and which has FLA as wheels in .whl/ (see ../shared/tools/device-wheels).
-# Usage: examples/benchmarks/run_gpu.sh [stage ...]   stages: recurrent step decode chunk qdq fla
+# Usage: examples/benchmarks/run_gpu.sh [stage ...]
+#   warm      compile/autotune FLA's KDA kernels in the background (own process session, so it
+#             outlives this command on a machine kept warm); later stages find them in Triton's cache
+#   exact     chunk kernels vs the fp64 chunk reference (fp32, K up to 128, varlen, HV > H, QDQ)
+#   gdn kda   chunk_bench timing table for one kind, the three BASELINES shapes
+#   train     a GDN+KDA model compiled with the FP8-state recipe trains through the chunk kernels
+#   decode    decode-phase training (token / decay-grid / replay) vs FLA's chunk_kda
+#   step      compiled FLA KDA model training step vs eager
+#   recurrent generated recurrent kernel vs FLA (both kinds)   recurrent-kda: KDA rows only
+#   fla qdq   FLA conv/norm custom ops on CUDA; QDQ device functions vs torch
 # Each stage prints its table and writes JSON under $OUT (default ./out).
 set -uo pipefail
 export OUT=${OUT:-out} PYTHONUNBUFFERED=1
@@ -12,17 +21,26 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-stages=${*:-recurrent step decode chunk}
+B=examples/benchmarks
+POLICIES="laqat exact,laqat FP8 state,laqat INT8 state,laqat FP8 all sites,laqat NVFP4 operands"
+stages=${*:-exact gdn train decode}
 for stage in $stages; do
-  echo "=== $stage ==="
+  echo "=== $stage $(date +%T) ==="
   case $stage in
-    recurrent) timeout 300 python3 examples/benchmarks/recurrent_vs_fla.py ;;
-    step)      timeout 300 python3 examples/benchmarks/compiled_step_vs_eager.py ;;
-    decode)    timeout 300 python3 examples/benchmarks/decode_bench.py ;;
-    chunk)     timeout 420 python3 examples/benchmarks/chunk_bench.py ;;
-    fla)       timeout 300 python3 examples/benchmarks/fla_frontend_gpu_check.py ;;
+    warm)      setsid nohup python3 $B/warm_fla.py >/tmp/warm_fla.log 2>&1 < /dev/null & ;;
+    exact)     timeout 240 python3 $B/chunk_bench.py --exactness-only ;;
+    gdn|kda)   timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds $stage --policies "$POLICIES" \
+                 --no-emulation-above 65536 ;;
+    train)     timeout 240 python3 $B/train_fp8_state_gpu.py ;;
+    decode)    timeout 300 python3 $B/decode_bench.py --num-warps 4 8 ;;
+    step)      timeout 420 python3 $B/compiled_step_vs_eager.py ;;
+    recurrent) timeout 300 python3 $B/recurrent_vs_fla.py ;;
+    recurrent-kda) timeout 300 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness ;;
+    fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;
   esac
-  echo "=== $stage exit $? ==="
+  echo "=== $stage exit $? $(date +%T) ==="
 done
+[ -f /tmp/warm_fla.log ] && { echo "--- warm_fla.log"; cat /tmp/warm_fla.log; cp /tmp/warm_fla.log "$OUT/"; }
+exit 0

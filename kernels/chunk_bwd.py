@@ -1,6 +1,6 @@
 """Launchers of the generated chunked (WY) backward kernels, and the recipe that chains them.
 
-    chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, h (rounded chunk-start states), V_new
+    chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, T (exact solve), h (rounded chunk-start states), V_new
     chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
     chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
 
@@ -13,8 +13,8 @@ import torch
 import triton
 
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_bwd_module
-from la_compiler.kernels.chunk_fwd import (check_inputs, chunk_fwd, chunk_layout, dot_precision, pipeline_stages,
-                                           scratch)
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, scratch
+from la_compiler.kernels.chunk_launch import launch, launch_config
 
 
 def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
@@ -34,7 +34,6 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     module = chunk_bwd_module(p)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    stages = pipeline_stages(BK)
     dev, f32 = q.device, torch.float32
     dh = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
     dv_new = scratch((B, T, HV, V), f32, dev)
@@ -46,16 +45,17 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     dg = scratch(g.shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
-    getattr(module, f"chunk_{p.kind}_bwd_kernel_dh")[(triton.cdiv(V, BV), N * HV)](
-        q, k, parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens, lay.chunk_offsets,
-        scale, T, USE_INITIAL_STATE=initial_state is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        num_warps=4, num_stages=stages, **common)
+    launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (triton.cdiv(V, BV), N * HV),
+           q, k, parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens, lay.chunk_offsets,
+           scale, T, USE_INITIAL_STATE=initial_state is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+           config=launch_config("bwd_dh", BK, C), **common)
     if lay.NT:
         chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
         heads = HV * (1 if cu_seqlens is not None else B)
-        getattr(module, f"chunk_{p.kind}_bwd_kernel_intra")[(chunks_per_row, heads)](
-            q, k, v, beta, g, parts["g_cum"], parts["h"], dh, parts["v_new"], dv_new, do, dq, dk, dv, dbeta, dg,
-            cu_seqlens, lay.chunk_indices, scale, T, num_warps=8 if C * BK >= 4096 else 4, num_stages=stages, **common)
+        t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
+        launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
+               q, k, v, beta, g, parts["g_cum"], t_solved, parts["h"], dh, parts["v_new"], dv_new, do, dq, dk, dv,
+               dbeta, dg, cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK, C), **common)
     group = HV // H
     dq = dq.view(B, T, H, group, K).sum(3)
     dk = dk.view(B, T, H, group, K).sum(3)

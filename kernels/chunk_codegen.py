@@ -20,7 +20,7 @@ from la_compiler.kernels.codegen import CodegenError, module_source, render, tem
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pairs, kda_pair_grads,
     acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values, parse_acc,
-    solve, solve_grad, state_qdq, w_qdq)
+    load_solved, solve, solve_grad, state_qdq, w_qdq)
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
@@ -192,7 +192,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         "QUERY_DECAY": fwd["QUERY_DECAY"], "BWD_DH_OPERANDS": ops["BWD_DH_OPERANDS"],
         "OUTPUT_STATE_LHS": ops["OUTPUT_STATE_LHS"]}, where="chunk_bwd_dh")
     intra = render(template("chunk_bwd_intra"), {
-        "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": solve(p), "SOLVE_GRAD": solve_grad(p),
+        "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p), "SOLVE_GRAD": solve_grad(p),
         **{key: bwd[key] for key in ("LOAD_G", "PAIRS", "EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")},
         **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS",
                                      "BWD_INTRA_AMAX")}},

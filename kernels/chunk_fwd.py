@@ -18,6 +18,7 @@ import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module
+from la_compiler.kernels.chunk_launch import launch, launch_config
 
 
 MAX_HEAD_K = 128  # whole key rows live in registers ([C, K] fp32 tiles); larger K is untested on GPUs
@@ -69,20 +70,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def pipeline_stages(BK: int) -> int:
-    """Software-pipelining depth of the chunk loops. On the H200 (Triton 3.6) the default depth
-    asked for 255-312 KB of shared memory at K = 128 (the limit is 227 KB); one stage keeps
-    whole [K x BV] state tiles in registers without the pipelined copies. Unmeasured on the GPU."""
-    return 1 if BK >= 128 else 3  # 3: Triton's default, what the K = 64 figures were measured with
-
-
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
               intermediates: dict | None = None, need_output: bool = True):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
     ``intermediates``, if given, receives the fp32 buffers: g_cum, w, u, A_qk, v_new [B, T, HV, ..]
     and h, the chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h).
-    ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None."""
+    ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
+    With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
+    the backward's input-gradient stage loads it instead of solving again."""
     B, T, H, K, HV, V, N, state_shape = check_inputs(p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -96,8 +92,6 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     BV_h = p.state_block_v or min(32, BV_io)  # no state tile to honour: more programs for the serial stage
     if p.h_full_v:  # NVFP4 state_read / state_update operands: one tile over all of V (and whole state tiles)
         BV_h = max(16, triton.next_power_of_2(V), p.state_block_v or 16)
-    wide = 8 if C * BK >= 4096 else 4  # [C, BK] fp32 tiles: spread registers over more warps
-    stages = pipeline_stages(BK)
     dev, f32 = q.device, torch.float32
     g_cum = scratch(g.shape, f32, dev)
     w = scratch((B, T, HV, K), f32, dev)
@@ -106,24 +100,25 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     h = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
     v_new = scratch((B, T, HV, V), f32, dev)
     o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
+    t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
     chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
     if lay.NT:
-        kernels["intra"][(chunks_per_row, heads)](
-            q, k, v, g, beta, g_cum, w, u, A_qk, cu_seqlens, lay.chunk_indices, scale, T,
-            BV=BV_io, num_warps=wide, num_stages=stages, **common)
-    kernels["h"][(triton.cdiv(V, BV_h), N * HV)](
-        k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
-        BV=BV_h, USE_INITIAL_STATE=initial_state is not None, num_warps=4, num_stages=stages, **common)
+        launch(kernels["intra"], (chunks_per_row, heads),
+               q, k, v, g, beta, g_cum, w, u, A_qk, t_solved, cu_seqlens, lay.chunk_indices, scale, T,
+               BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK, C), **common)
+    launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
+           k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
+           BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C), **common)
     if lay.NT and need_output:
-        kernels["o"][(triton.cdiv(V, BV_io), chunks_per_row, heads)](
-            q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
-            BV=BV_io, num_warps=4, num_stages=stages, **common)
+        launch(kernels["o"], (triton.cdiv(V, BV_io), chunks_per_row, heads),
+               q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
+               BV=BV_io, config=launch_config("fwd_o", BK, C), **common)
     if intermediates is not None:
-        intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new)
+        intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved)
     return o, ht
 
 

@@ -460,6 +460,16 @@ QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_sc
 
 
 
+def load_solved(p: ChunkParams) -> str:
+    """The backward's T: the exact solve's T stored by the forward recompute (rows past the sequence end
+    are the identity's, as a solve of their zero rows gives); a Neumann polynomial is recomputed (cheap dots)."""
+    if p.solve != "exact":
+        return solve(p)
+    return ("# T stored by the forward recompute (chunk_fwd STORE_T)\n"
+            "b_T = tl.load(t_solved + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
+            "b_T = tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))")
+
+
 def solve_grad(p: ChunkParams) -> str:
     if p.solve == "exact":
         return ("# T = (I + A)^-1: dA = -T^T dT T^T\n"

@@ -1,0 +1,55 @@
+"""Launch configurations of the chunk kernels, and a launch that survives a shared-memory refusal.
+
+The configurations come from compiling every stage for sm_90 (Triton's ptxas, on a CPU machine:
+``cuobjdump -res-usage`` of the cubins) at K = 64 and 128, bf16 and fp32, warps 4/8, stages 1-3
+(docs/kernels-chunk.md, "Launch configurations"):
+
+* at BK >= 128, four warps spill 0.5-3.5 KB of registers per thread in every stage; eight warps
+  remove the spills of the h, o and dh stages; pipelining (stages > 1) only adds shared memory
+  (the h stage: 56 KB at one stage, 153 KB at three) and brings spills back;
+* at BK = 64 with fp32 inputs, the dh stage asked for 262 KB at three stages (H200: 227 KB).
+
+Pipelining depth never changes what is computed, so a launch that Triton refuses for shared memory
+is retried with fewer stages (and the working depth remembered per kernel and constants); any other
+error propagates.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from triton.runtime.errors import OutOfResources
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
+    """stage: one of fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra."""
+    stages = 1 if BK >= 128 else 3  # 3: Triton's default, what the K = 64 figures were measured with
+    if stage in ("fwd_intra", "bwd_intra"):  # [C, BK] fp32 tiles: spread over 8 warps
+        return LaunchConfig(8 if C * BK >= 4096 else 4, stages)
+    if stage in ("fwd_h", "bwd_dh", "fwd_o"):
+        return LaunchConfig(8 if BK >= 128 else 4, stages)
+    raise ValueError(f"launch_config: unknown stage {stage!r}")
+
+
+_working_stages: dict[tuple, int] = {}
+
+
+def launch(kernel, grid, *args, config: LaunchConfig, **constexprs):
+    """kernel[grid](*args, **constexprs) with the config; fewer pipeline stages on OutOfResources."""
+    key = (id(kernel), config.num_warps, tuple(sorted(constexprs.items())))
+    stages = _working_stages.get(key, config.num_stages)
+    while True:
+        try:
+            result = kernel[grid](*args, num_warps=config.num_warps, num_stages=stages, **constexprs)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _working_stages[key] = stages
+        return result

@@ -7,6 +7,8 @@ implement is derived in docs/kernels-chunk.md.
 """
 from __future__ import annotations
 
+import os
+
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -238,8 +240,23 @@ def gdn_pairs(p: ChunkParams) -> str:
         "b_Pqk = b_Pqk * b_Gam")
 
 
+SOLVE_BLOCK = 16  # rows of the diagonal blocks of the blocked exact solve
+
+
+def solve_form(p: ChunkParams) -> str:
+    """"blocked" where the chunk splits into 16-row blocks, else "rows"; LAQAT_CHUNK_SOLVE=rows forces
+    row-by-row substitution (both compute T = (I + A)^-1 exactly; benchmarks compare them)."""
+    forced = os.environ.get("LAQAT_CHUNK_SOLVE", "blocked")
+    if forced not in ("blocked", "rows"):
+        raise ValueError(f"LAQAT_CHUNK_SOLVE must be 'blocked' or 'rows', got {forced!r}")
+    blockable = p.chunk % SOLVE_BLOCK == 0 and p.chunk > SOLVE_BLOCK
+    return "blocked" if forced == "blocked" and blockable else "rows"
+
+
 def solve(p: ChunkParams) -> str:
     eye = "tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)"
+    if p.solve == "exact" and solve_form(p) == "blocked":
+        return blocked_solve(p)
     if p.solve == "exact":
         return (
             "# forward substitution: row i of T = e_i - sum_{j<i} A_ij T_j\n"
@@ -254,6 +271,33 @@ def solve(p: ChunkParams) -> str:
         "b_T = b_I\n"
         f"for _ in tl.static_range({p.degree}):\n"
         "    b_T = b_I - tl.dot(b_A, b_T, input_precision=DOT_PRECISION)")
+
+
+def blocked_solve(p: ChunkParams) -> str:
+    """T = (I + A)^-1 by blocks (docs/kernels-chunk.md, "Blocked solve"): the 16 x 16 diagonal blocks D
+    by forward substitution, all blocks at once (16 steps instead of C); then with L the strictly
+    block-lower part and M = (I + D)^-1 L (nilpotent of order C/16), T = sum_n<C/16 (-M)^n (I + D)^-1."""
+    nb, bs = p.chunk // SOLVE_BLOCK, SOLVE_BLOCK
+    return lines(
+        f"# blocked exact solve: {nb} diagonal blocks of {bs} rows",
+        f"o_sb = tl.arange(0, {nb})",
+        f"o_sr = tl.arange(0, {bs})",
+        "m_same_blk = o_sb[:, None, None, None] == o_sb[None, None, :, None]",
+        f"b_D = tl.sum(tl.where(m_same_blk, tl.reshape(b_A, [{nb}, {bs}, {nb}, {bs}]), 0.0), 2)",
+        "m_row = o_sr[None, :, None]",
+        f"b_Td = tl.where(m_row == o_sr[None, None, :], 1.0, 0.0) + tl.zeros([{nb}, {bs}, {bs}], dtype=tl.float32)",
+        f"for i in range(1, {bs}):",
+        "    b_a = tl.sum(tl.where(m_row == i, b_D, 0.0), 1)",
+        "    b_Td = tl.where(m_row == i, b_Td - tl.sum(b_a[:, :, None] * b_Td, 1)[:, None, :], b_Td)",
+        f"b_Tbd = tl.reshape(tl.where(m_same_blk, b_Td[:, :, None, :], 0.0), [C, C])",
+        f"b_M = tl.dot(b_Tbd, tl.where((o_c // {bs})[:, None] > (o_c // {bs})[None, :], b_A, 0.0),",
+        "             input_precision=DOT_PRECISION)",
+        "b_I = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)",
+        "b_X = b_I - b_M",
+        f"for _ in tl.static_range({nb - 2}):",
+        "    b_X = b_I - tl.dot(b_M, b_X, input_precision=DOT_PRECISION)",
+        "b_T = tl.dot(b_X, b_Tbd, input_precision=DOT_PRECISION)")
+
 
 def kda_pairs(p: ChunkParams) -> str:
     """b_P = K K^T ⊙ Γ and b_Pqk = Q K^T ⊙ Γ of one KDA chunk, per key channel (masks applied later).

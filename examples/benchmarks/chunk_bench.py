@@ -58,7 +58,9 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 all sites": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat NVFP4 operands": {**NVFP4_ALL, "w": "nvfp4/block16"},
     "laqat FP16 accumulators (block 16)": {},  # acc.<every GEMM site>=fp16:16, see ACCUMULATORS
+    "laqat exact, row-by-row solve": {},  # LAQAT_CHUNK_SOLVE=rows, see SOLVE_FORMS
 }
+SOLVE_FORMS = {"laqat exact, row-by-row solve": "rows"}
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
 
@@ -117,11 +119,49 @@ def measure(fwd, fwd_bwd) -> dict:
     return row
 
 
+def kernel_times(fn, repeats=3) -> dict:
+    """Device time per kernel name (ms per call of fn), largest first: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            times[e.key[:80]] = times.get(e.key[:80], 0.0) + t / 1000 / repeats
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:10])
+
+
+class solve_form:
+    """Sets LAQAT_CHUNK_SOLVE around a call (the generated source, hence the kernel, follows it)."""
+
+    def __init__(self, form):
+        self.form = form
+
+    def __enter__(self):
+        self.saved = os.environ.get("LAQAT_CHUNK_SOLVE")
+        if self.form:
+            os.environ["LAQAT_CHUNK_SOLVE"] = self.form
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("LAQAT_CHUNK_SOLVE", None)
+        else:
+            os.environ["LAQAT_CHUNK_SOLVE"] = self.saved
+
+
 def leaves_of(xs):
     return [x.detach().clone().requires_grad_(True) for x in xs]
 
 
-def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES)) -> dict:
+def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES), profile=()) -> dict:
     from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
 
     xs, _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
@@ -147,6 +187,8 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
 
     blocked = gdn_backward_blocker() if kind == "gdn" else None
     rows["FLA exact"] = measure(fla_fwd, None if blocked else fla_fwd_bwd)
+    if "FLA exact" in profile:
+        rows["FLA exact"]["kernels_ms"] = kernel_times(fla_fwd if blocked else fla_fwd_bwd)
     if blocked:
         rows["FLA exact"]["error_fwd_bwd"] = f"not run: {blocked}"
     fla_o = fla_fwd()[0]
@@ -164,17 +206,26 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
         text = str(spec)
         leaves = leaves_of(xs)
 
-        def ours_fwd(text=text):
-            return torch.ops.laqat.delta_rule(*xs, None, None, scale, text)
+        form = SOLVE_FORMS.get(name)
 
-        def ours_fwd_bwd(text=text, leaves=leaves):
+        def ours_fwd(text=text, form=form):
+            with solve_form(form):
+                return torch.ops.laqat.delta_rule(*xs, None, None, scale, text)
+
+        def ours_fwd_bwd(text=text, leaves=leaves, form=form):
             for x in leaves:
                 x.grad = None
-            o, _ = torch.ops.laqat.delta_rule(*leaves, None, None, scale, text)
-            o.float().sum().backward()
+            with solve_form(form):
+                o, _ = torch.ops.laqat.delta_rule(*leaves, None, None, scale, text)
+                o.float().sum().backward()
 
         rows[name] = measure(ours_fwd, ours_fwd_bwd)
-        if not quant and name not in ACCUMULATORS:
+        if name in profile:
+            try:
+                rows[name]["kernels_ms"] = kernel_times(ours_fwd_bwd)
+            except Exception as e:  # noqa: BLE001
+                rows[name]["kernels_ms"] = {"error": f"{type(e).__name__}: {e}"}
+        if not quant and name not in ACCUMULATORS and name not in SOLVE_FORMS:
             try:
                 rows[name]["rel_l2_o_vs_fla"] = rel_l2(ours_fwd()[0], fla_o)
             except Exception as e:  # noqa: BLE001
@@ -223,6 +274,10 @@ def print_table(kind, shape, rows):
                 print(f"      {key[6:]}: {row[key]}")
         if "rel_l2_o_vs_fla" in row:
             print(f"      o vs FLA (bf16) relative L2: {row['rel_l2_o_vs_fla']}")
+        if "kernels_ms" in row:
+            print("      kernels (ms per call): " + ", ".join(
+                f"{k.split('(')[0][:48]} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in row["kernels_ms"].items()))
 
 
 def main():
@@ -234,6 +289,8 @@ def main():
                         help="skip the fp32 torch emulation above this many B*T*H tokens")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--exactness-only", action="store_true")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated rows (e.g. 'FLA exact,laqat exact') whose fwd+bwd kernels are timed one by one")
     parser.add_argument("--policies", default=None,
                         help="comma-separated subset of: " + ", ".join(POLICIES) + " (default: all)")
     args = parser.parse_args()
@@ -274,7 +331,7 @@ def main():
             if unknown:
                 sys.exit(f"--policies: unknown {unknown}; known: {list(POLICIES)}")
             rows = bench_shape(kind, B, T, H, D, with_emulation=B * T * H <= args.no_emulation_above,
-                               policies=policies)
+                               policies=policies, profile=tuple(x.strip() for x in args.profile.split(",") if x))
             print_table(kind, shape, rows)
             result["timing"].append({"kind": kind, "shape": list(shape), "rows": rows})
             (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))

@@ -58,9 +58,9 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 all sites": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat NVFP4 operands": {**NVFP4_ALL, "w": "nvfp4/block16"},
     "laqat FP16 accumulators (block 16)": {},  # acc.<every GEMM site>=fp16:16, see ACCUMULATORS
-    "laqat exact, row-by-row solve": {},  # LAQAT_CHUNK_SOLVE=rows, see SOLVE_FORMS
+    "laqat exact (row-by-row solve)": {},  # LAQAT_CHUNK_SOLVE=rows, see SOLVE_FORMS
 }
-SOLVE_FORMS = {"laqat exact, row-by-row solve": "rows"}
+SOLVE_FORMS = {"laqat exact (row-by-row solve)": "rows"}
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
 

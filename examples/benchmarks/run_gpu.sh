@@ -11,6 +11,9 @@
 #   step      compiled FLA KDA model training step vs eager
 #   recurrent generated recurrent kernel vs FLA (both kinds)   recurrent-kda: KDA rows only
 #   fla qdq   FLA conv/norm custom ops on CUDA; QDQ device functions vs torch
+#   prof      GDN kernel-by-kernel device times (FLA, laqat exact with both solves, FP8 state), two large shapes
+#   pack      Triton's kernel cache as $OUT/triton_cache.tgz; put it in .gpu_cache/ (git-ignored) and
+#             carry that folder to start the next machine with those kernels compiled
 # Each stage prints its table and writes JSON under $OUT (default ./out).
 set -uo pipefail
 export OUT=${OUT:-out} PYTHONUNBUFFERED=1
@@ -20,6 +23,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if [ -f .gpu_cache/triton_cache.tgz ]; then  # compiled kernels of an earlier machine (run_gpu.sh pack)
+  mkdir -p ~/.triton && tar xzf .gpu_cache/triton_cache.tgz -C ~/.triton && echo "triton cache unpacked"
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 B=examples/benchmarks
 POLICIES="laqat exact,laqat FP8 state,laqat INT8 state,laqat FP8 all sites,laqat NVFP4 operands"
@@ -36,6 +42,10 @@ for stage in $stages; do
     step)      timeout 420 python3 $B/compiled_step_vs_eager.py ;;
     recurrent) timeout 300 python3 $B/recurrent_vs_fla.py ;;
     recurrent-kda) timeout 300 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness ;;
+    prof)      timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat exact (row-by-row solve),laqat FP8 state" --no-emulation-above 0 \
+                 --profile "FLA exact,laqat exact,laqat exact (row-by-row solve),laqat FP8 state" ;;
+    pack)      tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache && ls -la "$OUT/triton_cache.tgz" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

@@ -161,7 +161,7 @@ def leaves_of(xs):
     return [x.detach().clone().requires_grad_(True) for x in xs]
 
 
-def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES), profile=()) -> dict:
+def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES), profile=(), fla=True) -> dict:
     from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
 
     xs, _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
@@ -186,12 +186,15 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
         o.float().sum().backward()
 
     blocked = gdn_backward_blocker() if kind == "gdn" else None
+    if not fla:  # FLA's chunk_kda compiles for minutes on a fresh machine
+        fla_fwd = fla_fwd_bwd = None
+        blocked = "skipped (--no-fla)"
     rows["FLA exact"] = measure(fla_fwd, None if blocked else fla_fwd_bwd)
-    if "FLA exact" in profile:
+    if "FLA exact" in profile and fla:
         rows["FLA exact"]["kernels_ms"] = kernel_times(fla_fwd if blocked else fla_fwd_bwd)
     if blocked:
         rows["FLA exact"]["error_fwd_bwd"] = f"not run: {blocked}"
-    fla_o = fla_fwd()[0]
+    fla_o = fla_fwd()[0] if fla_fwd else None
 
     # laqat, through the IR op (its registered autograd runs the variant's backward)
     for name, quant in POLICIES.items():
@@ -225,7 +228,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
                 rows[name]["kernels_ms"] = kernel_times(ours_fwd_bwd)
             except Exception as e:  # noqa: BLE001
                 rows[name]["kernels_ms"] = {"error": f"{type(e).__name__}: {e}"}
-        if not quant and name not in ACCUMULATORS and name not in SOLVE_FORMS:
+        if not quant and name not in ACCUMULATORS and name not in SOLVE_FORMS and fla_o is not None:
             try:
                 rows[name]["rel_l2_o_vs_fla"] = rel_l2(ours_fwd()[0], fla_o)
             except Exception as e:  # noqa: BLE001
@@ -289,6 +292,7 @@ def main():
                         help="skip the fp32 torch emulation above this many B*T*H tokens")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--exactness-only", action="store_true")
+    parser.add_argument("--no-fla", action="store_true", help="skip FLA's kernels (no ratios)")
     parser.add_argument("--profile", default="",
                         help="comma-separated rows (e.g. 'FLA exact,laqat exact') whose fwd+bwd kernels are timed one by one")
     parser.add_argument("--policies", default=None,
@@ -331,7 +335,7 @@ def main():
             if unknown:
                 sys.exit(f"--policies: unknown {unknown}; known: {list(POLICIES)}")
             rows = bench_shape(kind, B, T, H, D, with_emulation=B * T * H <= args.no_emulation_above,
-                               policies=policies, profile=tuple(x.strip() for x in args.profile.split(",") if x))
+                               policies=policies, fla=not args.no_fla, profile=tuple(x.strip() for x in args.profile.split(",") if x))
             print_table(kind, shape, rows)
             result["timing"].append({"kind": kind, "shape": list(shape), "rows": rows})
             (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))

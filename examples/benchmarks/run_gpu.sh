@@ -45,6 +45,12 @@ for stage in $stages; do
     prof)      timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat exact (row-by-row solve),laqat FP8 state" --no-emulation-above 0 \
                  --profile "FLA exact,laqat exact,laqat exact (row-by-row solve),laqat FP8 state" ;;
+    final)     # the last call of a session short of device time: no FLA KDA compilation (minutes); FLA figures
+               # for ratios from BASELINES.md (FLA chunk_kda fwd+bwd at [1,257,4,128]: 3.50 ms)
+               timeout 130 python3 $B/train_fp8_state_gpu.py --steps 20
+               timeout 150 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay --fla-ms 3.50
+               timeout 150 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda \
+                 --shapes 1x1024x4x64,1x4096x16x128 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 ;;
     pack)      tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache && ls -la "$OUT/triton_cache.tgz" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;

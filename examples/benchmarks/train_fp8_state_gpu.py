@@ -6,8 +6,8 @@
    must report every GDN/KDA call on the ``chunk`` kernel with ``q.state=fp8_e4m3/tile64``.
 2. First step, same weights and tokens: loss and every parameter gradient of the compiled model
    against the same recipe lowered to the torch reference (``solve.implementation: torch``,
-   the fp64 chunk reference that rounds at the same sites), and against the exact (unquantized)
-   compiled model, to show the rounding is really applied (a nonzero difference).
+   the fp64 chunk reference that rounds at the same sites); with --compare-exact also against the
+   exact (unquantized) compiled model, to show the rounding is really applied (a nonzero difference).
 3. ``--steps`` AdamW steps on a fixed batch of a repeating token pattern: the loss must fall.
 Prints a table and writes $OUT/train_fp8_state_gpu.json.
 """
@@ -59,6 +59,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--compare-exact", action="store_true",
+                        help="also report the first step's distance from the exact (unquantized) compiled model")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size; heads = hidden / 64 (or 2 below 128)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,12 +86,14 @@ def main():
 
     loss_q, grads_q = grads_of(model, compiled(model, RECIPE), tokens)
     loss_r, grads_r = grads_of(model, compiled(model, TORCH_REFERENCE), tokens)
-    loss_x, grads_x = grads_of(model, compiled(model, None), tokens)
     result["first_step"] = {
-        "loss_fp8_chunk": loss_q, "loss_fp8_torch_reference": loss_r, "loss_exact": loss_x,
+        "loss_fp8_chunk": loss_q, "loss_fp8_torch_reference": loss_r,
         "grad_rel_max_vs_torch_reference": max(rel_l2(grads_q[n], g) for n, g in grads_r.items()),
-        "grad_rel_max_vs_exact": max(rel_l2(grads_q[n], g) for n, g in grads_x.items()),
     }
+    if args.compare_exact:  # on CUDA the exact KDA layer goes to FLA's chunk_kda: minutes of compilation
+        loss_x, grads_x = grads_of(model, compiled(model, None), tokens)
+        result["first_step"].update(loss_exact=loss_x, grad_rel_max_vs_exact=max(
+            rel_l2(grads_q[n], g) for n, g in grads_x.items()))
     print(json.dumps(result["first_step"], indent=1))
 
     step_fn = compiled(model, RECIPE)
@@ -110,7 +114,7 @@ def main():
     fs = result["first_step"]
     print(f"{RECIPE:10s} {len(report.matches):5d} {','.join(sorted({m.kernel for m in report.matches})):10s} "
           f"{losses[0]:8.4f} {losses[-1]:9.4f} {result['seconds_per_step']:7.3f} "
-          f"{fs['grad_rel_max_vs_torch_reference']:22.2e} {fs['grad_rel_max_vs_exact']:9.2e}  "
+          f"{fs['grad_rel_max_vs_torch_reference']:22.2e} {fs.get('grad_rel_max_vs_exact', float('nan')):9.2e}  "
           f"{'ok' if result['ok'] else 'FAIL'}")
     with open(os.path.join(out, "train_fp8_state_gpu.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -38,11 +38,13 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     dh = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
     dv_new = scratch((B, T, HV, V), f32, dev)
     dh0 = scratch(state_shape, f32, dev) if initial_state is not None else None
-    dq = scratch((B, T, HV, K), f32, dev)
-    dk = scratch((B, T, HV, K), f32, dev)
+    group = HV // H
+    # per value head; summed over a group of value heads (HV > H) in fp32, else written in the input dtype
+    dq = scratch((B, T, HV, K), f32 if group > 1 else q.dtype, dev)
+    dk = scratch((B, T, HV, K), f32 if group > 1 else k.dtype, dev)
     dv = scratch(v.shape, v.dtype, dev)
-    dbeta = scratch((B, T, HV), f32, dev)
-    dg = scratch(g.shape, f32, dev)
+    dbeta = scratch((B, T, HV), beta.dtype, dev)
+    dg = scratch(g.shape, g.dtype, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
     launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (triton.cdiv(V, BV), N * HV),
@@ -56,9 +58,9 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, parts["h"], dh, parts["v_new"], dv_new, do, dq, dk, dv,
                dbeta, dg, cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK, C), **common)
-    group = HV // H
-    dq = dq.view(B, T, H, group, K).sum(3)
-    dk = dk.view(B, T, H, group, K).sum(3)
+    if group > 1:
+        dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)
     if dh0 is not None:
         dh0 = dh0.to(initial_state.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    return dq, dk, dv, dg, dbeta, dh0

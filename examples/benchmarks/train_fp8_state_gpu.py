@@ -2,7 +2,7 @@
 
     OUT=./out python examples/benchmarks/train_fp8_state_gpu.py [--steps 30] [--seq-len 512]
 
-1. The model (FLA layers, fp32) is compiled with ``options={"policy": "state_fp8"}``; ``explain``
+1. The model (FLA layers; bf16 on CUDA, fp32 on the CPU) is compiled with ``options={"policy": "state_fp8"}``; ``explain``
    must report every GDN/KDA call on the ``chunk`` kernel with ``q.state=fp8_e4m3/tile64``.
 2. First step, same weights and tokens: loss and every parameter gradient of the compiled model
    against the same recipe lowered to the torch reference (``solve.implementation: torch``,
@@ -59,6 +59,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="model dtype (default: bfloat16 on CUDA, where fp32 kernels compile their dots as slow "
+                             "IEEE FMA loops; float32 on the CPU)")
     parser.add_argument("--compare-exact", action="store_true",
                         help="also report the first step's distance from the exact (unquantized) compiled model")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size; heads = hidden / 64 (or 2 below 128)")
@@ -71,10 +74,12 @@ def main():
     heads = args.hidden // 64 if args.hidden >= 128 else 2
     cfg = TinyConfig(vocab_size=256, hidden_size=args.hidden, num_heads=heads, head_dim=args.hidden // heads,
                      layers=("gdn", "kda"))
-    model = TinyHybridLM(cfg).to(device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    model = TinyHybridLM(cfg).to(device=device, dtype=dtype)
     pattern = torch.randint(0, cfg.vocab_size, (args.batch, 37), device=device)
     tokens = pattern.repeat(1, args.seq_len // 37 + 2)[:, : args.seq_len + 1].contiguous()
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__, "recipe": RECIPE,
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+              "dtype": str(dtype), "torch": torch.__version__, "recipe": RECIPE,
               "shape": f"B={args.batch} T={args.seq_len} H={cfg.num_heads} D={cfg.head_dim}"}
 
     torch._dynamo.reset()

@@ -51,6 +51,16 @@ for stage in $stages; do
                timeout 150 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay --fla-ms 3.50
                timeout 150 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda \
                  --shapes 1x1024x4x64,1x4096x16x128 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 ;;
+    next)      # what the issues still need on the GPU (2026-11-29 note), in one call after `warm` had
+               # a few minutes: KDA recurrent rows, the compiled KDA step, FP8-state training, the QDQ
+               # exactness cases, decode beside FLA, KDA chunk timing
+               timeout 120 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness
+               timeout 240 python3 $B/compiled_step_vs_eager.py
+               timeout 150 python3 $B/train_fp8_state_gpu.py --steps 20
+               timeout 240 python3 $B/chunk_bench.py --exactness-only
+               timeout 200 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay
+               timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
+                 --no-emulation-above 65536 --profile "FLA exact,laqat exact" ;;
     pack)      tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache && ls -la "$OUT/triton_cache.tgz" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;

@@ -8,9 +8,9 @@ from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
 from bench_common import make_inputs
 
-CASES = [  # (B, T, H, D, dtype) of chunk_bench, decode_bench, recurrent_vs_fla, compiled_step_vs_eager
-    (1, 257, 4, 128, torch.bfloat16), (1, 1024, 4, 64, torch.bfloat16), (1, 4096, 16, 128, torch.bfloat16),
-    (8, 4096, 16, 128, torch.bfloat16), (2, 512, 4, 64, torch.float32), (2, 512, 4, 64, torch.bfloat16),
+CASES = [  # (B, T, H, D, dtype) of compiled_step_vs_eager, decode_bench, chunk_bench / recurrent_vs_fla
+    (2, 512, 4, 64, torch.float32), (2, 512, 4, 64, torch.bfloat16), (1, 257, 4, 128, torch.bfloat16),
+    (1, 1024, 4, 64, torch.bfloat16), (1, 4096, 16, 128, torch.bfloat16), (8, 4096, 16, 128, torch.bfloat16),
 ]
 
 for B, T, H, D, dtype in CASES:

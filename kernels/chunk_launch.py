@@ -16,6 +16,7 @@ error propagates.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from triton.runtime.errors import OutOfResources
 
@@ -31,9 +32,23 @@ def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
     stages = 1 if BK >= 128 else 3  # 3: Triton's default, what the K = 64 figures were measured with
     if stage in ("fwd_intra", "bwd_intra"):  # [C, BK] fp32 tiles: spread over 8 warps
         return LaunchConfig(8 if C * BK >= 4096 else 4, stages)
-    if stage in ("fwd_h", "bwd_dh", "fwd_o"):
+    if stage in ("fwd_h", "bwd_dh"):
+        return LaunchConfig(8 if BK >= 128 else 4, serial_stages_override() or stages)
+    if stage == "fwd_o":
         return LaunchConfig(8 if BK >= 128 else 4, stages)
     raise ValueError(f"launch_config: unknown stage {stage!r}")
+
+
+def serial_stages_override() -> int | None:
+    """LAQAT_CHUNK_SERIAL_STAGES=<n>: pipeline depth of the serial h / dh loops (benchmarks compare it:
+    at K = 128, two stages prefetch the next chunk's W, U, K at 112 KB (h) / 177 KB (dh) of shared memory
+    with 80 / 584 B of spills against none / 936 B at one stage; unmeasured on a GPU so far)."""
+    text = os.environ.get("LAQAT_CHUNK_SERIAL_STAGES")
+    if text is None:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 4:
+        raise ValueError(f"LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got {text!r}")
+    return int(text)
 
 
 _working_stages: dict[tuple, int] = {}

@@ -58,9 +58,13 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 all sites": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat NVFP4 operands": {**NVFP4_ALL, "w": "nvfp4/block16"},
     "laqat FP16 accumulators (block 16)": {},  # acc.<every GEMM site>=fp16:16, see ACCUMULATORS
-    "laqat exact (row-by-row solve)": {},  # LAQAT_CHUNK_SOLVE=rows, see SOLVE_FORMS
+    "laqat exact (row-by-row solve)": {},  # LAQAT_CHUNK_SOLVE=rows, see ENVIRONMENTS
+    "laqat exact (2-stage serial loops)": {},  # LAQAT_CHUNK_SERIAL_STAGES=2
 }
-SOLVE_FORMS = {"laqat exact (row-by-row solve)": "rows"}
+ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
+    "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
+    "laqat exact (2-stage serial loops)": {"LAQAT_CHUNK_SERIAL_STAGES": "2"},
+}
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
 
@@ -139,22 +143,23 @@ def kernel_times(fn, repeats=3) -> dict:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:10])
 
 
-class solve_form:
-    """Sets LAQAT_CHUNK_SOLVE around a call (the generated source, hence the kernel, follows it)."""
+class environment:
+    """Sets environment variables around a call (LAQAT_CHUNK_SOLVE changes the generated source, hence
+    the kernel; LAQAT_CHUNK_SERIAL_STAGES the launch)."""
 
-    def __init__(self, form):
-        self.form = form
+    def __init__(self, values):
+        self.values = values or {}
 
     def __enter__(self):
-        self.saved = os.environ.get("LAQAT_CHUNK_SOLVE")
-        if self.form:
-            os.environ["LAQAT_CHUNK_SOLVE"] = self.form
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
 
     def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop("LAQAT_CHUNK_SOLVE", None)
-        else:
-            os.environ["LAQAT_CHUNK_SOLVE"] = self.saved
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def leaves_of(xs):
@@ -209,16 +214,16 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
         text = str(spec)
         leaves = leaves_of(xs)
 
-        form = SOLVE_FORMS.get(name)
+        env = ENVIRONMENTS.get(name)
 
-        def ours_fwd(text=text, form=form):
-            with solve_form(form):
+        def ours_fwd(text=text, env=env):
+            with environment(env):
                 return torch.ops.laqat.delta_rule(*xs, None, None, scale, text)
 
-        def ours_fwd_bwd(text=text, leaves=leaves, form=form):
+        def ours_fwd_bwd(text=text, leaves=leaves, env=env):
             for x in leaves:
                 x.grad = None
-            with solve_form(form):
+            with environment(env):
                 o, _ = torch.ops.laqat.delta_rule(*leaves, None, None, scale, text)
                 o.float().sum().backward()
 
@@ -228,7 +233,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
                 rows[name]["kernels_ms"] = kernel_times(ours_fwd_bwd)
             except Exception as e:  # noqa: BLE001
                 rows[name]["kernels_ms"] = {"error": f"{type(e).__name__}: {e}"}
-        if not quant and name not in ACCUMULATORS and name not in SOLVE_FORMS and fla_o is not None:
+        if not quant and name not in ACCUMULATORS and name not in ENVIRONMENTS and fla_o is not None:
             try:
                 rows[name]["rel_l2_o_vs_fla"] = rel_l2(ours_fwd()[0], fla_o)
             except Exception as e:  # noqa: BLE001

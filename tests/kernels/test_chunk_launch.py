@@ -47,3 +47,13 @@ def test_launch_table():
     assert launch_config("fwd_o", 64, 64) == LaunchConfig(4, 3)
     with pytest.raises(ValueError, match="unknown stage 'fwd_x'"):
         launch_config("fwd_x", 64, 64)
+
+
+def test_serial_stages_override(monkeypatch):
+    monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "2")
+    assert launch_config("fwd_h", 128, 64) == LaunchConfig(8, 2)
+    assert launch_config("bwd_dh", 128, 64) == LaunchConfig(8, 2)
+    assert launch_config("fwd_intra", 128, 64) == LaunchConfig(8, 1)  # only the serial loops
+    monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "two")
+    with pytest.raises(ValueError, match="LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got 'two'"):
+        launch_config("fwd_h", 128, 64)

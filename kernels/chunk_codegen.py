@@ -13,6 +13,7 @@ docs/kernels-chunk.md derives the algorithm and lists the rounding order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import ModuleType
 
 from la_compiler.kernels import cache
@@ -20,7 +21,7 @@ from la_compiler.kernels.codegen import CodegenError, module_source, render, tem
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pairs, kda_pair_grads,
     acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values, parse_acc,
-    load_solved, solve, solve_grad, state_qdq, w_qdq)
+    load_solved, solve, solve_form, solve_grad, state_qdq, w_qdq)
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
@@ -172,6 +173,12 @@ def chunk_fwd_source(p: ChunkParams) -> str:
 
 def chunk_fwd_module(p: ChunkParams) -> ModuleType:
     """The loaded module with ``chunk_<kind>_fwd_kernel_{intra,h,o}``."""
+    return _fwd_module(p, solve_form(p))
+
+
+# Generating and hashing the source takes ~1 ms of host time: once per process, params and solve form.
+@functools.lru_cache(maxsize=None)
+def _fwd_module(p: ChunkParams, form: str) -> ModuleType:
     params = {"family": "chunk_fwd", **dataclasses.asdict(p)}
     return cache.load_source(f"chunk_{p.kind}_fwd", chunk_fwd_source(p), params)
 
@@ -203,5 +210,10 @@ def chunk_bwd_source(p: ChunkParams) -> str:
 
 def chunk_bwd_module(p: ChunkParams) -> ModuleType:
     """The loaded module with ``chunk_<kind>_bwd_kernel_{dh,intra}``."""
+    return _bwd_module(p, solve_form(p))
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_module(p: ChunkParams, form: str) -> ModuleType:
     params = {"family": "chunk_bwd", **dataclasses.asdict(p)}
     return cache.load_source(f"chunk_{p.kind}_bwd", chunk_bwd_source(p), params)

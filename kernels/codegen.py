@@ -17,6 +17,7 @@ Hooks where later stages insert quantization (empty for exact numerics):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from importlib import resources
 from types import ModuleType
@@ -150,6 +151,7 @@ def fused_recurrent_source(p: FusedRecurrentParams) -> str:
                          params, [fwd, bwd])
 
 
+@functools.lru_cache(maxsize=None)  # generating and hashing the source: ~1 ms of host time per call
 def fused_recurrent_module(p: FusedRecurrentParams) -> ModuleType:
     """The loaded module with ``fused_recurrent_fwd_kernel`` and ``fused_recurrent_bwd_kernel``."""
     return cache.load_source(f"fused_recurrent_{p.kind}_{p.state}", fused_recurrent_source(p),

@@ -198,9 +198,17 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "KEY_TO_END": bwd["KEY_TO_END"],
         "QUERY_DECAY": fwd["QUERY_DECAY"], "BWD_DH_OPERANDS": ops["BWD_DH_OPERANDS"],
         "OUTPUT_STATE_LHS": ops["OUTPUT_STATE_LHS"]}, where="chunk_bwd_dh")
+    # q, k, G and the pair products: before the value loop when the Neumann solve needs A there, else after
+    # it (T comes from the forward recompute), which keeps them out of the loop's registers
+    pairs = "\n".join(["b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
+                        "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)",
+                        bwd["LOAD_G"], bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
+    before = p.solve != "exact"
     intra = render(template("chunk_bwd_intra"), {
         "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p), "SOLVE_GRAD": solve_grad(p),
-        **{key: bwd[key] for key in ("LOAD_G", "PAIRS", "EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")},
+        "PAIRS_BEFORE_LOOP": pairs if before else "# q, k, G, P: after the value loop",
+        "PAIRS_AFTER_LOOP": "" if before else pairs,
+        **{key: bwd[key] for key in ("EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")},
         **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS",
                                      "BWD_INTRA_AMAX")}},
         where="chunk_bwd_intra")

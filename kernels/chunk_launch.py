@@ -5,8 +5,10 @@ The configurations come from compiling every stage for sm_90 (Triton's ptxas, on
 (docs/kernels-chunk.md, "Launch configurations"):
 
 * at BK >= 128, four warps spill 0.5-3.5 KB of registers per thread in every stage; eight warps
-  remove the spills of the h, o and dh stages; pipelining (stages > 1) only adds shared memory
-  (the h stage: 56 KB at one stage, 153 KB at three) and brings spills back;
+  remove the spills of the h and o stages and shrink those of dh; pipelining (stages > 1) adds
+  shared memory (the h stage: 56 KB at one stage, 153 KB at three) and brings spills back;
+* at BK = 64 (three stages), four warps spill 360 B (h), 160 B (o), 896 B (dh); eight warps: none, none,
+  224 B;
 * at BK = 64 with fp32 inputs, the dh stage asked for 262 KB at three stages (H200: 227 KB).
 
 Pipelining depth never changes what is computed, so a launch that Triton refuses for shared memory
@@ -29,14 +31,13 @@ class LaunchConfig:
 
 def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
     """stage: one of fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra."""
-    stages = 1 if BK >= 128 else 3  # 3: Triton's default, what the K = 64 figures were measured with
-    if stage in ("fwd_intra", "bwd_intra"):  # [C, BK] fp32 tiles: spread over 8 warps
-        return LaunchConfig(8 if C * BK >= 4096 else 4, stages)
+    if stage not in ("fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra"):
+        raise ValueError(f"launch_config: unknown stage {stage!r}")
+    warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
+    stages = 1 if BK >= 128 else 3  # 3: Triton's default
     if stage in ("fwd_h", "bwd_dh"):
-        return LaunchConfig(8 if BK >= 128 else 4, serial_stages_override() or stages)
-    if stage == "fwd_o":
-        return LaunchConfig(8 if BK >= 128 else 4, stages)
-    raise ValueError(f"launch_config: unknown stage {stage!r}")
+        stages = serial_stages_override() or stages
+    return LaunchConfig(warps, stages)
 
 
 def serial_stages_override() -> int | None:

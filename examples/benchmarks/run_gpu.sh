@@ -3,7 +3,8 @@
 # preinstalled and which has FLA as wheels in .whl/ (see ../shared/tools/device-wheels).
 # Usage: examples/benchmarks/run_gpu.sh [stage ...]
 #   warm      compile/autotune FLA's KDA kernels in the background (own process session, so it
-#             outlives this command on a machine kept warm); later stages find them in Triton's cache
+#             outlives this command on a machine kept warm); later stages find them in Triton's cache.
+#             It shares the GPU: do not time anything while it runs (`next` waits for it)
 #   exact     chunk kernels vs the fp64 chunk reference (fp32, K up to 128, varlen, HV > H, QDQ)
 #   gdn kda   chunk_bench timing table for one kind, the three BASELINES shapes
 #   train     a GDN+KDA model compiled with the FP8-state recipe trains through the chunk kernels
@@ -52,13 +53,14 @@ for stage in $stages; do
                timeout 150 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay --fla-ms 3.50
                timeout 150 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda \
                  --shapes 1x1024x4x64,1x4096x16x128 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 ;;
-    next)      # what the issues still need on the GPU (2026-11-29 note), in one call after `warm` had
-               # a few minutes: KDA recurrent rows, the compiled KDA step, FP8-state training, the QDQ
-               # exactness cases, decode beside FLA, KDA chunk timing
-               timeout 120 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness
+    next)      # what the issues still need on the GPU (2026-11-29 note), in one call after `warm`: checks
+               # that time nothing run beside the background warm-up; timings wait until it has finished
+               # (it shares the GPU: the second session's run 1 and 2 timings ran beside it)
                timeout 240 python3 $B/compiled_step_vs_eager.py
                timeout 150 python3 $B/train_fp8_state_gpu.py --steps 20
                timeout 240 python3 $B/chunk_bench.py --exactness-only
+               timeout 300 bash -c 'while pgrep -f warm_fla.py >/dev/null; do sleep 5; done'
+               timeout 120 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness
                timeout 200 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay
                timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
                  --no-emulation-above 65536 --profile "FLA exact,laqat exact" ;;

@@ -11,6 +11,7 @@ The configurations come from compiling every stage for sm_90 (Triton's ptxas, on
   224 B;
 * at BK = 64 with fp32 inputs, the dh stage asked for 262 KB at three stages (H200: 227 KB).
 
+``LAQAT_AUTOTUNE=1`` replaces the table's choice by the fastest of a few around it (chunk_autotune.py).
 Pipelining depth never changes what is computed, so a launch that Triton refuses for shared memory
 is retried with fewer stages (and the working depth remembered per kernel and constants); any other
 error propagates.
@@ -21,6 +22,8 @@ import dataclasses
 import os
 
 from triton.runtime.errors import OutOfResources
+
+from la_compiler.kernels import chunk_autotune
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,12 @@ _working_stages: dict[tuple, int] = {}
 
 
 def launch(kernel, grid, *args, config: LaunchConfig, **constexprs):
-    """kernel[grid](*args, **constexprs) with the config; fewer pipeline stages on OutOfResources."""
+    """kernel[grid](*args, **constexprs) with the config (or, under LAQAT_AUTOTUNE=1 on CUDA, the fastest
+    of a few around it: kernels/chunk_autotune.py); fewer pipeline stages on OutOfResources."""
+    if chunk_autotune.enabled():
+        config = chunk_autotune.tuner().best(
+            chunk_autotune.key_of(kernel, grid, constexprs), chunk_autotune.candidates(config),
+            lambda c: kernel[grid](*args, num_warps=c.num_warps, num_stages=c.num_stages, **constexprs))
     key = (id(kernel), config.num_warps, tuple(sorted(constexprs.items())))
     stages = _working_stages.get(key, config.num_stages)
     while True:

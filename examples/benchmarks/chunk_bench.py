@@ -60,10 +60,12 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP16 accumulators (block 16)": {},  # acc.<every GEMM site>=fp16:16, see ACCUMULATORS
     "laqat exact (row-by-row solve)": {},  # LAQAT_CHUNK_SOLVE=rows, see ENVIRONMENTS
     "laqat exact (2-stage serial loops)": {},  # LAQAT_CHUNK_SERIAL_STAGES=2
+    "laqat exact (autotuned)": {},  # LAQAT_AUTOTUNE=1 (the first call times the candidates)
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
     "laqat exact (2-stage serial loops)": {"LAQAT_CHUNK_SERIAL_STAGES": "2"},
+    "laqat exact (autotuned)": {"LAQAT_AUTOTUNE": "1"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 

@@ -13,7 +13,7 @@
 #   recurrent generated recurrent kernel vs FLA (both kinds)   recurrent-kda: KDA rows only
 #   fla qdq   FLA conv/norm custom ops on CUDA; QDQ device functions vs torch
 #   prof      GDN kernel-by-kernel device times (FLA, laqat exact with both solves, FP8 state), two large shapes
-#   stages    one vs two pipeline stages in the serial h / dh loops at K = 128 (kernel-by-kernel)
+#   stages    the launch table vs two pipeline stages in the serial h / dh loops vs LAQAT_AUTOTUNE=1 (kernel by kernel)
 #   pack      Triton's kernel cache as $OUT/triton_cache.tgz; put it in .gpu_cache/ (git-ignored) and
 #             carry that folder to start the next machine with those kernels compiled
 # Each stage prints its table and writes JSON under $OUT (default ./out).
@@ -65,8 +65,8 @@ for stage in $stages; do
                timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
                  --no-emulation-above 65536 --profile "FLA exact,laqat exact" ;;
     stages)    timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
-                 --policies "laqat exact,laqat exact (2-stage serial loops)" --no-emulation-above 0 \
-                 --profile "laqat exact,laqat exact (2-stage serial loops)" ;;
+                 --policies "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" \
+                 --no-emulation-above 0 --profile "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" ;;
     pack)      tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache && ls -la "$OUT/triton_cache.tgz" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;

@@ -58,3 +58,56 @@ def test_serial_stages_override(monkeypatch):
     monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "two")
     with pytest.raises(ValueError, match="LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got 'two'"):
         launch_config("fwd_h", 128, 64)
+
+
+def test_autotune_times_candidates_once_and_persists(tmp_path):
+    from la_compiler.kernels.chunk_autotune import Tuner, candidates
+
+    table = LaunchConfig(8, 1)
+    configs = candidates(table)
+    assert configs[0] == table and len(configs) == len(set(configs)) == 6
+    fake_ms = {LaunchConfig(8, 1): 3.0, LaunchConfig(8, 2): 1.0, LaunchConfig(4, 2): 2.0}
+    timed = []
+
+    def timer(fn):
+        config = fn()
+        timed.append(config)
+        if config not in fake_ms:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return fake_ms[config]
+
+    path = tmp_path / "autotune" / "chunk.json"
+    tuner = Tuner(path, timer)
+    assert tuner.best("k", configs, lambda c: c) == LaunchConfig(8, 2)
+    assert len(timed) == 6
+    assert tuner.best("k", configs, lambda c: c) == LaunchConfig(8, 2) and len(timed) == 6  # remembered
+    assert Tuner(path, timer).best("k", configs, lambda c: c) == LaunchConfig(8, 2)  # and persisted
+    assert len(timed) == 6
+    with pytest.raises(OutOfResources):
+        Tuner(tmp_path / "other.json", timer).best("k", [LaunchConfig(4, 3)], lambda c: c)
+
+
+def test_autotune_is_off_unless_asked(monkeypatch):
+    from la_compiler.kernels import chunk_autotune
+
+    monkeypatch.delenv("LAQAT_AUTOTUNE", raising=False)
+    assert not chunk_autotune.enabled()
+    monkeypatch.setenv("LAQAT_AUTOTUNE", "1")
+    assert not chunk_autotune.enabled()  # no CUDA / the interpreter: the table's configuration
+    monkeypatch.setenv("LAQAT_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="LAQAT_AUTOTUNE must be 0 or 1, got 'yes'"):
+        chunk_autotune.enabled()
+
+
+def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
+    from la_compiler.kernels import chunk_autotune
+
+    def timer(fn):
+        return {2: 1.0}.get(fn()[4], 5.0)  # the launch result's num_stages: 2 stages fastest
+
+    monkeypatch.setattr(chunk_autotune, "enabled", lambda: True)
+    monkeypatch.setattr(chunk_autotune, "key_of", lambda kernel, grid, constexprs: f"fake|{grid}")
+    monkeypatch.setattr(chunk_autotune, "tuner", lambda: chunk_autotune.Tuner(tmp_path / "t.json", timer))
+    kernel = FakeKernel(max_stages=3)
+    result = launch(kernel, (4,), "x", config=LaunchConfig(8, 1), BK=128)
+    assert result[3:5] == (8, 2)

@@ -59,6 +59,7 @@ for stage in $stages; do
                timeout 240 python3 $B/compiled_step_vs_eager.py
                timeout 150 python3 $B/train_fp8_state_gpu.py --steps 20
                timeout 240 python3 $B/chunk_bench.py --exactness-only
+               LAQAT_FP32_DOT=tf32x3 OUT=$OUT/tf32x3 timeout 150 python3 $B/chunk_bench.py --exactness-only
                timeout 300 bash -c 'while pgrep -f warm_fla.py >/dev/null; do sleep 5; done'
                timeout 120 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness
                timeout 200 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay

@@ -111,3 +111,17 @@ def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
     kernel = FakeKernel(max_stages=3)
     result = launch(kernel, (4,), "x", config=LaunchConfig(8, 1), BK=128)
     assert result[3:5] == (8, 2)
+
+
+def test_fp32_dot_precision_knob(monkeypatch):
+    import torch
+
+    from la_compiler.kernels.chunk_fwd import dot_precision
+
+    monkeypatch.delenv("LAQAT_FP32_DOT", raising=False)
+    assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.bfloat16) == "tf32"
+    monkeypatch.setenv("LAQAT_FP32_DOT", "tf32x3")
+    assert dot_precision(torch.float32) == "tf32x3" and dot_precision(torch.float16) == "tf32"
+    monkeypatch.setenv("LAQAT_FP32_DOT", "tf32")
+    with pytest.raises(ValueError, match="LAQAT_FP32_DOT must be 'ieee' or 'tf32x3', got 'tf32'"):
+        dot_precision(torch.float32)

@@ -37,7 +37,7 @@ def enabled() -> bool:
 def candidates(config):
     """The table's configuration first, then the others of warps {4, 8} x stages {1, 2, 3}."""
     out = [config]
-    for warps in (config.num_warps, 12 - config.num_warps if config.num_warps in (4, 8) else 8):
+    for warps in (config.num_warps, 4 if config.num_warps == 8 else 8):
         for stages in (1, 2, 3):
             c = dataclasses.replace(config, num_warps=warps, num_stages=stages)
             if c not in out:

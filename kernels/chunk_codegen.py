@@ -142,6 +142,11 @@ def _parse(text: str):
 
 
 # ---- template values -------------------------------------------------------------------------
+def _state_offsets(layout: str) -> str:
+    """Offsets of a [BK, BV] state tile in h0 / ht / dht / dh0 ([K, V], or [V, K] for the vk layout)."""
+    return "o_k[:, None] * V + o_v[None, :]" if layout == "kv" else "o_k[:, None] + o_v[None, :] * K"
+
+
 def chunk_fwd_source(p: ChunkParams) -> str:
     pairs = gdn_pairs(p) if p.kind == "gdn" else kda_pairs_rounded(p) if kda_rounds_pairs(p) else kda_pairs(p)
     decay = dict(GDN_FWD if p.kind == "gdn" else KDA_FWD,
@@ -150,7 +155,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
     dots = acc_values(p)
     program = template("chunk_fwd_program")
     state_hook = state_qdq(p)
-    state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
+    state_offsets = _state_offsets(p.state)
     intra = render(template("chunk_fwd_intra"), {
         "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": decay["LOAD_DECAY"], "PAIR_PRODUCTS": decay["PAIR_PRODUCTS"],
         "SOLVE": solve(p), "KEY_DECAY": decay["KEY_DECAY"], "ON_W": w_qdq(p),
@@ -173,14 +178,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
 
 def chunk_fwd_module(p: ChunkParams) -> ModuleType:
     """The loaded module with ``chunk_<kind>_fwd_kernel_{intra,h,o}``."""
-    return _fwd_module(p, solve_form(p))
-
-
-# Generating and hashing the source takes ~1 ms of host time: once per process, params and solve form.
-@functools.lru_cache(maxsize=None)
-def _fwd_module(p: ChunkParams, form: str) -> ModuleType:
-    params = {"family": "chunk_fwd", **dataclasses.asdict(p)}
-    return cache.load_source(f"chunk_{p.kind}_fwd", chunk_fwd_source(p), params)
+    return _module("fwd", p, solve_form(p))
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -193,7 +191,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     else:
         bwd = dict(KDA_BWD, PAIRS=kda_pairs(p), PAIR_GRADS=kda_pair_grads(p))
     ops = operand_values(p)
-    state_offsets = "o_k[:, None] * V + o_v[None, :]" if p.state == "kv" else "o_k[:, None] + o_v[None, :] * K"
+    state_offsets = _state_offsets(p.state)
     dh = render(template("chunk_bwd_dh"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "KEY_TO_END": bwd["KEY_TO_END"],
         "QUERY_DECAY": fwd["QUERY_DECAY"], "BWD_DH_OPERANDS": ops["BWD_DH_OPERANDS"],
@@ -218,10 +216,13 @@ def chunk_bwd_source(p: ChunkParams) -> str:
 
 def chunk_bwd_module(p: ChunkParams) -> ModuleType:
     """The loaded module with ``chunk_<kind>_bwd_kernel_{dh,intra}``."""
-    return _bwd_module(p, solve_form(p))
+    return _module("bwd", p, solve_form(p))
 
 
+# Generating and hashing the source takes ~1 ms of host time: once per process, params and solve form
+# (the form, from LAQAT_CHUNK_SOLVE, changes the source).
 @functools.lru_cache(maxsize=None)
-def _bwd_module(p: ChunkParams, form: str) -> ModuleType:
-    params = {"family": "chunk_bwd", **dataclasses.asdict(p)}
-    return cache.load_source(f"chunk_{p.kind}_bwd", chunk_bwd_source(p), params)
+def _module(direction: str, p: ChunkParams, form: str) -> ModuleType:
+    source = chunk_fwd_source(p) if direction == "fwd" else chunk_bwd_source(p)
+    params = {"family": f"chunk_{direction}", **dataclasses.asdict(p)}
+    return cache.load_source(f"chunk_{p.kind}_{direction}", source, params)

@@ -289,7 +289,7 @@ def blocked_solve(p: ChunkParams) -> str:
         f"for i in range(1, {bs}):",
         "    b_a = tl.sum(tl.where(m_row == i, b_D, 0.0), 1)",
         "    b_Td = tl.where(m_row == i, b_Td - tl.sum(b_a[:, :, None] * b_Td, 1)[:, None, :], b_Td)",
-        f"b_Tbd = tl.reshape(tl.where(m_same_blk, b_Td[:, :, None, :], 0.0), [C, C])",
+        "b_Tbd = tl.reshape(tl.where(m_same_blk, b_Td[:, :, None, :], 0.0), [C, C])",
         f"b_M = tl.dot(b_Tbd, tl.where((o_c // {bs})[:, None] > (o_c // {bs})[None, :], b_A, 0.0),",
         "             input_precision=DOT_PRECISION)",
         "b_I = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)",
@@ -297,6 +297,18 @@ def blocked_solve(p: ChunkParams) -> str:
         f"for _ in tl.static_range({nb - 2}):",
         "    b_X = b_I - tl.dot(b_M, b_X, input_precision=DOT_PRECISION)",
         "b_T = tl.dot(b_X, b_Tbd, input_precision=DOT_PRECISION)")
+
+
+def _diagonal_column_loop(bc: int) -> str:
+    """Head of KDA's diagonal-block loop: step jj gathers column j = bc b + jj of every sub-chunk b,
+    its key rows b_kj and cumulative decays b_gj from memory."""
+    return (f"for jj in range(0, {bc}):\n"
+            f"    o_j = o_blk * {bc} + jj\n"
+            "    t_j = i_t * C + o_j\n"
+            "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
+            "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :],\n"
+            "                   mask=m_jk, other=0).to(tl.float32)\n"
+            "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n")
 
 
 def kda_pairs(p: ChunkParams) -> str:
@@ -322,13 +334,7 @@ def kda_pairs(p: ChunkParams) -> str:
         "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
         "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
         "    b_Pqk += tl.dot(tl.where(m_in[:, None], b_q * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
-        f"for jj in range(0, {bc}):\n"
-        f"    o_j = o_blk * {bc} + jj\n"
-        "    t_j = i_t * C + o_j\n"
-        "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
-        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :],\n"
-        "                   mask=m_jk, other=0).to(tl.float32)\n"
-        "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        + _diagonal_column_loop(bc) +
         "    b_kj = b_kj * tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
         "    m_sel = o_c[None, :] == o_j[:, None]\n"
         "    b_P = tl.where(m_sel, tl.sum(b_k * b_kj, 1)[:, None], b_P)\n"
@@ -440,13 +446,7 @@ def kda_pair_grads(p: ChunkParams) -> str:
         "    b_dG += b_tl - b_tr\n"
         "    b_dG += tl.where((o_c == i_ref)[:, None], (tl.sum(b_tr, 0) - tl.sum(b_tl, 0))[None, :], 0.0)\n"
         "# diagonal blocks, column jj of every block at once; row j of each block collects its column's sums\n"
-        f"for jj in range(0, {bc}):\n"
-        f"    o_j = o_blk * {bc} + jj\n"
-        "    t_j = i_t * C + o_j\n"
-        "    m_jk = (t_j < seq_len)[:, None] & m_k[None, :]\n"
-        "    b_kj = tl.load(k + ((bos + t_j) * H + i_h)[:, None] * K + o_k[None, :],\n"
-        "                   mask=m_jk, other=0).to(tl.float32)\n"
-        "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n"
+        + _diagonal_column_loop(bc) +
         "    b_e = tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
         "    m_sel = o_c[None, :] == o_j[:, None]\n"
         "    b_dPj = tl.sum(tl.where(m_sel, b_dP, 0.0), 1)\n"

@@ -61,3 +61,21 @@ def peak_extra_mib(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def start_cuda_run(script: str, *sections: str):
+    """Common start of a GPU benchmark: exit unless CUDA is there, seed 0, create $OUT (default ./out).
+    Returns ($OUT as a Path, the result dict: device, torch, triton and an empty list per section)."""
+    import os
+
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA device")
+    torch.manual_seed(0)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    result.update({name: [] for name in sections})
+    return out, result

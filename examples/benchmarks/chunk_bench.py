@@ -28,15 +28,13 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2  # noqa: E402
+from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
 
 ensure_la_compiler()
 
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
@@ -305,16 +303,10 @@ def main():
     parser.add_argument("--policies", default=None,
                         help="comma-separated subset of: " + ", ".join(POLICIES) + " (default: all)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("chunk_bench.py needs a CUDA device")
-    torch.manual_seed(0)
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
+    out, result = start_cuda_run("chunk_bench.py", "exactness", "timing")
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "exactness": [], "timing": []}
 
     if not args.skip_exactness:
         print("exactness (fp32, chunk kernels vs the fp64 chunk reference; tol 1e-5 exact, 1e-3 with QDQ)")

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2  # noqa: E402
+from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
 
 ensure_la_compiler()
 
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
@@ -222,13 +218,7 @@ def main():
     parser.add_argument("--policies", nargs="+", default=["token", "decay-grid", "replay", "replay-h32"],
                         choices=list(POLICIES))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("decode_bench.py needs a CUDA device")
-    torch.manual_seed(0)
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "accuracy": [], "timing": []}
+    out, result = start_cuda_run("decode_bench.py", "accuracy", "timing")
 
     if not args.quick:
         print("accuracy (fp32 inputs, decode_fused vs fp64 decode reference, relative L2, max over o/ht/grads)")

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2  # noqa: E402
+from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
 
 ensure_la_compiler()
 
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from la_compiler.kernels import cache  # noqa: E402
@@ -132,13 +128,7 @@ def main():
     parser.add_argument("--kinds", default="gdn,kda", help="comma-separated: gdn, kda")
     parser.add_argument("--skip-exactness", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("recurrent_vs_fla.py needs a CUDA device")
-    torch.manual_seed(0)
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "exactness": [], "versus_fla": []}
+    out, result = start_cuda_run("recurrent_vs_fla.py", "exactness", "versus_fla")
 
     print("exactness (fp32, generated kernel vs fp64 reference, max relative L2 over o, ht and every gradient)")
     for case in [] if args.skip_exactness else EXACT_CASES:

@@ -13,9 +13,8 @@
 #   recurrent generated recurrent kernel vs FLA (both kinds)   recurrent-kda: KDA rows only
 #   fla qdq   FLA conv/norm custom ops on CUDA; QDQ device functions vs torch
 #   prof      GDN kernel-by-kernel device times (FLA, laqat exact with both solves, FP8 state), two large shapes
+#   next      every check the open issues still need on the GPU, after `warm` (see the stage below)
 #   stages    the launch table vs two pipeline stages in the serial h / dh loops vs LAQAT_AUTOTUNE=1 (kernel by kernel)
-#   pack      Triton's kernel cache as $OUT/triton_cache.tgz; put it in .gpu_cache/ (git-ignored) and
-#             carry that folder to start the next machine with those kernels compiled
 # Each stage prints its table and writes JSON under $OUT (default ./out).
 set -uo pipefail
 export OUT=${OUT:-out} PYTHONUNBUFFERED=1
@@ -25,9 +24,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-if [ -f .gpu_cache/triton_cache.tgz ]; then  # compiled kernels of an earlier machine (run_gpu.sh pack)
-  mkdir -p ~/.triton && tar xzf .gpu_cache/triton_cache.tgz -C ~/.triton && echo "triton cache unpacked"
-fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 B=examples/benchmarks
 POLICIES="laqat exact,laqat FP8 state,laqat INT8 state,laqat FP8 all sites,laqat NVFP4 operands"
@@ -47,12 +43,6 @@ for stage in $stages; do
     prof)      timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat exact (row-by-row solve),laqat FP8 state" --no-emulation-above 0 \
                  --profile "FLA exact,laqat exact,laqat exact (row-by-row solve),laqat FP8 state" ;;
-    final)     # the last call of a session short of device time: no FLA KDA compilation (minutes); FLA figures
-               # for ratios from BASELINES.md (FLA chunk_kda fwd+bwd at [1,257,4,128]: 3.50 ms)
-               timeout 130 python3 $B/train_fp8_state_gpu.py --steps 20
-               timeout 150 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay --fla-ms 3.50
-               timeout 150 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda \
-                 --shapes 1x1024x4x64,1x4096x16x128 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 ;;
     next)      # what the issues still need on the GPU (2026-11-29 note), in one call after `warm`: checks
                # that time nothing run beside the background warm-up; timings wait until it has finished
                # (it shares the GPU: the second session's run 1 and 2 timings ran beside it)
@@ -68,7 +58,6 @@ for stage in $stages; do
     stages)    timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" \
                  --no-emulation-above 0 --profile "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" ;;
-    pack)      tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache && ls -la "$OUT/triton_cache.tgz" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

@@ -47,6 +47,19 @@ def _run(spec, inputs, cu, scale=0.4):
     return (o, ht, kernel_parts), (o_ref, ht_ref, ref_parts)
 
 
+def _assert_backward_matches(spec, inputs, cu, tol):
+    """Every gradient (dq, dk, dv, dg, dbeta, dh0) of the Triton backward against fp64 autograd of the
+    chunk reference, on fresh random cotangents; each in its input's shape and dtype."""
+    x64 = [x.double().requires_grad_() for x in inputs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    do, dht = torch.randn_like(o64).float(), torch.randn_like(ht64).float()
+    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
+    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
+    for name, a, b, x in zip(GRAD_NAMES, got, want, inputs):
+        assert a.shape == x.shape and a.dtype == x.dtype, name
+        assert rel_l2(a, b) <= tol, name
+
+
 def _kernel_chunks(parts, ref, inputs, cu, C):
     """The kernel's w and h in the reference's [N, HV, NC, ...] layout."""
     B, T = inputs[0].shape[:2]
@@ -147,13 +160,7 @@ def test_operand_sites_forward_and_backward(kind, fmt, C):
                                           initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, o_ref) <= ALL_SITES_TOL and rel_l2(ht, ht_ref) <= ALL_SITES_TOL
     assert rel_l2(o, exact) > max(2 * QDQ_TOL, 10 * rel_l2(o, o_ref))
-    x64 = [x.double().requires_grad_() for x in inputs]
-    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
-    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
-    for name, a, b in zip(GRAD_NAMES, got, want):
-        assert rel_l2(a, b) <= ALL_SITES_TOL, name
+    _assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL)
 
 
 @pytest.mark.parametrize("kind,acc", [
@@ -171,13 +178,7 @@ def test_accumulator_emulation_forward_and_backward(kind, acc):
     exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
                                           initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, exact) > 10 * rel_l2(o, o_ref)  # the emulation is really there
-    x64 = [x.double().requires_grad_() for x in inputs]
-    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
-    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
-    for name, a, b in zip(GRAD_NAMES, got, want):
-        assert rel_l2(a, b) <= QDQ_TOL, name
+    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
 
 
 @pytest.mark.parametrize("kind,varlen,state,extra", [
@@ -189,14 +190,7 @@ def test_backward_exact(kind, varlen, state, extra):
     """Every gradient (dq, dk, dv, dg, dbeta, dh0) of the Triton backward against fp64 autograd."""
     inputs, cu = _case(kind, varlen, state)
     spec = RecurrenceSpec(kind=kind, chunk=8, state=state, **extra)
-    x64 = [x.double().requires_grad_() for x in inputs]
-    o, ht = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
-    do, dht = torch.randn_like(o).float(), torch.randn_like(ht).float()
-    want = grads_of([o, ht], [do.double(), dht.double()], x64)
-    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
-    for name, a, b, x in zip(GRAD_NAMES, got, want, inputs):
-        assert a.shape == x.shape and a.dtype == x.dtype, name
-        assert rel_l2(a, b) <= EXACT_TOL, name
+    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])
@@ -214,13 +208,7 @@ def test_blocked_solve_forward_and_backward(kind, C, state):
     spec = RecurrenceSpec(kind=kind, chunk=C, state=state)
     (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
-    x64 = [x.double().requires_grad_() for x in inputs]
-    ro, rht = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
-    do, dht = torch.randn_like(ro).float(), torch.randn_like(rht).float()
-    want = grads_of([ro, rht], [do.double(), dht.double()], x64)
-    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
-    for name, a, b in zip(GRAD_NAMES, got, want):
-        assert rel_l2(a, b) <= EXACT_TOL, name
+    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

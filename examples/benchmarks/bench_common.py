@@ -79,3 +79,23 @@ def start_cuda_run(script: str, *sections: str):
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     result.update({name: [] for name in sections})
     return out, result
+
+
+def kernel_times(fn, repeats=3) -> dict:
+    """Device time per kernel name (ms per call of fn), largest first: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            times[e.key[:80]] = times.get(e.key[:80], 0.0) + t / 1000 / repeats
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:10])

@@ -31,7 +31,7 @@ import traceback
 
 import torch
 
-from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
+from bench_common import ensure_la_compiler, kernel_times, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
 
 ensure_la_compiler()
 
@@ -105,7 +105,46 @@ def exactness(c, device="cuda") -> dict:
     return {"case": {**c, "cu": c["cu"]}, "rel_l2": errors, "tol": tol, "ok": max(errors.values()) <= tol}
 
 
-# ---- 2. timing ---------------------------------------------------------------------------------
+# ---- 2. equality with FLA's exact kernels at real shapes ---------------------------------------
+# FLA's tests/ops/test_kda.py tolerances (relative RMS error, its assert_close) for its bf16 chunk
+# kernel against an fp32 reference; here both sides are bf16 kernels of the same algorithm.
+FLA_TOLERANCES = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02}
+
+
+def fla_equality(kind, B, T, H, D) -> dict:
+    """laqat exact (chunk kernels through the IR op) vs FLA's chunk kernel, bf16 inputs, quantizers off:
+    o, final state and (KDA; FLA's GDN backward refuses this Triton) every input gradient."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+
+    xs, _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
+    scale = D ** -0.5
+    with_grads = kind == "kda" or gdn_backward_blocker() is None
+    fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    spec = str(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk"))
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(B, H, D, D, device="cuda")
+
+    def run(fn):
+        leaves = leaves_of(xs) if with_grads else [x.detach() for x in xs]
+        o, ht = fn(leaves)
+        out = {"o": o.detach(), "ht": ht.detach()}
+        if with_grads:
+            grads = torch.autograd.grad([o, ht], leaves, [do, dht])
+            out.update(zip(["dq", "dk", "dv", "dg", "dbeta"], grads))
+        return out
+
+    ours = run(lambda L: torch.ops.laqat.delta_rule(*L, None, None, scale, spec))
+    theirs = run(lambda L: fla(*L, scale=scale, output_final_state=True))
+    errors = {n: rel_l2(ours[n], theirs[n]) for n in theirs}
+    ok = all(e <= FLA_TOLERANCES[n] for n, e in errors.items())
+    return {"kind": kind, "shape": [B, T, H, D], "rel_l2": errors, "tolerances": FLA_TOLERANCES, "ok": ok,
+            "gradients": with_grads}
+
+
+# ---- 3. timing ---------------------------------------------------------------------------------
 
 def measure(fwd, fwd_bwd) -> dict:
     """ms (median) and extra MiB of the forward and of forward+backward; errors are recorded, not raised."""
@@ -121,26 +160,6 @@ def measure(fwd, fwd_bwd) -> dict:
             row[f"error_{name}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             torch.cuda.empty_cache()
     return row
-
-
-def kernel_times(fn, repeats=3) -> dict:
-    """Device time per kernel name (ms per call of fn), largest first: where the time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t > 0:
-            times[e.key[:80]] = times.get(e.key[:80], 0.0) + t / 1000 / repeats
-    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:10])
 
 
 class environment:
@@ -297,20 +316,39 @@ def main():
                         help="skip the fp32 torch emulation above this many B*T*H tokens")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--exactness-only", action="store_true")
+    parser.add_argument("--exact-cases", default=None, help="comma-separated indices into EXACT_CASES (default: all)")
+    parser.add_argument("--fla-equality", default="",
+                        help="kind:BxTxHxD,... e.g. kda:1x4096x16x128: laqat exact vs FLA's kernels (bf16), then exit")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's kernels (no ratios)")
     parser.add_argument("--profile", default="",
                         help="comma-separated rows (e.g. 'FLA exact,laqat exact') whose fwd+bwd kernels are timed one by one")
     parser.add_argument("--policies", default=None,
                         help="comma-separated subset of: " + ", ".join(POLICIES) + " (default: all)")
     args = parser.parse_args()
-    out, result = start_cuda_run("chunk_bench.py", "exactness", "timing")
+    out, result = start_cuda_run("chunk_bench.py", "exactness", "fla_equality", "timing")
+    if args.fla_equality:
+        print("laqat exact vs FLA exact, bf16 (relative L2; FLA's test tolerances)")
+        for item in args.fla_equality.split(","):
+            kind, shape = item.split(":")
+            try:
+                r = fla_equality(kind, *(int(x) for x in shape.split("x")))
+            except Exception as e:  # noqa: BLE001
+                r = {"kind": kind, "shape": shape, "error": traceback.format_exc(), "ok": False}
+                print(f"  {kind} {shape}: ERROR {type(e).__name__}: {e}")
+            else:
+                print(f"  {kind} {shape}: " + ", ".join(f"{n} {e:.1e}" for n, e in r["rel_l2"].items())
+                      + f"  {'ok' if r['ok'] else 'FAIL'}")
+            result["fla_equality"].append(r)
+        (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))
+        return
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
 
     if not args.skip_exactness:
         print("exactness (fp32, chunk kernels vs the fp64 chunk reference; tol 1e-5 exact, 1e-3 with QDQ)")
-        for case in EXACT_CASES:
+        picked = EXACT_CASES if args.exact_cases is None else [EXACT_CASES[int(i)] for i in args.exact_cases.split(",")]
+        for case in picked:
             try:
                 r = exactness(case)
             except Exception as e:  # noqa: BLE001

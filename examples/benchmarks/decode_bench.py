@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from bench_common import ensure_la_compiler, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
+from bench_common import ensure_la_compiler, kernel_times, make_inputs, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
 
 ensure_la_compiler()
 
@@ -129,7 +129,8 @@ def _add(rows, row):
                            if not k.startswith("rel_l2")), flush=True)
 
 
-def timing(B: int, T: int, H: int, D: int, prefix: int, policies, num_warps, fla_reference_ms=None) -> list[dict]:
+def timing(B: int, T: int, H: int, D: int, prefix: int, policies, num_warps, fla_reference_ms=None,
+           profile=False) -> list[dict]:
     from fla.ops.kda import chunk_kda
 
     (q, k, v, g, beta), _ = make_inputs("kda", B, T, H, H, D, D, torch.bfloat16)
@@ -178,6 +179,10 @@ def timing(B: int, T: int, H: int, D: int, prefix: int, policies, num_warps, fla
                 ms = do_bench(ours_fwd_bwd, return_mode="median")
                 row = {"impl": f"laqat decode_fused (num_warps={warps})", "policy": policy, "ms": ms, "path": path,
                        "extra_mib": peak_extra_mib(ours_fwd_bwd), "x_fla": ms / fla_ms}
+                if profile:
+                    row["kernels_ms"] = kernel_times(ours_fwd_bwd)
+                    print("    kernels (ms per call): " + ", ".join(f"{n.split('(')[0][:40]} {t:.3f}"
+                                                                   for n, t in row["kernels_ms"].items()))
                 ours_fwd_bwd()
                 # how far the rounded training phase is from exact FLA (not an error: a sanity scale)
                 if fla_grads is not None:
@@ -214,6 +219,7 @@ def main():
     parser.add_argument("--fla-ms", type=float, default=None,
                         help="skip timing FLA's chunk_kda (minutes of compilation on a fresh machine) and use this "
                              "fwd+bwd figure, e.g. BASELINES.md's 3.50 ms; the table says it is not from this run")
+    parser.add_argument("--profile", action="store_true", help="also time each laqat row's kernels one by one")
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--policies", nargs="+", default=["token", "decay-grid", "replay", "replay-h32"],
                         choices=list(POLICIES))
@@ -238,7 +244,7 @@ def main():
 
     print("\nKDA decode-phase training fwd+bwd, [1, 257, 4, 128] bf16, prefix 64 (median ms)")
     try:
-        result["timing"] = timing(1, 257, 4, 128, 64, args.policies, args.num_warps, args.fla_ms)
+        result["timing"] = timing(1, 257, 4, 128, 64, args.policies, args.num_warps, args.fla_ms, args.profile)
     except Exception as e:
         traceback.print_exc()
         result["timing_error"] = repr(e)

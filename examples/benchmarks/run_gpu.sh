@@ -15,10 +15,21 @@
 #   prof      GDN kernel-by-kernel device times (FLA, laqat exact with both solves, FP8 state), two large shapes
 #   next      every check the open issues still need on the GPU, after `warm` (see the stage below)
 #   stages    the launch table vs two pipeline stages in the serial h / dh loops vs LAQAT_AUTOTUNE=1 (kernel by kernel)
+#   checks    first call of a session: FLA warm-up, compiled KDA step vs eager, FP8-state training, chunk
+#             exactness (tf32x3 and IEEE fp32 dots) side by side; times nothing
+#   pack      the compile caches (Triton incl. FLA's autotune choices, laqat, Inductor) to $OUT/caches.tgz.*:
+#             carry them back as .gpu-cache/ and a later machine skips minutes of compiling
+#   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # Each stage prints its table and writes JSON under $OUT (default ./out).
 set -uo pipefail
 export OUT=${OUT:-out} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+# Fixed absolute paths: Triton's cache index records absolute file paths.
+CACHE=/tmp/laqat-gpu-cache
+export TRITON_CACHE_DIR=$CACHE/triton LAQAT_CACHE_DIR=$CACHE/laqat TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
+if ls .gpu-cache/caches.tgz.* >/dev/null 2>&1 && [ ! -d "$CACHE" ]; then
+  cat .gpu-cache/caches.tgz.* | tar xzf - -C / && echo "restored compile caches: $(du -sh $CACHE | cut -f1)"
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
@@ -58,6 +69,33 @@ for stage in $stages; do
     stages)    timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" \
                  --no-emulation-above 0 --profile "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" ;;
+    checks)    setsid nohup python3 $B/warm_fla.py --group bf16-128 >"$OUT/warm_bf16_128.log" 2>&1 < /dev/null &
+               setsid nohup python3 $B/warm_fla.py --group bf16-64 >"$OUT/warm_bf16_64.log" 2>&1 < /dev/null &
+               timeout 440 python3 $B/compiled_step_vs_eager.py --first-autotune-config >"$OUT/step.log" 2>&1 &
+               step_pid=$!
+               timeout 300 python3 $B/train_fp8_state_gpu.py --steps 20 >"$OUT/train.log" 2>&1 &
+               train_pid=$!
+               LAQAT_FP32_DOT=tf32x3 OUT=$OUT/tf32x3 timeout 180 python3 $B/chunk_bench.py --exactness-only
+               timeout 240 python3 $B/chunk_bench.py --exactness-only
+               wait $step_pid $train_pid
+               tail -n 5 "$OUT"/step.log "$OUT"/train.log "$OUT"/warm_*.log ;;
+    pack)      # cubins, metadata and launchers only (the IR text is 80% of Triton's cache); no Inductor cache
+               pkill -f warm_fla.py; tar czf - -C / --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' \
+                 --exclude='*.ttgir' --exclude='*.source' --exclude=inductor "${CACHE#/}" | split -b 15m - "$OUT/caches.tgz."
+               ls -l "$OUT"/caches.tgz.* ;;
+    bundle)    (cd "$OUT" && tar czf /tmp/results.tgz --exclude='caches.tgz.*' . && mv /tmp/results.tgz . \
+                 && find . -type f ! -name 'caches.tgz.*' ! -name results.tgz ! -name run.log -delete) ;;
+    timed)     # second call of a session (after `checks`, caches carried): the IEEE exactness cases left over
+               # compile in the background (CPU-bound); FLA equality, then the decode / recurrent / KDA chunk tables
+               OUT=$OUT/ieee timeout 420 python3 $B/chunk_bench.py --exactness-only --exact-cases 3,4,5 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               timeout 200 python3 $B/decode_bench.py --quick --num-warps 4 --policies token decay-grid replay --profile
+               OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128,gdn:8x4096x16x128
+               timeout 100 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness
+               wait
+               cat "$OUT/exact_ieee.log"
+               timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "laqat exact,laqat FP8 state" \
+                 --shapes 8x4096x16x128 --no-emulation-above 0 --profile "FLA exact,laqat exact" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

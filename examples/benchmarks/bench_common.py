@@ -83,6 +83,7 @@ def start_cuda_run(script: str, *sections: str):
 
 def kernel_times(fn, repeats=3) -> dict:
     """Device time per kernel name (ms per call of fn), largest first: where the time goes."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     fn()

@@ -5,8 +5,7 @@ The numerics are those of kernels/decode_reference.py; the QDQ itself comes from
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_scale, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32,
-                                     qdq_log_grid)
+from la_compiler.kernels.qdq import amax_abs, fp8_scale, int8_scale, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32
 
 
 @triton.jit
@@ -32,14 +31,13 @@ def round_factor(b_x, FACTOR: tl.constexpr):
 
 
 @triton.jit
-def load_decay(p_g, m_k, suffix, step, IS_KDA: tl.constexpr, USE_GRID: tl.constexpr):
-    """The token's log-decay (a [BK] vector for KDA, a scalar for GDN), grid-rounded in the suffix."""
+def load_decay(p_g, m_k, IS_KDA: tl.constexpr):
+    """The token's log-decay (a [BK] vector for KDA, a scalar for GDN). A decay grid was applied
+    before the token loop (decay_grid_kernel), so the loop carries no rounding of its own."""
     if IS_KDA:
         b_g = tl.load(p_g, mask=m_k, other=0.0).to(tl.float32)
     else:
         b_g = tl.load(p_g).to(tl.float32)
-    if USE_GRID:
-        b_g = tl.where(suffix, qdq_log_grid(b_g, step), b_g)
     return b_g
 
 

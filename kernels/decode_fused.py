@@ -14,10 +14,13 @@ tiles (and grouped heads) outside the kernel.
 
 The kernels are generated per spec: ``templates/decode_fused_kernels.tmpl`` plus module
 constants for what the spec fixes (kind, state layout, codec, readout, replay, factor
-rounding, decay grid), written to and loaded from the code cache (``cache.source_of(spec)``
-shows them). What the inputs decide (initial state, varlen) stays a ``tl.constexpr``
-argument; the lengths, the replay window and the grid step are runtime values, so changing
-the phase compiles nothing.
+rounding), written to and loaded from the code cache (``cache.source_of(spec)`` shows them).
+What the inputs decide (initial state, varlen) stays a ``tl.constexpr`` argument; the lengths,
+the replay window and the grid step are runtime values, so changing the phase compiles nothing.
+
+A decay grid (``decay_log_step``) does not depend on the state, so it is applied once before the
+token loops (``decay_grid_kernel``, one elementwise pass writing an fp32 copy of g) rather than in
+every step of the serial chain; its gradient is the identity, so dg needs no correction.
 """
 from __future__ import annotations
 
@@ -70,30 +73,30 @@ class DecodeParams:
     readout: str
     mode: str
     factor: str
-    decay_grid: bool
 
     @classmethod
     def from_spec(cls, spec) -> "DecodeParams":
         spec = spec_of(spec)
         opts = _options(spec)
         return cls(kind=spec.kind, state=spec.state, codec=opts.codec, readout=opts.readout, mode=opts.mode,
-                   factor=opts.factor_format, decay_grid=opts.decay_log_step is not None)
+                   factor=opts.factor_format)
 
     def constants(self) -> dict[str, object]:
         return {"IS_KDA": self.kind == "kda", "STATE_VK": self.state == "vk", "CODEC": CODEC_IDS[self.codec],
                 "READ_STORED": self.readout == "stored", "REPLAY": self.mode == "replay",
-                "FACTOR": FACTOR_IDS[self.factor], "USE_GRID": self.decay_grid}
+                "FACTOR": FACTOR_IDS[self.factor]}
 
 
 _DEVICE_IMPORT = ("from la_compiler.kernels.decode_device import (decayed, is_write, load_decay, round_state,\n"
-                  "                                               stored_length, token_update)")
+                  "                                               stored_length, token_update)\n"
+                  "from la_compiler.kernels.qdq import qdq_log_grid")
 
 
 def decode_source(p: DecodeParams) -> str:
     constants = "\n".join(f"{name} = tl.constexpr({value!r})" for name, value in p.constants().items())
     kernels = render(template("decode_fused_kernels"), {}, where="decode_fused_kernels")
     title = (f"Decode-phase {p.kind.upper()} kernels ({p.mode} mode, state codec {p.codec}, readout {p.readout}, "
-             f"factors {p.factor}, decay grid {p.decay_grid}), state layout {p.state}.")
+             f"factors {p.factor}), state layout {p.state}.")
     return module_source(title, dataclasses.asdict(p), [_DEVICE_IMPORT, constants, kernels])
 
 
@@ -127,6 +130,24 @@ def _check(spec, q, v, cu_seqlens, prefill_lengths, valid_lengths, n):
                          f"{valid_lengths.numel()}")
 
 
+def _decay_on_grid(p: DecodeParams, g, step, cu_seqlens, pre, n: int, T: int):
+    """g with the suffix tokens' log-decays rounded to the grid (fp32); g itself without a grid."""
+    if step is None:
+        return g
+    W = g[0, 0].numel()
+    out = torch.full(g.shape, float("nan"), dtype=torch.float32, device=g.device)
+    if cu_seqlens is None:
+        longest = T
+    else:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if n else 0
+    BW = triton.next_power_of_2(W)
+    BT = max(1, min(16, 4096 // BW))
+    decode_module(p).decay_grid_kernel[(triton.cdiv(max(longest, 1), BT), n)](
+        g, out, cu_seqlens if cu_seqlens is not None else pre, pre, float(step), T,
+        W=W, BT=BT, BW=BW, IS_VARLEN=cu_seqlens is not None)
+    return out
+
+
 def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, *,
                  save_ckpt: bool):
     spec = spec_of(spec)
@@ -149,13 +170,15 @@ def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefi
     nck = max(triton.cdiv(max_len, CHECKPOINT_EVERY), 1)
     ckpt = torch.empty(n * HV * NV * nck * BK * BV if save_ckpt else 1, dtype=torch.float32, device=dev)
     cu = cu_seqlens.to(torch.int32).contiguous() if cu_seqlens is not None else pre
-    decode_module(DecodeParams.from_spec(spec)).decode_fwd_kernel[(NV, n * HV)](
+    params = DecodeParams.from_spec(spec)
+    g = _decay_on_grid(params, g, opts.decay_log_step, cu if cu_seqlens is not None else None, pre, n, T)
+    decode_module(params).decode_fwd_kernel[(NV, n * HV)](
         q, k, v, g, beta, h0 if h0 is not None else q, o, ht, ckpt, cu, pre, val,
-        float(scale), float(opts.decay_log_step or 1.0), opts.window, T, nck,
+        float(scale), opts.window, T, nck,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=save_ckpt, STORE_O=not save_ckpt,
         **_flags(initial_state, cu_seqlens), num_warps=_num_warps(BK, BV),
     )
-    return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n)
+    return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g)
 
 
 def decode_fused_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths=None,
@@ -168,7 +191,7 @@ def decode_fused_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scal
 def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, *,
                           prefill_lengths=None, valid_lengths=None):
     spec = spec_of(spec)
-    _, _, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n) = _run_forward(
+    _, _, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g_used) = _run_forward(
         spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, save_ckpt=True)
     B, T, H, _ = q.shape
     HV = v.shape[2]
@@ -184,10 +207,10 @@ def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, sca
     scratch = torch.empty(n * HV * NV * CHECKPOINT_EVERY * BK * BV, dtype=torch.float32, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
     decode_module(DecodeParams.from_spec(spec)).decode_bwd_kernel[(NV, n * HV)](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        q.contiguous(), k.contiguous(), v.contiguous(), g_used, beta.contiguous(),
         h0 if h0 is not None else q, ckpt, scratch, cu, pre, val, do.contiguous(), dht.contiguous(),
         dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else dq,
-        float(scale), float(opts.decay_log_step or 1.0), opts.window, T, nck, total,
+        float(scale), opts.window, T, nck, total,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_flags(initial_state, cu_seqlens),
         num_warps=_num_warps(BK, BV),
     )

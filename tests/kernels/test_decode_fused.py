@@ -35,6 +35,8 @@ CASES = {
     "kda-token-fp8-packed": ("kda", "token", "fp8_e4m3/tile16", {"readout": "stored"}, "kv", True, 1, 12, 1, 2, 4,
                              16, [2, 0, 0], [5, 0, 6], [0, 5, 5, 12]),
     "kda-token-exact": ("kda", "token", None, {}, "kv", True, 1, 6, 1, 1, 4, 8, [2], [6], None),
+    "gdn-token-fp8-grid-packed": ("gdn", "token", "fp8_e4m3/tile16", {"decay_log_step": "0.0625"}, "vk", True,
+                                  1, 13, 1, 2, 4, 16, [1, 0, 3], [4, 0, 8], [0, 4, 4, 13]),
 }
 
 
@@ -103,3 +105,25 @@ def test_fused_decode_rejects_bad_lengths():
     with pytest.raises(ValueError, match="prefill/valid lengths"):
         decode_fused_forward(spec, q, k, v, g, beta, None, None, 0.5, prefill_lengths=torch.tensor([1]),
                              valid_lengths=torch.tensor([4]))
+
+
+@pytest.mark.parametrize("kind,cu", [("kda", None), ("gdn", [0, 3, 3, 10])], ids=["kda", "gdn-packed"])
+def test_decay_grid_pass_rounds_the_suffix_only(kind, cu):
+    """The pre-pass against torch: round-half-even of g / step at t >= prefill, g untouched in the prefix."""
+    from la_compiler.kernels.decode_fused import DecodeParams, _decay_on_grid
+
+    spec = _spec(kind, "token", "fp8_e4m3/tile16", {"decay_log_step": "0.125"}, "kv")
+    (q, k, v, g, beta, _), cu_t = random_inputs(kind, B=1 if cu else 2, T=10, H=1, HV=2, K=4, V=16, cu_seqlens=cu)
+    g = g * 3  # several grid steps wide
+    pre = torch.tensor([2, 0, 4] if cu else [2, 7], dtype=torch.int32)
+    n = pre.numel()
+    got = _decay_on_grid(DecodeParams.from_spec(spec), g.contiguous(), 0.125,
+                         None if cu is None else cu_t.to(torch.int32), pre, n, g.shape[1])
+    bounds = cu if cu else [0, 10, 20]
+    flat_g, flat_got = g.reshape(-1, *g.shape[2:]), got.reshape(-1, *g.shape[2:])
+    for i in range(n):
+        for t in range(bounds[i + 1] - bounds[i]):
+            x = flat_g[bounds[i] + t].float()
+            want = torch.round(x / 0.125) * 0.125 if t >= pre[i] else x
+            assert torch.equal(flat_got[bounds[i] + t], want), (i, t)
+    assert not torch.equal(got, g.float())  # the grid moved something

@@ -100,6 +100,8 @@ for stage in $stages; do
                timeout 150 python3 $B/decode_bench.py --quick --num-warps 4 --policies token decay-grid replay --profile
                timeout 240 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
                  --no-emulation-above 65536 --profile "FLA exact,laqat exact" ;;
+    decode-warps) # the decode table at the launcher's default warps (8 at K = 128, BV = 64) and at 4, kernels split
+               timeout 330 python3 $B/decode_bench.py --quick --num-warps 8 4 --policies token decay-grid replay --profile ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

@@ -4,7 +4,7 @@
 # Usage: examples/benchmarks/run_gpu.sh [stage ...]
 #   warm      compile/autotune FLA's KDA kernels in the background (own process session, so it
 #             outlives this command on a machine kept warm); later stages find them in Triton's cache.
-#             It shares the GPU: do not time anything while it runs (`next` waits for it)
+#             It shares the GPU: do not time anything while it runs
 #   exact     chunk kernels vs the fp64 chunk reference (fp32, K up to 128, varlen, HV > H, QDQ)
 #   gdn kda   chunk_bench timing table for one kind, the three BASELINES shapes
 #   train     a GDN+KDA model compiled with the FP8-state recipe trains through the chunk kernels
@@ -13,13 +13,17 @@
 #   recurrent generated recurrent kernel vs FLA (both kinds)   recurrent-kda: KDA rows only
 #   fla qdq   FLA conv/norm custom ops on CUDA; QDQ device functions vs torch
 #   prof      GDN kernel-by-kernel device times (FLA, laqat exact with both solves, FP8 state), two large shapes
-#   next      every check the open issues still need on the GPU, after `warm` (see the stage below)
 #   stages    the launch table vs two pipeline stages in the serial h / dh loops vs LAQAT_AUTOTUNE=1 (kernel by kernel)
 #   checks    first call of a session: FLA warm-up, compiled KDA step vs eager, FP8-state training, chunk
 #             exactness (tf32x3 and IEEE fp32 dots) side by side; times nothing
-#   pack      the compile caches (Triton incl. FLA's autotune choices, laqat, Inductor) to $OUT/caches.tgz.*:
+#   pack      the compile caches (Triton's cubins incl. FLA's autotune choices, laqat's sources) to $OUT/caches.tgz.*:
 #             carry them back as .gpu-cache/ and a later machine skips minutes of compiling
+#   timed     second call: the IEEE exactness cases `checks` leaves, FLA equality, decode / recurrent / KDA tables
+#   final     third call: the decode table with its kernel split, the KDA chunk table at the three shapes
+#   decode-warps  the decode table at the launcher's default warps and at 4
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
+# A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
+# `timed pack bundle`, `final bundle`.
 # Each stage prints its table and writes JSON under $OUT (default ./out).
 set -uo pipefail
 export OUT=${OUT:-out} PYTHONUNBUFFERED=1
@@ -54,18 +58,6 @@ for stage in $stages; do
     prof)      timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat exact (row-by-row solve),laqat FP8 state" --no-emulation-above 0 \
                  --profile "FLA exact,laqat exact,laqat exact (row-by-row solve),laqat FP8 state" ;;
-    next)      # what the issues still need on the GPU (2026-11-29 note), in one call after `warm`: checks
-               # that time nothing run beside the background warm-up; timings wait until it has finished
-               # (it shares the GPU: the second session's run 1 and 2 timings ran beside it)
-               timeout 240 python3 $B/compiled_step_vs_eager.py
-               timeout 150 python3 $B/train_fp8_state_gpu.py --steps 20
-               timeout 240 python3 $B/chunk_bench.py --exactness-only
-               LAQAT_FP32_DOT=tf32x3 OUT=$OUT/tf32x3 timeout 150 python3 $B/chunk_bench.py --exactness-only
-               timeout 300 bash -c 'while pgrep -f warm_fla.py >/dev/null; do sleep 5; done'
-               timeout 120 python3 $B/recurrent_vs_fla.py --kinds kda --skip-exactness
-               timeout 200 python3 $B/decode_bench.py --num-warps 4 --policies token decay-grid replay
-               timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
-                 --no-emulation-above 65536 --profile "FLA exact,laqat exact" ;;
     stages)    timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" \
                  --no-emulation-above 0 --profile "laqat exact,laqat exact (2-stage serial loops),laqat exact (autotuned)" ;;

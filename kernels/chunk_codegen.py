@@ -182,6 +182,33 @@ def chunk_fwd_module(p: ChunkParams) -> ModuleType:
 
 
 # ---- backward --------------------------------------------------------------------------------
+_STORE_INPUT_GRADS = (
+    "# g -> G = cumsum(g): dg = reverse cumsum of dG within the chunk\n"
+    "b_dg = tl.cumsum(b_dG, 0, reverse=True)\n"
+    "${STORE_DG}\n"
+    "tl.store(dq + r_qk_v, b_dq.to(dq.dtype.element_ty), mask=m_ck)\n"
+    "tl.store(dk + r_qk_v, b_dk.to(dk.dtype.element_ty), mask=m_ck)")
+
+_HAND_OVER_PAIRS = (
+    "# the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over\n"
+    "# dA, dA_qk and every other share of dq, dk, dG (fp32)\n"
+    "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA, mask=m_c[:, None])\n"
+    "tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])\n"
+    "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
+    "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
+    "tl.store(dg + r_qk_v, b_dG, mask=m_ck)")
+
+
+def kda_splits_pair_grads(p: ChunkParams) -> bool:
+    """KDA's exact pair products (no rounding at the pairwise sites, exact solve): their gradients run in
+    a second kernel over key blocks, so that no program holds the chunk's full-width tiles through the
+    sub-chunk loops (at K = 128 the one-kernel form spilled 3.5 KB per thread)."""
+    return p.kind == "kda" and not kda_rounds_pairs(p) and p.solve == "exact"
+
+
+PAIR_KEY_BLOCK = 64  # key columns per program of chunk_kda_bwd_kernel_pairs
+
+
 def chunk_bwd_source(p: ChunkParams) -> str:
     fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
     if p.kind == "gdn":
@@ -190,6 +217,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         bwd = dict(KDA_BWD, PAIRS=kda_pairs_rounded(p), PAIR_GRADS=kda_pair_grads_rounded(p))
     else:
         bwd = dict(KDA_BWD, PAIRS=kda_pairs(p), PAIR_GRADS=kda_pair_grads(p))
+    split = kda_splits_pair_grads(p)
     ops = operand_values(p)
     state_offsets = _state_offsets(p.state)
     dh = render(template("chunk_bwd_dh"), {
@@ -198,20 +226,30 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         "OUTPUT_STATE_LHS": ops["OUTPUT_STATE_LHS"]}, where="chunk_bwd_dh")
     # q, k, G and the pair products: before the value loop when the Neumann solve needs A there, else after
     # it (T comes from the forward recompute), which keeps them out of the loop's registers
-    pairs = "\n".join(["b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
-                        "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)",
-                        bwd["LOAD_G"], bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
+    loads = ["b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
+             "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)", bwd["LOAD_G"]]
+    pairs = "\n".join(loads if split else
+                       loads + [bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
     before = p.solve != "exact"
+    finish = _HAND_OVER_PAIRS if split else render("\n".join([
+        "b_dbeta += tl.sum(b_dA * b_P, 1)", "b_dP = b_dA * b_beta[:, None]", "${PAIR_GRADS}", "",
+        _STORE_INPUT_GRADS]), {"PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="bwd_intra finish")
     intra = render(template("chunk_bwd_intra"), {
         "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p), "SOLVE_GRAD": solve_grad(p),
         "PAIRS_BEFORE_LOOP": pairs if before else "# q, k, G, P: after the value loop",
-        "PAIRS_AFTER_LOOP": "" if before else pairs,
-        **{key: bwd[key] for key in ("EXP_G", "ROWS", "PAIR_GRADS", "LAST_ROW_GRADS", "STORE_DG")},
+        "PAIRS_AFTER_LOOP": "" if before else pairs, "FINISH": finish,
+        **{key: bwd[key] for key in ("EXP_G", "ROWS", "LAST_ROW_GRADS")},
         **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS",
                                      "BWD_INTRA_AMAX")}},
         where="chunk_bwd_intra")
-    title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)."
-    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, ROW_SUM_HELPER, dh, intra])
+    kernels = [dh, intra]
+    if split:
+        kernels.append(render(template("chunk_bwd_pairs"), {
+            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "LOAD_G": bwd["LOAD_G"], "PAIRS": bwd["PAIRS"],
+            "PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="chunk_bwd_pairs"))
+    title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)" + (
+        ", pairs (the pair products' share, by key block)." if split else ".")
+    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, ROW_SUM_HELPER, *kernels])
 
 
 def chunk_bwd_module(p: ChunkParams) -> ModuleType:

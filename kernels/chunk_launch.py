@@ -33,8 +33,8 @@ class LaunchConfig:
 
 
 def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
-    """stage: one of fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra."""
-    if stage not in ("fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra"):
+    """stage: one of fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs."""
+    if stage not in ("fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra", "bwd_pairs"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default

@@ -193,6 +193,23 @@ def test_backward_exact(kind, varlen, state, extra):
     _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
+@pytest.mark.parametrize("varlen,state,HV", [(False, "kv", 1), (True, "vk", 2)])
+def test_kda_pair_gradients_by_key_block(varlen, state, HV):
+    """KDA's exact backward runs the pair products' gradients in a second kernel, one key block of 64
+    columns per program: K = 72 takes a full and a masked partial block. Every gradient against fp64
+    autograd, on a packed batch and with grouped value heads."""
+    from la_compiler.kernels.chunk_codegen import PAIR_KEY_BLOCK, kda_splits_pair_grads
+
+    cu = torch.tensor([0, 9, 25]) if varlen else None
+    q, k, v, g, beta, h0 = make_inputs("kda", B=1 if varlen else 2, T=25 if varlen else 13, H=1, HV=HV, K=72, V=8,
+                                       N=2, dtype=torch.float32)
+    if state == "vk":
+        h0 = h0.transpose(-1, -2).contiguous()
+    spec = RecurrenceSpec(kind="kda", chunk=8, state=state)
+    assert kda_splits_pair_grads(ChunkParams.from_spec(spec)) and 64 < 72 < 2 * PAIR_KEY_BLOCK
+    _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
+
+
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])
 def test_blocked_solve_forward_and_backward(kind, C, state):
     """Chunks of 32 and 64 rows take the blocked exact solve (16-row diagonal blocks, then the

@@ -21,6 +21,7 @@
 #   timed     second call: the IEEE exactness cases `checks` leaves, FLA equality, decode / recurrent / KDA tables
 #   final     third call: the decode table with its kernel split, the KDA chunk table at the three shapes
 #   decode-warps  the decode table at the launcher's default warps and at 4
+#   kda-split KDA equality with FLA and the two large shapes, exact and FP8 state, kernels split
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -94,6 +95,10 @@ for stage in $stages; do
                  --no-emulation-above 65536 --profile "FLA exact,laqat exact" ;;
     decode-warps) # the decode table at the launcher's default warps (8 at K = 128, BV = 64) and at 4, kernels split
                timeout 330 python3 $B/decode_bench.py --quick --num-warps 8 4 --policies token decay-grid replay --profile ;;
+    kda-split) # KDA with the pair gradients by key block: equality with FLA, then the two large shapes
+               OUT=$OUT/equality timeout 90 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+               timeout 170 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

@@ -56,23 +56,21 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         heads = HV * (1 if cu_seqlens is not None else B)
         t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
         split = kda_splits_pair_grads(p)
-        if split:  # the intra kernel hands dA, dA_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
+        if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
             rest = [scratch((B, T, HV, K), f32, dev) for _ in range(3)]
-            dbeta_rest = scratch((B, T, HV), f32, dev)
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
-        intra_out = (*rest[:2], dv, dbeta_rest, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
+        intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
+        p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
-               q, k, v, beta, g, parts["g_cum"], t_solved, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
+               q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
                cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK, C), **common)
         if split:
             BKP = min(BK, PAIR_KEY_BLOCK)
             NKB = triton.cdiv(K, BKP)
-            dbeta_pairs = scratch((NKB, B, T, HV), f32, dev)
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row, heads, NKB),
-                   q, k, g, parts["g_cum"], beta, dpair, *rest, dq, dk, dg, dbeta_pairs, cu_seqlens, lay.chunk_indices, T,
-                   B * T * HV, H=H, HV=HV, K=K, C=C, BK=BKP, IS_VARLEN=cu_seqlens is not None,
+                   q, k, g, parts["g_cum"], dpair, *rest, dq, dk, dg, cu_seqlens, lay.chunk_indices, T,
+                   H=H, HV=HV, K=K, C=C, BK=BKP, IS_VARLEN=cu_seqlens is not None,
                    DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C))
-            dbeta.copy_(dbeta_rest + dbeta_pairs.sum(0))
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)

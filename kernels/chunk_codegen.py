@@ -161,7 +161,10 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "SOLVE": solve(p), "KEY_DECAY": decay["KEY_DECAY"], "ON_W": w_qdq(p),
         "WY_OPERANDS": ops["WY_OPERANDS"], "WY_VALUE_RHS": ops["WY_VALUE_RHS"],
         "WY_KEY_DOT": dots["WY_KEY_DOT"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
-        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
+        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"],
+        "STORE_PAIRS": ("if STORE_T:  # the backward's recompute keeps P for dbeta (chunk_kda_bwd_kernel_pairs)\n"
+                        "    tl.store(p_pairs + r_hv[:, None] * C + o_c[None, :], b_P, mask=m_c[:, None])"
+                        if kda_splits_pair_grads(p) else "")}, where="chunk_fwd_intra")
     h = render(template("chunk_fwd_h"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": decay["CHUNK_DECAY"],
         "ON_STATE_LOAD": state_hook, "ON_STATE_WRITE": state_hook,
@@ -190,9 +193,12 @@ _STORE_INPUT_GRADS = (
     "tl.store(dk + r_qk_v, b_dk.to(dk.dtype.element_ty), mask=m_ck)")
 
 _HAND_OVER_PAIRS = (
+    "# P from the forward recompute (its diagonal blocks are the costly part of the pair products)\n"
+    "b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
+    "b_dbeta += tl.sum(b_dA * b_P, 1)\n"
     "# the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over\n"
-    "# dA, dA_qk and every other share of dq, dk, dG (fp32)\n"
-    "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA, mask=m_c[:, None])\n"
+    "# dP, dP_qk and every other share of dq, dk, dG (fp32)\n"
+    "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])\n"
     "tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])\n"
     "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
     "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
@@ -245,7 +251,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     kernels = [dh, intra]
     if split:
         kernels.append(render(template("chunk_bwd_pairs"), {
-            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "LOAD_G": bwd["LOAD_G"], "PAIRS": bwd["PAIRS"],
+            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "LOAD_G": bwd["LOAD_G"],
             "PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="chunk_bwd_pairs"))
     title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)" + (
         ", pairs (the pair products' share, by key block)." if split else ".")

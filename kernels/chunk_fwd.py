@@ -17,7 +17,7 @@ import torch
 import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
-from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module
+from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_splits_pair_grads
 from la_compiler.kernels.chunk_launch import launch, launch_config
 
 
@@ -112,6 +112,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     v_new = scratch((B, T, HV, V), f32, dev)
     o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
+    p_pairs = scratch((B, T, HV, C), f32, dev) if t_solved is not None and kda_splits_pair_grads(p) else None
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
@@ -119,7 +120,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     heads = HV * (1 if cu_seqlens is not None else B)
     if lay.NT:
         launch(kernels["intra"], (chunks_per_row, heads),
-               q, k, v, g, beta, g_cum, w, u, A_qk, t_solved, cu_seqlens, lay.chunk_indices, scale, T,
+               q, k, v, g, beta, g_cum, w, u, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK, C), **common)
     launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
            k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
@@ -129,7 +130,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_io, config=launch_config("fwd_o", BK, C), **common)
     if intermediates is not None:
-        intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved)
+        intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
+                             p_pairs=p_pairs)
     return o, ht
 
 

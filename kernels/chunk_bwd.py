@@ -3,6 +3,7 @@
     chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, T (exact solve), h (rounded chunk-start states), V_new
     chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
     chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
+    chunk_kda_bwd_pairs     -> KDA exact: the pair products' share of dq, dk, dg    (chunks x key blocks of 64)
 
 Exact gradients of the emulated forward with identity straight-through at every QDQ; the
 derivation and what is recomputed rather than stored are in docs/kernels-chunk.md.
@@ -57,7 +58,8 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
         split = kda_splits_pair_grads(p)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
-            rest = [scratch((B, T, HV, K), f32, dev) for _ in range(3)]
+            # dq's share goes into W's buffer (same shape, fp32), which nothing reads after the dh stage
+            rest = [parts["w"]] + [scratch((B, T, HV, K), f32, dev) for _ in range(2)]
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split

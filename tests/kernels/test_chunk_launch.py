@@ -45,6 +45,7 @@ def test_launch_table():
     assert launch_config("fwd_h", 128, 64) == LaunchConfig(8, 1)
     assert launch_config("bwd_intra", 64, 64) == LaunchConfig(8, 3)
     assert launch_config("fwd_o", 64, 64) == LaunchConfig(8, 3)
+    assert launch_config("bwd_pairs", 64, 64) == LaunchConfig(8, 3)  # KDA key blocks of 64
     assert launch_config("fwd_h", 32, 16) == LaunchConfig(4, 3)
     with pytest.raises(ValueError, match="unknown stage 'fwd_x'"):
         launch_config("fwd_x", 64, 64)

@@ -299,6 +299,19 @@ def blocked_solve(p: ChunkParams) -> str:
         "b_T = tl.dot(b_X, b_Tbd, input_precision=DOT_PRECISION)")
 
 
+def _off_diagonal_loop(bc: int) -> str:
+    """Head of KDA's off-diagonal-block loop: sub-chunk i_sb against the rows before its first row r,
+    through the decay factors exp(G - G_r) (rows in the block) and exp(G_r - G) (rows before it), both <= 1."""
+    return (f"o_blk = o_c // {bc}\n"
+            f"for i_sb in range(1, C // {bc}):\n"
+            f"    i_ref = i_sb * {bc}\n"
+            "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
+            "    m_in = o_blk == i_sb\n"
+            "    m_before = o_c < i_ref\n"
+            "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
+            "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n")
+
+
 def _diagonal_column_loop(bc: int) -> str:
     """Head of KDA's diagonal-block loop: step jj gathers column j = bc b + jj of every sub-chunk b,
     its key rows b_kj and cumulative decays b_gj from memory."""
@@ -323,14 +336,7 @@ def kda_pairs(p: ChunkParams) -> str:
         f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row, diagonal blocks columnwise\n"
         "b_P = tl.zeros([C, C], dtype=tl.float32)\n"
         "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n"
-        f"o_blk = o_c // {bc}\n"
-        f"for i_sb in range(1, C // {bc}):\n"
-        f"    i_ref = i_sb * {bc}\n"
-        "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
-        "    m_in = o_blk == i_sb\n"
-        "    m_before = o_c < i_ref\n"
-        "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
-        "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n"
+        + _off_diagonal_loop(bc) +
         "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
         "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
         "    b_Pqk += tl.dot(tl.where(m_in[:, None], b_q * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
@@ -421,15 +427,8 @@ def kda_pair_grads(p: ChunkParams) -> str:
     bc = p.sub_chunk
     return (
         "# off-diagonal blocks: P_b = (K e^(G - G_r)) (K e^(G_r - G))^T\n"
-        f"o_blk = o_c // {bc}\n"
-        f"for i_sb in range(1, C // {bc}):\n"
-        f"    i_ref = i_sb * {bc}\n"
-        "    b_gr = tl.sum(tl.where((o_c == i_ref)[:, None], b_G, 0.0), 0)\n"
-        "    m_in = o_blk == i_sb\n"
-        "    m_before = o_c < i_ref\n"
+        + _off_diagonal_loop(bc) +
         "    m_blk = m_in[:, None] & m_before[None, :]\n"
-        "    b_el = tl.exp(tl.where(m_in[:, None], b_G - b_gr[None, :], 0.0))\n"
-        "    b_er = tl.exp(tl.where(m_before[:, None], b_gr[None, :] - b_G, 0.0))\n"
         "    b_kl = tl.where(m_in[:, None], b_k * b_el, 0.0)\n"
         "    b_ql = tl.where(m_in[:, None], b_q * b_el, 0.0)\n"
         "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"

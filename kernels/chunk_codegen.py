@@ -19,9 +19,9 @@ from types import ModuleType
 from la_compiler.kernels import cache
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.kernels.chunk_snippets import (
-    ACC_HELPERS, GDN_BWD, GDN_FWD, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pairs, kda_pair_grads,
-    acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values, parse_acc,
-    load_solved, solve, solve_form, solve_grad, state_qdq, w_qdq)
+    ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_GAMMA, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pair_block, gdn_pairs,
+    kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
+    parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
@@ -147,31 +147,47 @@ def _state_offsets(layout: str) -> str:
     return "o_k[:, None] * V + o_v[None, :]" if layout == "kv" else "o_k[:, None] + o_v[None, :] * K"
 
 
+_W_KEY_BLOCK = """o_k = i_k * BK + tl.arange(0, BK)
+m_k = o_k < K
+m_ck = m_c[:, None] & m_k[None, :]
+b_k = tl.load(k + ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+${KEY_BLOCK_DECAY}
+b_bk = b_k * (b_beta[:, None] * ${KEY_DECAY})
+${WY_KEY_RHS}
+${WY_KEY_DOT}"""
+
+
 def chunk_fwd_source(p: ChunkParams) -> str:
-    pairs = gdn_pairs(p) if p.kind == "gdn" else kda_pairs_rounded(p) if kda_rounds_pairs(p) else kda_pairs(p)
-    decay = dict(GDN_FWD if p.kind == "gdn" else KDA_FWD,
-                 PAIR_PRODUCTS=pairs + "\nb_A = b_P * b_beta[:, None]\nb_Aqk = b_Pqk * scale")
+    fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
+    if p.kind == "gdn":
+        pairs, done = gdn_pair_block(p), "\n".join([GDN_GAMMA, "b_P = b_P * b_Gam", "b_Pqk = b_Pqk * b_Gam"])
+    else:
+        pairs = kda_pairs_rounded(p, init=False) if kda_rounds_pairs(p) else kda_pairs(p, init=False)
+        done = "# KDA: Γ is inside every key column's product"
     ops = operand_values(p)
     dots = acc_values(p)
     program = template("chunk_fwd_program")
     state_hook = state_qdq(p)
     state_offsets = _state_offsets(p.state)
+    w_key_block = render(_W_KEY_BLOCK, {
+        "KEY_BLOCK_DECAY": fwd["KEY_BLOCK_DECAY"], "KEY_DECAY": fwd["KEY_DECAY"],
+        "WY_KEY_RHS": ops["WY_KEY_RHS"], "WY_KEY_DOT": dots["WY_KEY_DOT"]}, where="chunk_fwd_intra W block")
     intra = render(template("chunk_fwd_intra"), {
-        "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": decay["LOAD_DECAY"], "PAIR_PRODUCTS": decay["PAIR_PRODUCTS"],
-        "SOLVE": solve(p), "KEY_DECAY": decay["KEY_DECAY"], "ON_W": w_qdq(p),
-        "WY_OPERANDS": ops["WY_OPERANDS"], "WY_VALUE_RHS": ops["WY_VALUE_RHS"],
-        "WY_KEY_DOT": dots["WY_KEY_DOT"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
+        "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": fwd["LOAD_DECAY"], "LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"],
+        "PAIR_PRODUCTS": pairs, "PAIRS_DONE": done, "SOLVE": solve(p), "T_OPERANDS": ops["T_OPERANDS"],
+        "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block, "ON_W": w_qdq(p),
+        "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"],
         "STORE_PAIRS": ("if STORE_T:  # the backward's recompute keeps P for dbeta (chunk_kda_bwd_kernel_pairs)\n"
                         "    tl.store(p_pairs + r_hv[:, None] * C + o_c[None, :], b_P, mask=m_c[:, None])"
                         if kda_splits_pair_grads(p) else "")}, where="chunk_fwd_intra")
     h = render(template("chunk_fwd_h"), {
-        "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": decay["CHUNK_DECAY"],
+        "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": fwd["CHUNK_DECAY"],
         "ON_STATE_LOAD": state_hook, "ON_STATE_WRITE": state_hook,
         "STATE_READ_RHS": ops["STATE_READ_RHS"], "STATE_UPDATE_OPERANDS": ops["STATE_UPDATE_OPERANDS"],
         "STATE_READ_DOT": dots["STATE_READ_DOT"], "STATE_UPDATE_DOT": dots["STATE_UPDATE_DOT"]}, where="chunk_fwd_h")
     o = render(template("chunk_fwd_o"), {
-        "OP": p.kind, "PROGRAM": program, "QUERY_DECAY": decay["QUERY_DECAY"],
+        "OP": p.kind, "PROGRAM": program, "QUERY_DECAY": fwd["QUERY_DECAY"],
         "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"],
         "OUTPUT_STATE_DOT": dots["OUTPUT_STATE_DOT"], "OUTPUT_VALUE_DOT": dots["OUTPUT_VALUE_DOT"],
         "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")

@@ -19,6 +19,7 @@ import triton
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_splits_pair_grads
 from la_compiler.kernels.chunk_launch import launch, launch_config
+from la_compiler.kernels.chunk_snippets import pairs_need_all_keys
 
 
 MAX_HEAD_K = 128  # whole key rows live in registers ([C, K] fp32 tiles); larger K is untested on GPUs
@@ -81,6 +82,25 @@ def dot_precision(dtype: torch.dtype) -> str:
     return choice
 
 
+INTRA_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
+INTRA_KEY_BLOCK = 64  # key columns per step of the forward intra stage ([C x 64] fp32 tiles: no spills at K = 128)
+
+
+def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
+    """Key columns the forward intra stage reads at a time (its BK): all of them (``BK``, the whole key
+    row) where ``pairs_need_all_keys``, else blocks of 64 (``LAQAT_CHUNK_KEY_BLOCK=<16..128>`` for
+    benchmarks), never fewer than a W quantizer block."""
+    if pairs_need_all_keys(p):
+        return BK
+    text = os.environ.get(INTRA_KEY_BLOCK_ENV)
+    block = INTRA_KEY_BLOCK
+    if text is not None:
+        if text not in ("16", "32", "64", "128"):
+            raise ValueError(f"{INTRA_KEY_BLOCK_ENV} must be 16, 32, 64 or 128, got {text!r}")
+        block = int(text)
+    return min(BK, max(block, w_block))
+
+
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
               intermediates: dict | None = None, need_output: bool = True):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
@@ -119,9 +139,11 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
     if lay.NT:
+        BK_intra = intra_key_block(p, BK, w_block)
         launch(kernels["intra"], (chunks_per_row, heads),
                q, k, v, g, beta, g_cum, w, u, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK, C), **common)
+               BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK_intra, C),
+               **dict(common, BK=BK_intra))
     launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
            k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
            BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C), **common)

@@ -45,23 +45,43 @@ def state_qdq(p: ChunkParams) -> str:
 
 
 def w_qdq(p: ChunkParams) -> str:
+    """The W quantizer on one key block ``b_w`` [C x BK]. Row scales and NVFP4's global scale span all key
+    columns: they take ``b_wamax`` (per-row amax over every key block, from ``w_amax_pass``) into account."""
     if p.w_quant is None:
         return ""
     cfg = parse_quant(p.w_quant)
     head = f"# W quantizer {p.w_quant}\n"
+    row_amax = "tl.maximum(b_wamax, tl.max(amax_abs(b_w), axis=1))"
     if cfg.format == "nvfp4":  # blocks of 16 along K; global amax over this chunk's W tile
         return head + (
             "b_w3 = tl.reshape(b_w, (C, BK // 16, 16))\n"
-            "b_gs = nvfp4_global_scale(tl.max(tl.max(amax_abs(b_w), axis=1), axis=0))\n"
+            f"b_gs = nvfp4_global_scale(tl.max({row_amax}, axis=0))\n"
             "b_sb = nvfp4_block_scale(tl.max(amax_abs(b_w3), axis=2), b_gs)\n"
             "b_w = tl.reshape(qdq_e2m1(b_w3, b_sb[:, :, None]), (C, BK))")
     scale_fn, qdq_fn = _QDQ[cfg.format]
     if cfg.group == "row":
-        return head + f"b_w = {qdq_fn}(b_w, {scale_fn}(tl.max(amax_abs(b_w), axis=1))[:, None])"
+        return head + f"b_w = {qdq_fn}(b_w, {scale_fn}({row_amax})[:, None])"
     n = cfg.block_size
     return head + (
         f"b_w3 = tl.reshape(b_w, (C, BK // {n}, {n}))\n"
         f"b_w = tl.reshape({qdq_fn}(b_w3, {scale_fn}(tl.max(amax_abs(b_w3), axis=2))[:, :, None]), (C, BK))")
+
+
+def w_amax_pass(p: ChunkParams, w_key_block: str) -> str:
+    """W's per-row amax over all key blocks, before any block is rounded (W quantizers with row groups or
+    NVFP4's global scale; blocks of N columns are local). W is cheap to form twice (a [C x C] x [C x BK]
+    dot per block), cheaper than storing it unrounded and reading it back; with one key block (K <= BK)
+    the pass is skipped and the block's own amax is the row's."""
+    if p.w_quant is None:
+        return ""
+    cfg = parse_quant(p.w_quant)
+    if cfg.format != "nvfp4" and cfg.group != "row":
+        return ""
+    return lines(
+        "b_wamax = tl.zeros([C], dtype=tl.float32)",
+        "for i_k in range(0, tl.cdiv(K, BK) if K > BK else 0):",
+        _indent(w_key_block),
+        "    b_wamax = tl.maximum(b_wamax, tl.max(amax_abs(b_w), axis=1))")
 
 
 def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None,
@@ -202,7 +222,6 @@ def operand_values(p: ChunkParams) -> dict[str, str]:
     wv_rhs = _op(p, "wy_value.rhs", "b_bv", 0, None, CV, "b_gam_wv")
     return {
         "T_OPERANDS": t_ops,
-        "WY_OPERANDS": lines(t_ops, _op(p, "wy_key.rhs", "b_bk", 0, None, CK)),
         "WY_KEY_RHS": _op(p, "wy_key.rhs", "b_bk", 0, None, CK),
         "WY_VALUE_RHS": wv_rhs,
         # the h stage holds all of V in one tile when an NVFP4 operand needs it (ChunkParams.h_full_v)
@@ -226,18 +245,43 @@ def operand_values(p: ChunkParams) -> dict[str, str]:
     }
 
 
-def gdn_pairs(p: ChunkParams) -> str:
-    """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding."""
+def _gdn_pair_operands(p: ChunkParams) -> str:
     return lines(
         _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
         _op(p, "key_interaction.rhs", "b_k", 1, "b_kr", ("C", "BK")),
         _op(p, "output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
-        _op(p, "output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")),
-        "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))",
+        _op(p, "output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")))
+
+
+GDN_GAMMA = "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))"
+
+
+def gdn_pairs(p: ChunkParams) -> str:
+    """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding."""
+    return lines(
+        _gdn_pair_operands(p),
+        GDN_GAMMA,
         acc_dot(p, "key_interaction", "b_P", "b_kl", "tl.trans(b_kr)", "BK"),
         acc_dot(p, "output_score", "b_Pqk", "b_ql", "tl.trans(b_kr2)", "BK"),
         "b_P = b_P * b_Gam",
         "b_Pqk = b_Pqk * b_Gam")
+
+
+def gdn_pair_block(p: ChunkParams) -> str:
+    """One key block's share of K_l K_r^T and Q_l K_r2^T (the forward's key loop; Γ after the loop)."""
+    return lines(
+        _gdn_pair_operands(p),
+        acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK"),
+        acc_dot(p, "output_score", "b_Pqkb", "b_ql", "tl.trans(b_kr2)", "BK"),
+        "b_P += b_Pb",
+        "b_Pqk += b_Pqkb")
+
+
+def pairs_need_all_keys(p: ChunkParams) -> bool:
+    """The forward intra stage must see all key columns in one block: a rounded or accumulator-emulated
+    pair product (row scales over K, NVFP4 global amax, reduction blocks rounded in order) or an NVFP4
+    wy_key.rhs (global amax over the chunk's [C x K] operand)."""
+    return any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc) or _nvfp4(p, "wy_key.rhs")
 
 
 SOLVE_BLOCK = 16  # rows of the diagonal blocks of the blocked exact solve
@@ -324,8 +368,9 @@ def _diagonal_column_loop(bc: int) -> str:
             "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n")
 
 
-def kda_pairs(p: ChunkParams) -> str:
-    """b_P = K K^T ⊙ Γ and b_Pqk = Q K^T ⊙ Γ of one KDA chunk, per key channel (masks applied later).
+def kda_pairs(p: ChunkParams, init: bool = True) -> str:
+    """b_P += K K^T ⊙ Γ and b_Pqk += Q K^T ⊙ Γ of one KDA chunk over the key columns in b_q, b_k, b_G
+    (masks applied later; ``init`` starts both from zero).
 
     Off-diagonal sub-chunk blocks (rows in block b, columns before its first row r): dots of
     K exp(G - G_r) and K exp(G_r - G), both factors <= 1 (G falls along the chunk). Diagonal
@@ -334,8 +379,8 @@ def kda_pairs(p: ChunkParams) -> str:
     bc = p.sub_chunk
     return (
         f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row, diagonal blocks columnwise\n"
-        "b_P = tl.zeros([C, C], dtype=tl.float32)\n"
-        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n"
+        + ("b_P = tl.zeros([C, C], dtype=tl.float32)\n"
+           "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n" if init else "")
         + _off_diagonal_loop(bc) +
         "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
         "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
@@ -343,8 +388,8 @@ def kda_pairs(p: ChunkParams) -> str:
         + _diagonal_column_loop(bc) +
         "    b_kj = b_kj * tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
         "    m_sel = o_c[None, :] == o_j[:, None]\n"
-        "    b_P = tl.where(m_sel, tl.sum(b_k * b_kj, 1)[:, None], b_P)\n"
-        "    b_Pqk = tl.where(m_sel, tl.sum(b_q * b_kj, 1)[:, None], b_Pqk)")
+        "    b_P += tl.where(m_sel, tl.sum(b_k * b_kj, 1)[:, None], 0.0)\n"
+        "    b_Pqk += tl.where(m_sel, tl.sum(b_q * b_kj, 1)[:, None], 0.0)")
 
 
 def kda_rounds_pairs(p: ChunkParams) -> bool:
@@ -384,23 +429,24 @@ def _pair_operands(p: ChunkParams, pk: str, pq: str) -> str:
                  _indent(_op(p, "output_score.rhs", "b_pq", 1, pq, ("C", "BK"), "b_gam_pq")))
 
 
-def kda_pairs_rounded(p: ChunkParams) -> str:
+def kda_pairs_rounded(p: ChunkParams, init: bool = True) -> str:
     """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
-    k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column."""
+    k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column
+    (over all key columns at once: ``pairs_need_all_keys``)."""
     return lines(
         "# column by column: the pairwise operands k_j exp(G_i - G_j) (rows (i, j) over K) are rounded per pair",
         _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
         _op(p, "output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
         _pair_amax(p),
-        "b_P = tl.zeros([C, C], dtype=tl.float32)",
-        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
+        "b_P = tl.zeros([C, C], dtype=tl.float32)" if init else "",
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)" if init else "",
         "for j in range(0, C):",
         *_PAIR_ROWS,
         _pair_operands(p, "b_pk_q", "b_pq_q"),
         _indent(acc_row_sum(p, "key_interaction", "b_cp", "b_kl * b_pk_q")),
         _indent(acc_row_sum(p, "output_score", "b_cq", "b_ql * b_pq_q")),
-        "    b_P = tl.where(m_j[None, :], b_cp[:, None], b_P)",
-        "    b_Pqk = tl.where(m_j[None, :], b_cq[:, None], b_Pqk)")
+        "    b_P += tl.where(m_j[None, :], b_cp[:, None], 0.0)",
+        "    b_Pqk += tl.where(m_j[None, :], b_cq[:, None], 0.0)")
 
 
 def kda_pair_grads_rounded(p: ChunkParams) -> str:
@@ -470,6 +516,8 @@ GDN_FWD = {
         "b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"
         "tl.store(g_cum + r_hv, b_G, mask=m_c)"),
+    "LOAD_KEY_DECAY": "",
+    "KEY_BLOCK_DECAY": "",
     "KEY_DECAY": "tl.exp(b_G)[:, None]",
     "CHUNK_DECAY": (
         "b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)\n"
@@ -482,11 +530,13 @@ GDN_FWD = {
 }
 
 KDA_FWD = {
-    "LOAD_DECAY": (
+    "LOAD_DECAY": "",
+    "LOAD_KEY_DECAY": (  # per key block: G = cumsum(g) channel by channel
         "b_g = tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"
         "tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], b_G, mask=m_ck)\n"
         "tl.debug_barrier()  # the pair products gather rows of g_cum written just now"),
+    "KEY_BLOCK_DECAY": "b_G = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)",
     "KEY_DECAY": "tl.exp(b_G)",
     "CHUNK_DECAY": (
         "b_g = tl.load(g_cum + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"

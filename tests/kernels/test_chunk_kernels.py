@@ -210,6 +210,47 @@ def test_kda_pair_gradients_by_key_block(varlen, state, HV):
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 
+@pytest.mark.parametrize("kind,varlen,quant", [
+    ("gdn", True, {}),
+    ("kda", False, {}),
+    ("gdn", False, {"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row", "wy_key.rhs": "fp8_e4m3/row"}),
+    ("kda", True, {"state": "int8/tile16", "w": "nvfp4/block16"}),
+])
+def test_forward_intra_by_key_blocks(monkeypatch, kind, varlen, quant):
+    """The forward intra stage reads keys in blocks (64 columns by default; 16 here, so K = 40 takes two
+    full blocks and a masked one): pair products summed over blocks, W block by block with its row /
+    NVFP4 global amax from a first pass over all blocks. Forward, W element by element, every gradient."""
+    from la_compiler.kernels.chunk_fwd import intra_key_block
+
+    monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
+    inputs, cu = _case(kind, varlen, "kv", K=40, V=16)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant)
+    assert intra_key_block(ChunkParams.from_spec(spec), 64, 16) == 16
+    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
+    tol = QDQ_TOL if quant else EXACT_TOL
+    assert rel_l2(o, o_ref) <= tol and rel_l2(ht, ht_ref) <= tol
+    w, _, _ = _kernel_chunks(parts, ref, inputs, cu, 8)
+    assert _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True)) == 0
+    _assert_backward_matches(spec, inputs, cu, tol)
+
+
+def test_intra_key_block_choice(monkeypatch):
+    """All key columns at once where a pair product or wy_key.rhs is rounded over them; a bad override
+    is refused by name."""
+    from la_compiler.kernels.chunk_fwd import intra_key_block
+
+    exact = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64))
+    assert intra_key_block(exact, 128, 16) == 64 and intra_key_block(exact, 32, 16) == 32
+    for quant in ({"key_interaction.rhs": "fp8_e4m3/row"}, {"wy_key.rhs": "nvfp4/block16"}):
+        assert intra_key_block(ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=64).replace(quant=quant)),
+                               128, 16) == 128
+    assert intra_key_block(ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=64).replace(acc={"output_score": "fp16:16"})),
+                           256, 16) == 256
+    monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "48")
+    with pytest.raises(ValueError, match="LAQAT_CHUNK_KEY_BLOCK"):
+        intra_key_block(exact, 128, 16)
+
+
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])
 def test_blocked_solve_forward_and_backward(kind, C, state):
     """Chunks of 32 and 64 rows take the blocked exact solve (16-row diagonal blocks, then the

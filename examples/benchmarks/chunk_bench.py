@@ -59,11 +59,15 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (row-by-row solve)": {},  # LAQAT_CHUNK_SOLVE=rows, see ENVIRONMENTS
     "laqat exact (2-stage serial loops)": {},  # LAQAT_CHUNK_SERIAL_STAGES=2
     "laqat exact (autotuned)": {},  # LAQAT_AUTOTUNE=1 (the first call times the candidates)
+    "laqat exact (intra key block 32)": {},  # LAQAT_CHUNK_KEY_BLOCK=32
+    "laqat exact (intra whole key rows)": {},  # LAQAT_CHUNK_KEY_BLOCK=128: the forward intra stage before key blocks
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
     "laqat exact (2-stage serial loops)": {"LAQAT_CHUNK_SERIAL_STAGES": "2"},
     "laqat exact (autotuned)": {"LAQAT_AUTOTUNE": "1"},
+    "laqat exact (intra key block 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32"},
+    "laqat exact (intra whole key rows)": {"LAQAT_CHUNK_KEY_BLOCK": "128"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 

@@ -22,6 +22,8 @@
 #   final     third call: the decode table with its kernel split, the KDA chunk table at the three shapes
 #   decode-warps  the decode table at the launcher's default warps and at 4
 #   kda-split KDA equality with FLA and the two large shapes, exact and FP8 state, kernels split
+#   key-blocks the forward intra stage by key blocks: FLA equality, K = 128 exactness cases, KDA and GDN at the two
+#             large shapes (key blocks of 64 / 32 / whole rows, FP8 state, FP8 state + W), kernels split
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -99,6 +101,15 @@ for stage in $stages; do
                OUT=$OUT/equality timeout 90 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
                timeout 170 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x128,8x4096x16x128 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
+    key-blocks) OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 1,2,4 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 90 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+               OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat exact (intra whole key rows),laqat exact (intra key block 32),laqat FP8 state,laqat FP8 state + W" \
+                 --no-emulation-above 0 --profile "laqat exact,laqat exact (intra whole key rows)"
+               OUT=$OUT/gdn timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

@@ -13,14 +13,17 @@ from __future__ import annotations
 import torch
 import triton
 
-from la_compiler.kernels.chunk_codegen import PAIR_KEY_BLOCK, ChunkParams, chunk_bwd_module, kda_splits_pair_grads
-from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, scratch
+from la_compiler.kernels.chunk_codegen import (PAIR_KEY_BLOCK, ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
+                                             kda_splits_pair_grads)
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, key_block_override, scratch
+
+BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"  # benchmarks: key block of the KDA split's intra and pairs stages
 from la_compiler.kernels.chunk_launch import launch, launch_config
 
 
 def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
     """Returns (dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype (dh0 in h0's)."""
-    B, T, H, K, HV, V, N, state_shape = check_inputs(p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
     if tuple(do.shape) != (B, T, HV, V):
         raise ValueError(f"do must be {(B, T, HV, V)}, got {tuple(do.shape)}")
     if dht is not None and tuple(dht.shape) != state_shape:
@@ -63,11 +66,13 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
+        BKP = min(BK, key_block_override(BWD_KEY_BLOCK_ENV, PAIR_KEY_BLOCK))
+        BK_intra = BKP if bwd_intra_by_key_blocks(p) else BK
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
-               cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK, C), **common)
+               cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK_intra, C),
+               **dict(common, BK=BK_intra))
         if split:
-            BKP = min(BK, PAIR_KEY_BLOCK)
             NKB = triton.cdiv(K, BKP)
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row, heads, NKB),
                    q, k, g, parts["g_cum"], dpair, *rest, dq, dk, dg, cu_seqlens, lay.chunk_indices, T,

@@ -208,17 +208,28 @@ _STORE_INPUT_GRADS = (
     "tl.store(dq + r_qk_v, b_dq.to(dq.dtype.element_ty), mask=m_ck)\n"
     "tl.store(dk + r_qk_v, b_dk.to(dk.dtype.element_ty), mask=m_ck)")
 
+_HAND_OVER_SHARES = (
+    "# this key block's share of dq, dk, dG (fp32) for chunk_kda_bwd_kernel_pairs\n"
+    "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
+    "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
+    "tl.store(dg + r_qk_v, b_dG, mask=m_ck)")
+
 _HAND_OVER_PAIRS = (
     "# P from the forward recompute (its diagonal blocks are the costly part of the pair products)\n"
     "b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
     "b_dbeta += tl.sum(b_dA * b_P, 1)\n"
-    "# the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over\n"
-    "# dP, dP_qk and every other share of dq, dk, dG (fp32)\n"
+    "# the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over dP, dP_qk\n"
     "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])\n"
-    "tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])\n"
-    "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
-    "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
-    "tl.store(dg + r_qk_v, b_dG, mask=m_ck)")
+    "tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])")
+
+KEY_SIDE_OPERAND_SITES = ("state_read.rhs", "output_state.rhs", "wy_key.rhs")  # rounded over all key rows
+
+
+def bwd_intra_by_key_blocks(p: ChunkParams) -> bool:
+    """The backward intra stage runs its key-side gradients key block by key block: when the pair products'
+    gradients are in their own kernel (``kda_splits_pair_grads``) and no operand it rounds spans all key
+    rows (h_n's columns for state_read / output_state, NVFP4 or row scales over K)."""
+    return kda_splits_pair_grads(p) and not any(site in KEY_SIDE_OPERAND_SITES for site, _ in p.operands)
 
 
 def kda_splits_pair_grads(p: ChunkParams) -> bool:
@@ -226,6 +237,23 @@ def kda_splits_pair_grads(p: ChunkParams) -> bool:
     a second kernel over key blocks, so that no program holds the chunk's full-width tiles through the
     sub-chunk loops (at K = 128 the one-kernel form spilled 3.5 KB per thread)."""
     return p.kind == "kda" and not kda_rounds_pairs(p) and p.solve == "exact"
+
+
+WHOLE_ROW_MAX_K = 128  # head_k of stages that hold whole [C x K] key rows (GDN's bwd intra: 356 KB of smem at 256)
+MAX_HEAD_K = 256  # key-blocked stages (the issue's limit; the h / dh stages hold a [K x BV] state tile)
+
+
+def max_head_k(p: ChunkParams) -> tuple[int, str]:
+    """The largest head_k the chunk kernels take for ``p``, and why not more."""
+    if bwd_intra_by_key_blocks(p):
+        return MAX_HEAD_K, f"the chunk kernels take head_k <= {MAX_HEAD_K}"
+    if p.kind == "gdn":
+        why = "GDN's backward intra stage"
+    elif not kda_splits_pair_grads(p):
+        why = "KDA's backward with a rounded pair product or the Neumann solve"
+    else:
+        why = f"KDA's backward with q.{'/'.join(KEY_SIDE_OPERAND_SITES)} rounded over all key rows"
+    return WHOLE_ROW_MAX_K, f"{why} holds whole key rows in registers: head_k <= {WHOLE_ROW_MAX_K}"
 
 
 PAIR_KEY_BLOCK = 64  # key columns per program of chunk_kda_bwd_kernel_pairs
@@ -246,23 +274,29 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "KEY_TO_END": bwd["KEY_TO_END"],
         "QUERY_DECAY": fwd["QUERY_DECAY"], "BWD_DH_OPERANDS": ops["BWD_DH_OPERANDS"],
         "OUTPUT_STATE_LHS": ops["OUTPUT_STATE_LHS"]}, where="chunk_bwd_dh")
-    # q, k, G and the pair products: before the value loop when the Neumann solve needs A there, else after
-    # it (T comes from the forward recompute), which keeps them out of the loop's registers
-    loads = ["b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
-             "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)", bwd["LOAD_G"]]
-    pairs = "\n".join(loads if split else
-                       loads + [bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
+    # q, k, G: per key block in the key loop (split), else whole rows with the pair products, before the
+    # value loop when the Neumann solve needs A there, else after it (T comes from the forward recompute)
+    loads = "\n".join(["b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
+                       "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)", bwd["LOAD_G"]])
+    pairs = "" if split else "\n".join([loads, bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
     before = p.solve != "exact"
     finish = _HAND_OVER_PAIRS if split else render("\n".join([
         "b_dbeta += tl.sum(b_dA * b_P, 1)", "b_dP = b_dA * b_beta[:, None]", "${PAIR_GRADS}", "",
         _STORE_INPUT_GRADS]), {"PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="bwd_intra finish")
+    # one key block without the split: the loop's gradients are carried out of it into the pair products' part
+    dG_shape = "[C]" if p.kind == "gdn" else "[C, BK]"
+    init = "" if split else "\n".join([
+        "b_dq = tl.zeros([C, BK], dtype=tl.float32)", "b_dk = tl.zeros([C, BK], dtype=tl.float32)",
+        f"b_dG = tl.zeros({dG_shape}, dtype=tl.float32)"])
     intra = render(template("chunk_bwd_intra"), {
         "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p), "SOLVE_GRAD": solve_grad(p),
         "PAIRS_BEFORE_LOOP": pairs if before else "# q, k, G, P: after the value loop",
-        "PAIRS_AFTER_LOOP": "" if before else pairs, "FINISH": finish,
+        "PAIRS_AFTER_LOOP": "" if before else pairs, "FINISH": finish, "KEY_GRADS_INIT": init,
+        "KEY_BLOCK_LOADS": loads if split else "# q, k, G: the whole rows loaded with the pair products",
+        "KEY_BLOCK_DONE": _HAND_OVER_SHARES if split else "",
         **{key: bwd[key] for key in ("EXP_G", "ROWS", "LAST_ROW_GRADS")},
-        **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS", "WY_VALUE_RHS", "WY_KEY_RHS",
-                                     "BWD_INTRA_AMAX")}},
+        **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS_VALUE", "BWD_V_OPERANDS_KEY", "WY_VALUE_RHS",
+                                     "WY_KEY_RHS", "BWD_INTRA_AMAX")}},
         where="chunk_bwd_intra")
     kernels = [dh, intra]
     if split:

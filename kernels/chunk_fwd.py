@@ -17,12 +17,9 @@ import torch
 import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
-from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_splits_pair_grads
+from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_splits_pair_grads, max_head_k
 from la_compiler.kernels.chunk_launch import launch, launch_config
 from la_compiler.kernels.chunk_snippets import pairs_need_all_keys
-
-
-MAX_HEAD_K = 128  # whole key rows live in registers ([C, K] fp32 tiles); larger K is untested on GPUs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +50,10 @@ def chunk_layout(B: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> Chu
     return ChunkLayout(B, T, len(lengths), len(rows), indices, torch.tensor(offsets, dtype=torch.int32, device=dev))
 
 
-def check_inputs(kind, state, q, k, v, g, beta, initial_state, cu_seqlens):
-    return check_canonical_inputs("the chunk kernels", kind, state, q, k, v, g, beta, initial_state, cu_seqlens,
-                                  max_k=MAX_HEAD_K, max_v=256, why_max=" (a [C x K] register tile per operand)")
+def check_inputs(p: ChunkParams, q, k, v, g, beta, initial_state, cu_seqlens):
+    max_k, why = max_head_k(p)
+    return check_canonical_inputs("the chunk kernels", p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens,
+                                  max_k=max_k, max_v=256, why_max=f" ({why})")
 
 
 def scratch(shape, dtype, device) -> torch.Tensor:
@@ -86,19 +84,23 @@ INTRA_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
 INTRA_KEY_BLOCK = 64  # key columns per step of the forward intra stage ([C x 64] fp32 tiles: no spills at K = 128)
 
 
+def key_block_override(env: str, default: int) -> int:
+    """A benchmark's override of a stage's key block (16, 32, 64 or 128 columns)."""
+    text = os.environ.get(env)
+    if text is None:
+        return default
+    if text not in ("16", "32", "64", "128"):
+        raise ValueError(f"{env} must be 16, 32, 64 or 128, got {text!r}")
+    return int(text)
+
+
 def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
     """Key columns the forward intra stage reads at a time (its BK): all of them (``BK``, the whole key
     row) where ``pairs_need_all_keys``, else blocks of 64 (``LAQAT_CHUNK_KEY_BLOCK=<16..128>`` for
     benchmarks), never fewer than a W quantizer block."""
     if pairs_need_all_keys(p):
         return BK
-    text = os.environ.get(INTRA_KEY_BLOCK_ENV)
-    block = INTRA_KEY_BLOCK
-    if text is not None:
-        if text not in ("16", "32", "64", "128"):
-            raise ValueError(f"{INTRA_KEY_BLOCK_ENV} must be 16, 32, 64 or 128, got {text!r}")
-        block = int(text)
-    return min(BK, max(block, w_block))
+    return min(BK, max(key_block_override(INTRA_KEY_BLOCK_ENV, INTRA_KEY_BLOCK), w_block))
 
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
@@ -110,7 +112,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
     the backward's input-gradient stage loads it instead of solving again."""
-    B, T, H, K, HV, V, N, state_shape = check_inputs(p.kind, p.state, q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
     C = p.chunk

@@ -97,14 +97,17 @@ def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
 
 
 def _chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
-    from la_compiler.kernels.chunk_codegen import unsupported
-    from la_compiler.kernels.chunk_fwd import MAX_HEAD_K
+    from la_compiler.kernels.chunk_codegen import ChunkParams, max_head_k, unsupported
 
+    reason = unsupported(spec)
+    if reason:
+        return reason
+    max_k, why = max_head_k(ChunkParams.from_spec(spec))
     return _needs(
-        (ctx.head_k <= MAX_HEAD_K, f"the chunk kernels hold whole key rows in registers: head_k <= {MAX_HEAD_K}"),
+        (ctx.head_k <= max_k, why),
         (ctx.head_v <= 256, "head_v above 256"),
         _triton_runs(ctx),
-    ) or unsupported(spec)
+    )
 
 
 def _reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:

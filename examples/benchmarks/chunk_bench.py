@@ -61,6 +61,9 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (autotuned)": {},  # LAQAT_AUTOTUNE=1 (the first call times the candidates)
     "laqat exact (intra key block 32)": {},  # LAQAT_CHUNK_KEY_BLOCK=32
     "laqat exact (intra whole key rows)": {},  # LAQAT_CHUNK_KEY_BLOCK=128: the forward intra stage before key blocks
+    "laqat exact (intra key block 16)": {},  # LAQAT_CHUNK_KEY_BLOCK=16
+    "laqat exact (bwd key block 32)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=32: KDA's backward intra and pairs stages
+    "laqat exact (key blocks 32, bwd 32)": {},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -68,6 +71,9 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (autotuned)": {"LAQAT_AUTOTUNE": "1"},
     "laqat exact (intra key block 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32"},
     "laqat exact (intra whole key rows)": {"LAQAT_CHUNK_KEY_BLOCK": "128"},
+    "laqat exact (intra key block 16)": {"LAQAT_CHUNK_KEY_BLOCK": "16"},
+    "laqat exact (bwd key block 32)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
+    "laqat exact (key blocks 32, bwd 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32", "LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
@@ -81,6 +87,9 @@ EXACT_CASES = [
     dict(kind="gdn", state="kv", B=1, T=300, H=2, HV=4, K=128, V=128, cu=(0, 100, 300),
          quant={"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}),
     dict(kind="kda", state="kv", B=2, T=150, H=2, HV=2, K=128, V=128, cu=None, quant={"state": "int8/tile64"}),
+    dict(kind="kda", state="vk", B=1, T=200, H=1, HV=2, K=256, V=128, cu=(0, 70, 200), quant={}),
+    dict(kind="kda", state="kv", B=2, T=150, H=2, HV=2, K=256, V=64, cu=None,
+         quant={"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}),
 ]
 
 

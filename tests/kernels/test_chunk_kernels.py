@@ -251,6 +251,18 @@ def test_intra_key_block_choice(monkeypatch):
         intra_key_block(exact, 128, 16)
 
 
+def test_kda_head_k_256():
+    """K = 256 (the issue's largest head): the forward intra stage in four key blocks of 64, the backward
+    intra and pairs stages likewise; FP8 state and W, forward and every gradient against fp64; GDN refuses it."""
+    q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=10, H=1, HV=1, K=256, V=16, dtype=torch.float32)
+    spec = RecurrenceSpec(kind="kda", chunk=8).replace(quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"})
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, (q, k, v, g, beta, h0), None)
+    assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    _assert_backward_matches(spec, (q, k, v, g, beta, h0), None, QDQ_TOL)
+    with pytest.raises(ValueError, match="GDN's backward intra stage"):
+        chunk_fwd(ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8)), q, k, v, g[..., 0], beta, 0.4)
+
+
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])
 def test_blocked_solve_forward_and_backward(kind, C, state):
     """Chunks of 32 and 64 rows take the blocked exact solve (16-row diagonal blocks, then the
@@ -321,4 +333,12 @@ def test_selection_row_takes_only_what_the_kernels_implement():
     operand = choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.output_value.lhs=fp8_e4m3/row/clip]")
     assert operand.variant == "reference" and "output_value.lhs" in dict(operand.rejected)["chunk"]
     wide = choose("gdn[chunk=64; q.state=fp8_e4m3/tile64]", head_k=256)
-    assert wide.variant == "reference" and "head_k" in dict(wide.rejected)["chunk"]
+    assert wide.variant == "reference" and "GDN's backward intra stage" in dict(wide.rejected)["chunk"]
+    # KDA's key-blocked stages take K up to 256, unless a site rounds over whole key rows
+    assert choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.w=fp8_e4m3/row]", head_k=256).variant == "chunk"
+    assert choose("kda[chunk=64]", head_k=512).variant == "reference"
+    for text in ("kda[chunk=64; q.state_read.rhs=fp8_e4m3/row]", "kda[chunk=64; solve=neumann:3]",
+                 "kda[chunk=64; q.key_interaction.lhs=fp8_e4m3/row]"):
+        assert choose(text, head_k=128).variant == "chunk"
+        wide = choose(text, head_k=256)
+        assert wide.variant == "reference" and "head_k <= 128" in dict(wide.rejected)["chunk"], text

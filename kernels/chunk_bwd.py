@@ -66,7 +66,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
-        BKP = min(BK, key_block_override(BWD_KEY_BLOCK_ENV, PAIR_KEY_BLOCK))
+        BKP = min(BK, key_block_override(BWD_KEY_BLOCK_ENV, PAIR_KEY_BLOCK if BK <= PAIR_KEY_BLOCK else 32))
         BK_intra = BKP if bwd_intra_by_key_blocks(p) else BK
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,

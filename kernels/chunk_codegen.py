@@ -256,7 +256,10 @@ def max_head_k(p: ChunkParams) -> tuple[int, str]:
     return WHOLE_ROW_MAX_K, f"{why} holds whole key rows in registers: head_k <= {WHOLE_ROW_MAX_K}"
 
 
-PAIR_KEY_BLOCK = 64  # key columns per program of chunk_kda_bwd_kernel_pairs
+# Key columns per program of chunk_kda_bwd_kernel_pairs (and per step of the split's intra stage): one block
+# up to 64 columns, blocks of 32 above (H200, KDA [8, 4096, 16, 128]: pairs 13.8 -> 11.7 ms, with the
+# intra stage's 3.0 -> 4.4 ms; LAQAT_CHUNK_BWD_KEY_BLOCK overrides it for benchmarks)
+PAIR_KEY_BLOCK = 64
 
 
 def chunk_bwd_source(p: ChunkParams) -> str:

@@ -81,7 +81,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 INTRA_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
-INTRA_KEY_BLOCK = 64  # key columns per step of the forward intra stage ([C x 64] fp32 tiles: no spills at K = 128)
+# Key columns per step of the forward intra stage above 64 key columns (at or below it, one block). On the
+# H200 at [8, 4096, 16, 128] KDA, blocks of 32 took the forward from 8.05 to 6.71 ms; 16 and 64 were slower
+# (docs/gpu-results.md, fourth session).
+INTRA_KEY_BLOCK = 32
 
 
 def key_block_override(env: str, default: int) -> int:
@@ -96,9 +99,11 @@ def key_block_override(env: str, default: int) -> int:
 
 def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
     """Key columns the forward intra stage reads at a time (its BK): all of them (``BK``, the whole key
-    row) where ``pairs_need_all_keys``, else blocks of 64 (``LAQAT_CHUNK_KEY_BLOCK=<16..128>`` for
-    benchmarks), never fewer than a W quantizer block."""
+    row) where ``pairs_need_all_keys`` or BK <= 64, else blocks of 32 (``LAQAT_CHUNK_KEY_BLOCK=<16..128>``
+    for benchmarks), never fewer than a W quantizer block."""
     if pairs_need_all_keys(p):
+        return BK
+    if os.environ.get(INTRA_KEY_BLOCK_ENV) is None and BK <= 64:
         return BK
     return min(BK, max(key_block_override(INTRA_KEY_BLOCK_ENV, INTRA_KEY_BLOCK), w_block))
 

@@ -26,6 +26,7 @@
 #             large shapes (key blocks of 64 / 32 / whole rows, FP8 state, FP8 state + W), kernels split
 #   k256      KDA at head_k 256 (exactness, timing without FLA), the key-block settings at K = 128, GDN re-timed
 #   k256-timed  k256 without its exactness part
+#   defaults  the key-block defaults at the three KDA shapes and K = 256 (all policies), kernels split
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -115,7 +116,7 @@ for stage in $stages; do
     k256)      OUT=$OUT/ieee timeout 420 python3 $B/chunk_bench.py --exactness-only --exact-cases 6,7 \
                  >"$OUT/exact_ieee.log" 2>&1 &
                OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --policies "laqat exact,laqat exact (intra key block 32),laqat exact (intra key block 16),laqat exact (bwd key block 32),laqat exact (key blocks 32 / bwd 32),laqat FP8 state" \
+                 --policies "$POLICIES,laqat FP8 state + W" \
                  --no-emulation-above 0 --profile "laqat exact,laqat exact (key blocks 32 / bwd 32)"
                OUT=$OUT/kda256 timeout 300 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda --shapes 1x4096x16x256 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
@@ -123,11 +124,16 @@ for stage in $stages; do
                wait; cat "$OUT/exact_ieee.log" ;;
     k256-timed) # the call after k256: its timing parts only
                OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --policies "laqat exact,laqat exact (intra key block 32),laqat exact (intra key block 16),laqat exact (bwd key block 32),laqat exact (key blocks 32 / bwd 32),laqat FP8 state" \
+                 --policies "$POLICIES,laqat FP8 state + W" \
                  --no-emulation-above 0 --profile "laqat exact,laqat exact (key blocks 32 / bwd 32)"
                OUT=$OUT/kda256 timeout 300 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda --shapes 1x4096x16x256 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
                echo "kda256 exit $?" ;;
+    defaults)  OUT=$OUT/kda timeout 330 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x1024x4x64,1x4096x16x128,8x4096x16x128 --policies "$POLICIES,laqat FP8 state + W" \
+                 --no-emulation-above 65536 --profile "laqat exact"
+               OUT=$OUT/kda256 timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x256 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

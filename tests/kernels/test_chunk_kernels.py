@@ -195,9 +195,10 @@ def test_backward_exact(kind, varlen, state, extra):
 
 @pytest.mark.parametrize("varlen,state,HV", [(False, "kv", 1), (True, "vk", 2)])
 def test_kda_pair_gradients_by_key_block(varlen, state, HV):
-    """KDA's exact backward runs the pair products' gradients in a second kernel, one key block of 64
-    columns per program: K = 72 takes a full and a masked partial block. Every gradient against fp64
-    autograd, on a packed batch and with grouped value heads."""
+    """KDA's exact backward runs its key-side gradients by key blocks (the intra stage) and the pair products'
+    in a second kernel, one key block per program: above 64 columns, blocks of 32, so K = 72 takes two full
+    blocks and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped
+    value heads."""
     from la_compiler.kernels.chunk_codegen import PAIR_KEY_BLOCK, kda_splits_pair_grads
 
     cu = torch.tensor([0, 9, 25]) if varlen else None
@@ -206,7 +207,7 @@ def test_kda_pair_gradients_by_key_block(varlen, state, HV):
     if state == "vk":
         h0 = h0.transpose(-1, -2).contiguous()
     spec = RecurrenceSpec(kind="kda", chunk=8, state=state)
-    assert kda_splits_pair_grads(ChunkParams.from_spec(spec)) and 64 < 72 < 2 * PAIR_KEY_BLOCK
+    assert kda_splits_pair_grads(ChunkParams.from_spec(spec)) and PAIR_KEY_BLOCK < 72
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 
@@ -240,7 +241,8 @@ def test_intra_key_block_choice(monkeypatch):
     from la_compiler.kernels.chunk_fwd import intra_key_block
 
     exact = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64))
-    assert intra_key_block(exact, 128, 16) == 64 and intra_key_block(exact, 32, 16) == 32
+    assert intra_key_block(exact, 256, 16) == 32 and intra_key_block(exact, 128, 16) == 32
+    assert intra_key_block(exact, 64, 16) == 64 and intra_key_block(exact, 32, 16) == 32
     for quant in ({"key_interaction.rhs": "fp8_e4m3/row"}, {"wy_key.rhs": "nvfp4/block16"}):
         assert intra_key_block(ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=64).replace(quant=quant)),
                                128, 16) == 128

@@ -3,7 +3,7 @@
     chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, T (exact solve), h (rounded chunk-start states), V_new
     chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
     chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
-    chunk_kda_bwd_pairs     -> KDA exact: the pair products' share of dq, dk, dg    (chunks x key blocks of 64)
+    chunk_kda_bwd_pairs     -> KDA exact: the pair products' share of dq, dk, dg    (chunks x key blocks)
 
 Exact gradients of the emulated forward with identity straight-through at every QDQ; the
 derivation and what is recomputed rather than stored are in docs/kernels-chunk.md.
@@ -13,12 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from la_compiler.kernels.chunk_codegen import (PAIR_KEY_BLOCK, ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
+from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
-from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, key_block_override, scratch
-
-BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"  # benchmarks: key block of the KDA split's intra and pairs stages
-from la_compiler.kernels.chunk_launch import launch, launch_config
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, scratch
+from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block, launch, launch_config
 
 
 def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
@@ -66,7 +64,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
-        BKP = min(BK, key_block_override(BWD_KEY_BLOCK_ENV, PAIR_KEY_BLOCK if BK <= PAIR_KEY_BLOCK else 32))
+        BKP = key_block(BK, BWD_KEY_BLOCK_ENV)
         BK_intra = BKP if bwd_intra_by_key_blocks(p) else BK
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,

@@ -19,7 +19,7 @@ from types import ModuleType
 from la_compiler.kernels import cache
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.kernels.chunk_snippets import (
-    ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_GAMMA, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pair_block, gdn_pairs,
+    ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pair_block, gdn_pairs,
     kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
@@ -160,7 +160,7 @@ ${WY_KEY_DOT}"""
 def chunk_fwd_source(p: ChunkParams) -> str:
     fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
     if p.kind == "gdn":
-        pairs, done = gdn_pair_block(p), "\n".join([GDN_GAMMA, "b_P = b_P * b_Gam", "b_Pqk = b_Pqk * b_Gam"])
+        pairs, done = gdn_pair_block(p), GDN_PAIRS_DECAY
     else:
         pairs = kda_pairs_rounded(p, init=False) if kda_rounds_pairs(p) else kda_pairs(p, init=False)
         done = "# KDA: Γ is inside every key column's product"
@@ -254,12 +254,6 @@ def max_head_k(p: ChunkParams) -> tuple[int, str]:
     else:
         why = f"KDA's backward with q.{'/'.join(KEY_SIDE_OPERAND_SITES)} rounded over all key rows"
     return WHOLE_ROW_MAX_K, f"{why} holds whole key rows in registers: head_k <= {WHOLE_ROW_MAX_K}"
-
-
-# Key columns per program of chunk_kda_bwd_kernel_pairs (and per step of the split's intra stage): one block
-# up to 64 columns, blocks of 32 above (H200, KDA [8, 4096, 16, 128]: pairs 13.8 -> 11.7 ms, with the
-# intra stage's 3.0 -> 4.4 ms; LAQAT_CHUNK_BWD_KEY_BLOCK overrides it for benchmarks)
-PAIR_KEY_BLOCK = 64
 
 
 def chunk_bwd_source(p: ChunkParams) -> str:

@@ -18,7 +18,7 @@ import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_splits_pair_grads, max_head_k
-from la_compiler.kernels.chunk_launch import launch, launch_config
+from la_compiler.kernels.chunk_launch import FWD_KEY_BLOCK_ENV, key_block, launch, launch_config
 from la_compiler.kernels.chunk_snippets import pairs_need_all_keys
 
 
@@ -80,32 +80,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return choice
 
 
-INTRA_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
-# Key columns per step of the forward intra stage above 64 key columns (at or below it, one block). On the
-# H200 at [8, 4096, 16, 128] KDA, blocks of 32 took the forward from 8.05 to 6.71 ms; 16 and 64 were slower
-# (docs/gpu-results.md, fourth session).
-INTRA_KEY_BLOCK = 32
-
-
-def key_block_override(env: str, default: int) -> int:
-    """A benchmark's override of a stage's key block (16, 32, 64 or 128 columns)."""
-    text = os.environ.get(env)
-    if text is None:
-        return default
-    if text not in ("16", "32", "64", "128"):
-        raise ValueError(f"{env} must be 16, 32, 64 or 128, got {text!r}")
-    return int(text)
-
-
 def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
-    """Key columns the forward intra stage reads at a time (its BK): all of them (``BK``, the whole key
-    row) where ``pairs_need_all_keys`` or BK <= 64, else blocks of 32 (``LAQAT_CHUNK_KEY_BLOCK=<16..128>``
-    for benchmarks), never fewer than a W quantizer block."""
+    """Key columns the forward intra stage reads at a time (its BK): whole rows where
+    ``pairs_need_all_keys``, else ``chunk_launch.key_block``, never fewer than a W quantizer block."""
     if pairs_need_all_keys(p):
         return BK
-    if os.environ.get(INTRA_KEY_BLOCK_ENV) is None and BK <= 64:
-        return BK
-    return min(BK, max(key_block_override(INTRA_KEY_BLOCK_ENV, INTRA_KEY_BLOCK), w_block))
+    return min(BK, max(key_block(BK, FWD_KEY_BLOCK_ENV), w_block))
 
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,

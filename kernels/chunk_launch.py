@@ -55,6 +55,27 @@ def serial_stages_override() -> int | None:
     return int(text)
 
 
+# Key columns per step of the key-blocked stages (forward intra; KDA's split backward intra and pairs):
+# whole rows up to 64 columns, blocks of 32 above. On the H200 at KDA [8, 4096, 16, 128] blocks of 32
+# beat 64 and 16 in both directions (fwd+bwd 30.63 ms vs 33.88 at 64 / 64; docs/gpu-results.md, fourth
+# session).
+WHOLE_ROWS_UP_TO = 64
+KEY_BLOCK = 32
+FWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
+BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
+
+
+def key_block(BK: int, env: str) -> int:
+    """Key columns per step for key rows padded to BK, or the benchmark override in ``env``
+    (16, 32, 64 or 128)."""
+    text = os.environ.get(env)
+    if text is None:
+        return BK if BK <= WHOLE_ROWS_UP_TO else KEY_BLOCK
+    if text not in ("16", "32", "64", "128"):
+        raise ValueError(f"{env} must be 16, 32, 64 or 128, got {text!r}")
+    return min(BK, int(text))
+
+
 _working_stages: dict[tuple, int] = {}
 
 

@@ -253,28 +253,29 @@ def _gdn_pair_operands(p: ChunkParams) -> str:
         _op(p, "output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")))
 
 
-GDN_GAMMA = "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))"
-
-
-def gdn_pairs(p: ChunkParams) -> str:
-    """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding."""
-    return lines(
-        _gdn_pair_operands(p),
-        GDN_GAMMA,
-        acc_dot(p, "key_interaction", "b_P", "b_kl", "tl.trans(b_kr)", "BK"),
-        acc_dot(p, "output_score", "b_Pqk", "b_ql", "tl.trans(b_kr2)", "BK"),
-        "b_P = b_P * b_Gam",
-        "b_Pqk = b_Pqk * b_Gam")
-
-
 def gdn_pair_block(p: ChunkParams) -> str:
-    """One key block's share of K_l K_r^T and Q_l K_r2^T (the forward's key loop; Γ after the loop)."""
+    """One key block's share of K_l K_r^T and Q_l K_r2^T, added to b_P, b_Pqk (Γ after the last block)."""
     return lines(
         _gdn_pair_operands(p),
         acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK"),
         acc_dot(p, "output_score", "b_Pqkb", "b_ql", "tl.trans(b_kr2)", "BK"),
         "b_P += b_Pb",
         "b_Pqk += b_Pqkb")
+
+
+GDN_PAIRS_DECAY = lines(  # Γ_ij = exp(G_i - G_j) on the summed products
+    "b_Gam = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0))",
+    "b_P = b_P * b_Gam",
+    "b_Pqk = b_Pqk * b_Gam")
+
+
+def gdn_pairs(p: ChunkParams) -> str:
+    """b_Gam, b_P = (K_l K_r^T) ⊙ Γ and b_Pqk = (Q_l K_r2^T) ⊙ Γ with the operand sites' rounding (whole rows)."""
+    return lines(
+        "b_P = tl.zeros([C, C], dtype=tl.float32)",
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
+        gdn_pair_block(p),
+        GDN_PAIRS_DECAY)
 
 
 def pairs_need_all_keys(p: ChunkParams) -> bool:

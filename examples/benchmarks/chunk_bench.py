@@ -209,17 +209,17 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
-    fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    fla_op = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
     kw = dict(scale=scale, output_final_state=True)
     fla_leaves = leaves_of(xs)
 
     def fla_fwd():
-        return fla(*xs, **kw)
+        return fla_op(*xs, **kw)
 
     def fla_fwd_bwd():
         for x in fla_leaves:
             x.grad = None
-        o, _ = fla(*fla_leaves, **kw)
+        o, _ = fla_op(*fla_leaves, **kw)
         o.float().sum().backward()
 
     blocked = gdn_backward_blocker() if kind == "gdn" else None

@@ -48,6 +48,15 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 B=examples/benchmarks
 POLICIES="laqat exact,laqat FP8 state,laqat INT8 state,laqat FP8 all sites,laqat NVFP4 operands"
+# KDA [8,4096,16,128] under the key-block settings, then K = 256 (stages k256, k256-timed)
+k256_timing() {
+  OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+    --policies "laqat exact,laqat exact (intra key block 32),laqat exact (intra key block 16),laqat exact (bwd key block 32),laqat exact (key blocks 32 / bwd 32),laqat FP8 state" \
+    --no-emulation-above 0 --profile "laqat exact,laqat exact (key blocks 32 / bwd 32)"
+  OUT=$OUT/kda256 timeout 300 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda --shapes 1x4096x16x256 \
+    --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+  echo "kda256 exit $?"
+}
 stages=${*:-exact gdn train decode}
 for stage in $stages; do
   echo "=== $stage $(date +%T) ==="
@@ -115,20 +124,9 @@ for stage in $stages; do
                wait; cat "$OUT/exact_ieee.log" ;;
     k256)      OUT=$OUT/ieee timeout 420 python3 $B/chunk_bench.py --exactness-only --exact-cases 6,7 \
                  >"$OUT/exact_ieee.log" 2>&1 &
-               OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --policies "$POLICIES,laqat FP8 state + W" \
-                 --no-emulation-above 0 --profile "laqat exact,laqat exact (key blocks 32 / bwd 32)"
-               OUT=$OUT/kda256 timeout 300 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda --shapes 1x4096x16x256 \
-                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
-               echo "kda256 exit $?"
+               k256_timing
                wait; cat "$OUT/exact_ieee.log" ;;
-    k256-timed) # the call after k256: its timing parts only
-               OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --policies "$POLICIES,laqat FP8 state + W" \
-                 --no-emulation-above 0 --profile "laqat exact,laqat exact (key blocks 32 / bwd 32)"
-               OUT=$OUT/kda256 timeout 300 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda --shapes 1x4096x16x256 \
-                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
-               echo "kda256 exit $?" ;;
+    k256-timed) k256_timing ;;  # the call after k256: its timing part only
     defaults)  OUT=$OUT/kda timeout 330 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
                  --shapes 1x1024x4x64,1x4096x16x128,8x4096x16x128 --policies "$POLICIES,laqat FP8 state + W" \
                  --no-emulation-above 65536 --profile "laqat exact"

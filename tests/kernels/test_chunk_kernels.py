@@ -199,7 +199,8 @@ def test_kda_pair_gradients_by_key_block(varlen, state, HV):
     in a second kernel, one key block per program: above 64 columns, blocks of 32, so K = 72 takes two full
     blocks and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped
     value heads."""
-    from la_compiler.kernels.chunk_codegen import PAIR_KEY_BLOCK, kda_splits_pair_grads
+    from la_compiler.kernels.chunk_codegen import kda_splits_pair_grads
+    from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block
 
     cu = torch.tensor([0, 9, 25]) if varlen else None
     q, k, v, g, beta, h0 = make_inputs("kda", B=1 if varlen else 2, T=25 if varlen else 13, H=1, HV=HV, K=72, V=8,
@@ -207,7 +208,7 @@ def test_kda_pair_gradients_by_key_block(varlen, state, HV):
     if state == "vk":
         h0 = h0.transpose(-1, -2).contiguous()
     spec = RecurrenceSpec(kind="kda", chunk=8, state=state)
-    assert kda_splits_pair_grads(ChunkParams.from_spec(spec)) and PAIR_KEY_BLOCK < 72
+    assert kda_splits_pair_grads(ChunkParams.from_spec(spec)) and key_block(128, BWD_KEY_BLOCK_ENV) < 72
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 

@@ -27,6 +27,8 @@
 #   k256      KDA at head_k 256 (exactness, timing without FLA), the key-block settings at K = 128, GDN re-timed
 #   k256-timed  k256 without its exactness part
 #   defaults  the key-block defaults at the three KDA shapes and K = 256 (all policies), kernels split
+#   diag      KDA's diagonal sub-chunk blocks as [NB, BC, BC, DS] tiles: KDA exactness cases, FLA equality, the two
+#             large shapes (exact, FP8 state, autotuned: its choices copied to $OUT), kernels split
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -132,6 +134,14 @@ for stage in $stages; do
                  --no-emulation-above 65536 --profile "laqat exact"
                OUT=$OUT/kda256 timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x256 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
+    diag)      OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3,5,6,7 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 120 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state,laqat exact (autotuned)" --no-emulation-above 0 \
+                 --profile "FLA exact,laqat exact,laqat exact (autotuned)"
+               cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
+               wait; cat "$OUT/exact_ieee.log" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

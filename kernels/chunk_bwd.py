@@ -3,7 +3,8 @@
     chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, T (exact solve), h (rounded chunk-start states), V_new
     chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
     chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
-    chunk_kda_bwd_pairs     -> KDA exact: the pair products' share of dq, dk, dg    (chunks x key blocks)
+    chunk_kda_bwd_pairs     -> KDA exact: the pair products' share of dq, dk, dG    (sub-chunks x key blocks)
+    chunk_kda_bwd_dg        -> dg = reverse cumsum of dG within each chunk           (chunks x key blocks)
 
 Exact gradients of the emulated forward with identity straight-through at every QDQ; the
 derivation and what is recomputed rather than stored are in docs/kernels-chunk.md.
@@ -70,12 +71,16 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
                cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK_intra, C),
                **dict(common, BK=BK_intra))
-        if split:
+        if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             NKB = triton.cdiv(K, BKP)
-            launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row, heads, NKB),
-                   q, k, g, parts["g_cum"], dpair, *rest, dq, dk, dg, cu_seqlens, lay.chunk_indices, T,
-                   H=H, HV=HV, K=K, C=C, BK=BKP, IS_VARLEN=cu_seqlens is not None,
+            BC = p.sub_chunk
+            launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
+                   q, k, parts["g_cum"], dpair, *rest, dq, dk, cu_seqlens, lay.chunk_indices, T,
+                   H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
                    DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C))
+            launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
+                   rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
+                   IS_VARLEN=cu_seqlens is not None, config=launch_config("bwd_dg", BKP, C))
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)

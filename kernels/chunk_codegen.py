@@ -20,7 +20,7 @@ from la_compiler.kernels import cache
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pair_block, gdn_pairs,
-    kda_diagonal_pair_grads, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
+    kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
@@ -298,12 +298,10 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     kernels = [dh, intra]
     if split:
         kernels.append(render(template("chunk_bwd_pairs"), {
-            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "LOAD_G": bwd["LOAD_G"],
-            "DIAGONAL_GRADS": kda_diagonal_pair_grads(p, "i_kb * BK"),
-            "PAIR_GRADS": kda_pair_grads(p, diagonal_columnwise=False), "STORE_DG": bwd["STORE_DG"]},
+            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "STORE_DG": bwd["STORE_DG"]},
             where="chunk_bwd_pairs"))
     title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)" + (
-        ", pairs (the pair products' share, by key block)." if split else ".")
+        ", pairs (the pair products' share, by sub-chunk and key block), dg (reverse cumsum)." if split else ".")
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, ROW_SUM_HELPER, *kernels])
 
 

@@ -509,12 +509,11 @@ def kda_pair_grads_rounded(p: ChunkParams) -> str:
         "    b_dG = tl.where(m_j[:, None], b_dG - tl.sum(b_t, 0)[None, :], b_dG)")
 
 
-def kda_pair_grads(p: ChunkParams, diagonal_columnwise: bool = True) -> str:
-    """Gradients of the KDA pair products (same blocking as ``kda_pairs``) into dk, dq, dG [C x BK] tiles:
-    the off-diagonal blocks, then (``diagonal_columnwise``) the diagonal blocks column by column.
-    chunk_kda_bwd_kernel_pairs does the diagonal blocks before instead (``kda_diagonal_pair_grads``)."""
+def kda_pair_grads(p: ChunkParams) -> str:
+    """Gradients of the KDA pair products (same blocking as ``kda_pairs``) into dk, dq, dG [C x BK] tiles,
+    where the backward intra kernel holds whole key rows (chunk_kda_bwd_kernel_pairs has its own form)."""
     bc = p.sub_chunk
-    off_diagonal = (
+    return (
         "# off-diagonal blocks: P_b = (K e^(G - G_r)) (K e^(G_r - G))^T\n"
         + _off_diagonal_loop(bc) +
         "    m_blk = m_in[:, None] & m_before[None, :]\n"
@@ -532,11 +531,8 @@ def kda_pair_grads(p: ChunkParams, diagonal_columnwise: bool = True) -> str:
         "    b_tl = b_kl * b_dkl + b_ql * b_dql\n"
         "    b_tr = b_kr * b_dkr\n"
         "    b_dG += b_tl - b_tr\n"
-        "    b_dG += tl.where((o_c == i_ref)[:, None], (tl.sum(b_tr, 0) - tl.sum(b_tl, 0))[None, :], 0.0)")
-    if not diagonal_columnwise:
-        return off_diagonal
-    return off_diagonal + (
-        "\n# diagonal blocks, column jj of every block at once; row j of each block collects its column's sums\n"
+        "    b_dG += tl.where((o_c == i_ref)[:, None], (tl.sum(b_tr, 0) - tl.sum(b_tl, 0))[None, :], 0.0)\n"
+        "# diagonal blocks, column jj of every block at once; row j of each block collects its column's sums\n"
         + _diagonal_column_loop(bc) +
         "    b_e = tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
         "    m_sel = o_c[None, :] == o_j[:, None]\n"
@@ -555,30 +551,6 @@ def kda_pair_grads(p: ChunkParams, diagonal_columnwise: bool = True) -> str:
         f"(C // {bc}, {bc}, BK)), (C, BK))\n"
         "    b_dk += tl.where(m_isj, b_xs, 0.0)\n"
         "    b_dG -= tl.where(m_isj, b_ts, 0.0)")
-
-
-def kda_diagonal_pair_grads(p: ChunkParams, first_col: str) -> str:
-    """The diagonal sub-chunk blocks' share of dq, dk, dG for the key block starting at ``first_col``, added
-    into the intra kernel's fp32 shares in memory (dq_rest, dk_rest, dg_rest) before the [C x BK] tiles
-    load them: all blocks at once, DIAGONAL_COLUMNS key columns per step, dP and dP_qk's diagonal blocks
-    read from dpair. Formulas as in the column-by-column form (docs/kernels-chunk.md, section 3)."""
-    bc = p.sub_chunk
-    return lines(
-        "# diagonal sub-chunk blocks first: [NB, BC_i, BC_j, DS] tiles, their share added into the shares in memory",
-        _diagonal_blocks_setup(p),
-        f"x_dp = ((bos + r_d) * HV + i_hv)[:, :, None] * (2 * C) + (o_db[:, None] * {bc} + o_dr[None, :])[:, None, :]",
-        "b_sdP = tl.load(dpair + x_dp, mask=m_dij & (o_dr[:, None] > o_dr[None, :])[None, :, :], other=0)[:, :, :, None]",
-        "b_sdQ = tl.load(dpair + x_dp + C, mask=m_dij, other=0)[:, :, :, None]",
-        _diagonal_columns(first_col),
-        "    b_skje = b_sk[:, None, :, :] * b_se",
-        "    b_sx = (b_sdP * b_sk[:, :, None, :] + b_sdQ * b_sq[:, :, None, :]) * b_se",
-        "    b_st = b_sx * b_sk[:, None, :, :]",
-        "    tl.store(dq_rest + x_dg, tl.load(dq_rest + x_dg, mask=m_dk, other=0) + tl.sum(b_sdQ * b_skje, 2), mask=m_dk)",
-        "    b_sdk = tl.sum(b_sdP * b_skje, 2) + tl.sum(b_sx, 1)",
-        "    tl.store(dk_rest + x_dg, tl.load(dk_rest + x_dg, mask=m_dk, other=0) + b_sdk, mask=m_dk)",
-        "    b_sdG = tl.sum(b_st, 2) - tl.sum(b_st, 1)",
-        "    tl.store(dg_rest + x_dg, tl.load(dg_rest + x_dg, mask=m_dk, other=0) + b_sdG, mask=m_dk)",
-        "tl.debug_barrier()  # the [C x BK] tiles below read the shares written just now")
 
 
 GDN_FWD = {

@@ -42,10 +42,12 @@ def test_refusal_at_one_stage_and_other_errors_propagate():
 
 
 def test_launch_table():
-    assert launch_config("fwd_h", 128, 64) == LaunchConfig(8, 1)
+    assert launch_config("fwd_h", 128, 64) == LaunchConfig(4, 1)
+    assert launch_config("fwd_o", 128, 64) == LaunchConfig(4, 2)
+    assert launch_config("bwd_intra", 32, 64) == LaunchConfig(8, 3)
     assert launch_config("bwd_intra", 64, 64) == LaunchConfig(8, 3)
     assert launch_config("fwd_o", 64, 64) == LaunchConfig(8, 3)
-    assert launch_config("bwd_pairs", 64, 64) == LaunchConfig(8, 3)  # KDA key blocks of 64
+    assert launch_config("bwd_pairs", 64, 64) == LaunchConfig(4, 3)  # one sub-chunk x one key block per program
     assert launch_config("fwd_h", 32, 16) == LaunchConfig(4, 3)
     with pytest.raises(ValueError, match="unknown stage 'fwd_x'"):
         launch_config("fwd_x", 64, 64)
@@ -53,8 +55,8 @@ def test_launch_table():
 
 def test_serial_stages_override(monkeypatch):
     monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "2")
-    assert launch_config("fwd_h", 128, 64) == LaunchConfig(8, 2)
-    assert launch_config("bwd_dh", 128, 64) == LaunchConfig(8, 2)
+    assert launch_config("fwd_h", 128, 64) == LaunchConfig(4, 2)
+    assert launch_config("bwd_dh", 128, 64) == LaunchConfig(4, 2)
     assert launch_config("fwd_intra", 128, 64) == LaunchConfig(8, 1)  # only the serial loops
     monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "two")
     with pytest.raises(ValueError, match="LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got 'two'"):

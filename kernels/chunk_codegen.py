@@ -157,13 +157,42 @@ ${WY_KEY_RHS}
 ${WY_KEY_DOT}"""
 
 
+_PAIRS_BY_KEY_BLOCKS = """b_P = tl.zeros([C, C], dtype=tl.float32)
+b_Pqk = tl.zeros([C, C], dtype=tl.float32)
+for i_k in range(0, tl.cdiv(K, BK)):
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_ck = m_c[:, None] & m_k[None, :]
+    r_qk = ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)
+    b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)
+    ${LOAD_KEY_DECAY}
+    ${PAIR_PRODUCTS}
+${PAIRS_DONE}"""
+
+_PAIRS_FROM_KERNEL = (
+    "# P, P_qk from chunk_kda_fwd_kernel_pairs (the blocks above the diagonal are unwritten: masked here)\n"
+    "b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)\n"
+    "b_Pqk = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)")
+
+
+def kda_pairs_kernel(p: ChunkParams) -> bool:
+    """KDA's exact pair products run in their own forward kernel (chunk_kda_fwd_kernel_pairs, one program
+    per sub-chunk like FLA's); rounded ones need the per-pair operand inside the intra kernel."""
+    return p.kind == "kda" and not kda_rounds_pairs(p)
+
+
 def chunk_fwd_source(p: ChunkParams) -> str:
     fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
     if p.kind == "gdn":
-        pairs, done = gdn_pair_block(p), GDN_PAIRS_DECAY
+        pairs = render(_PAIRS_BY_KEY_BLOCKS, {"LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"], "PAIR_PRODUCTS": gdn_pair_block(p),
+                                              "PAIRS_DONE": GDN_PAIRS_DECAY}, where="chunk_fwd_intra pairs")
+    elif kda_pairs_kernel(p):
+        pairs = _PAIRS_FROM_KERNEL
     else:
-        pairs = kda_pairs_rounded(p, init=False) if kda_rounds_pairs(p) else kda_pairs(p, "i_k * BK", init=False)
-        done = "# KDA: Γ is inside every key column's product"
+        pairs = render(_PAIRS_BY_KEY_BLOCKS, {
+            "LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"], "PAIR_PRODUCTS": kda_pairs_rounded(p, init=False),
+            "PAIRS_DONE": "# KDA: Γ is inside every key column's product"}, where="chunk_fwd_intra pairs")
     ops = operand_values(p)
     dots = acc_values(p)
     program = template("chunk_fwd_program")
@@ -173,14 +202,11 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "KEY_BLOCK_DECAY": fwd["KEY_BLOCK_DECAY"], "KEY_DECAY": fwd["KEY_DECAY"],
         "WY_KEY_RHS": ops["WY_KEY_RHS"], "WY_KEY_DOT": dots["WY_KEY_DOT"]}, where="chunk_fwd_intra W block")
     intra = render(template("chunk_fwd_intra"), {
-        "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": fwd["LOAD_DECAY"], "LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"],
-        "PAIR_PRODUCTS": pairs, "PAIRS_DONE": done, "SOLVE": solve(p), "T_OPERANDS": ops["T_OPERANDS"],
+        "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": fwd["LOAD_DECAY"],
+        "PAIRS": pairs, "SOLVE": solve(p), "T_OPERANDS": ops["T_OPERANDS"],
         "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block, "ON_W": w_qdq(p),
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
-        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"],
-        "STORE_PAIRS": ("if STORE_T:  # the backward's recompute keeps P for dbeta (chunk_kda_bwd_kernel_pairs)\n"
-                        "    tl.store(p_pairs + r_hv[:, None] * C + o_c[None, :], b_P, mask=m_c[:, None])"
-                        if kda_splits_pair_grads(p) else "")}, where="chunk_fwd_intra")
+        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
     h = render(template("chunk_fwd_h"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": fwd["CHUNK_DECAY"],
         "ON_STATE_LOAD": state_hook, "ON_STATE_WRITE": state_hook,
@@ -191,8 +217,12 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"],
         "OUTPUT_STATE_DOT": dots["OUTPUT_STATE_DOT"], "OUTPUT_VALUE_DOT": dots["OUTPUT_VALUE_DOT"],
         "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")
-    title = f"Chunked (WY) {p.kind.upper()} forward kernels: intra, h, o."
-    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, intra, h, o])
+    kernels = [intra, h, o]
+    if kda_pairs_kernel(p):
+        kernels[:0] = [render(template("chunk_fwd_pairs"), {"OP": p.kind, "PROGRAM": program}, where="chunk_fwd_pairs")]
+    title = f"Chunked (WY) {p.kind.upper()} forward kernels: " + (
+        "cumsum, pairs, intra, h, o." if kda_pairs_kernel(p) else "intra, h, o.")
+    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, *kernels])
 
 
 def chunk_fwd_module(p: ChunkParams) -> ModuleType:
@@ -215,8 +245,8 @@ _HAND_OVER_SHARES = (
     "tl.store(dg + r_qk_v, b_dG, mask=m_ck)")
 
 _HAND_OVER_PAIRS = (
-    "# P from the forward recompute (its diagonal blocks are the costly part of the pair products)\n"
-    "b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
+    "# P from the forward recompute (chunk_kda_fwd_kernel_pairs; unwritten above the diagonal)\n"
+    "b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_strict, other=0)\n"
     "b_dbeta += tl.sum(b_dA * b_P, 1)\n"
     "# the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over dP, dP_qk\n"
     "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])\n"
@@ -263,7 +293,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     elif kda_rounds_pairs(p):
         bwd = dict(KDA_BWD, PAIRS=kda_pairs_rounded(p), PAIR_GRADS=kda_pair_grads_rounded(p))
     else:
-        bwd = dict(KDA_BWD, PAIRS=kda_pairs(p, "0"), PAIR_GRADS=kda_pair_grads(p))
+        bwd = dict(KDA_BWD, PAIRS=kda_pairs(p), PAIR_GRADS=kda_pair_grads(p))
     split = kda_splits_pair_grads(p)
     ops = operand_values(p)
     state_offsets = _state_offsets(p.state)

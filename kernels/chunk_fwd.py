@@ -17,8 +17,8 @@ import torch
 import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
-from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_splits_pair_grads, max_head_k
-from la_compiler.kernels.chunk_launch import FWD_KEY_BLOCK_ENV, key_block, launch, launch_config
+from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
+from la_compiler.kernels.chunk_launch import FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, key_block, launch, launch_config
 from la_compiler.kernels.chunk_snippets import pairs_need_all_keys
 
 
@@ -119,12 +119,21 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     v_new = scratch((B, T, HV, V), f32, dev)
     o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
-    p_pairs = scratch((B, T, HV, C), f32, dev) if t_solved is not None and kda_splits_pair_grads(p) else None
+    p_pairs = scratch((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
     chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
+    if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
+        BKG = min(BK, PAIRS_KEY_BLOCK)
+        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, triton.cdiv(K, BKG)),
+               g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
+               IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_cumsum", BKG, C))
+        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), (chunks_per_row * (C // p.sub_chunk), heads),
+               q, k, g_cum, p_pairs, A_qk, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=p.sub_chunk,
+               BK=BKG, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=common["DOT_PRECISION"],
+               config=launch_config("fwd_pairs", BKG, C))
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)
         launch(kernels["intra"], (chunks_per_row, heads),

@@ -33,10 +33,11 @@ class LaunchConfig:
 
 
 def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
-    """stage: one of fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg."""
-    if stage not in ("fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra", "bwd_pairs", "bwd_dg"):
+    """stage: one of fwd_cumsum, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg."""
+    if stage not in ("fwd_cumsum", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra", "bwd_pairs",
+                     "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
-    if stage in ("bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles of one key block: small programs
+    if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
@@ -70,6 +71,7 @@ def serial_stages_override() -> int | None:
 WHOLE_ROWS_UP_TO = 64
 KEY_BLOCK = 32
 FWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
+PAIRS_KEY_BLOCK = 64  # key columns per step of KDA's forward pairs kernel and its cumsum ([BC x 64] tiles)
 BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
 
 

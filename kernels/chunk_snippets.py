@@ -369,68 +369,28 @@ def _diagonal_column_loop(bc: int) -> str:
             "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n")
 
 
-DIAGONAL_COLUMNS = 4  # key columns per step of the diagonal sub-chunk blocks ([NB, BC, BC, 4] tiles)
-
-
-def _diagonal_blocks_setup(p: ChunkParams) -> str:
-    """Rows of KDA's diagonal sub-chunk blocks as [NB, BC] tiles: r_d (the row's token in its sequence),
-    m_d (a real token), m_dij ([NB, BC_i, BC_j]: j <= i and row i real)."""
-    bc = p.sub_chunk
-    return lines(
-        f"o_db = tl.arange(0, {p.chunk // bc})",
-        f"o_dr = tl.arange(0, {bc})",
-        f"r_d = i_t * C + o_db[:, None] * {bc} + o_dr[None, :]",
-        "m_d = r_d < seq_len",
-        "m_dij = m_d[:, :, None] & (o_dr[:, None] >= o_dr[None, :])[None, :, :]")
-
-
-def _diagonal_columns(first_col: str) -> str:
-    """Head of the loop over DIAGONAL_COLUMNS key columns of the key block starting at ``first_col``:
-    the blocks' rows of k, q and g_cum as [NB, BC, DS] tiles, and Γ's diagonal blocks
-    b_se = exp(G_i - G_j) ([NB, BC_i, BC_j, DS], exponent masked to j <= i before the exp: <= 1)."""
-    ds = DIAGONAL_COLUMNS
-    return lines(
-        f"for d0 in range(0, BK, {ds}):",
-        f"    o_dk = {first_col} + d0 + tl.arange(0, {ds})",
-        f"    m_dk = m_d[:, :, None] & ((d0 + tl.arange(0, {ds}) < BK) & (o_dk < K))[None, None, :]",
-        "    x_dq = ((bos + r_d) * H + i_h)[:, :, None] * K + o_dk[None, None, :]",
-        "    x_dg = ((bos + r_d) * HV + i_hv)[:, :, None] * K + o_dk[None, None, :]",
-        "    b_sk = tl.load(k + x_dq, mask=m_dk, other=0).to(tl.float32)",
-        "    b_sq = tl.load(q + x_dq, mask=m_dk, other=0).to(tl.float32)",
-        "    b_sg = tl.load(g_cum + x_dg, mask=m_dk, other=0)",
-        "    b_se = tl.exp(tl.where(m_dij[:, :, :, None], b_sg[:, :, None, :] - b_sg[:, None, :, :], 0.0))")
-
-
-def kda_pairs(p: ChunkParams, first_col: str, init: bool = True) -> str:
-    """b_P += K K^T ⊙ Γ and b_Pqk += Q K^T ⊙ Γ of one KDA chunk over the key block of BK columns starting
-    at ``first_col`` (b_q, b_k, b_G hold it; masks applied later; ``init`` starts both from zero).
+def kda_pairs(p: ChunkParams, init: bool = True) -> str:
+    """b_P += K K^T ⊙ Γ and b_Pqk += Q K^T ⊙ Γ of one KDA chunk over the key columns in b_q, b_k, b_G
+    (masks applied later; ``init`` starts both from zero).
 
     Off-diagonal sub-chunk blocks (rows in block b, columns before its first row r): dots of
     K exp(G - G_r) and K exp(G_r - G), both factors <= 1 (G falls along the chunk). Diagonal
-    blocks: all blocks at once, a few key columns at a time, exp(G_i - G_j) from the prefix difference
-    masked to j <= i before the exp (entries above the diagonal are left to the later masks); their rows
-    are read from k, q and g_cum in memory as [NB, BC, DS] tiles."""
+    blocks: column jj of every block at once, exp(G_i - G_j) from the prefix difference masked to
+    j <= i before the exp; the column's rows are gathered from k and g_cum in memory."""
     bc = p.sub_chunk
     return (
-        f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row\n"
+        f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row, diagonal blocks columnwise\n"
         + ("b_P = tl.zeros([C, C], dtype=tl.float32)\n"
            "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n" if init else "")
         + _off_diagonal_loop(bc) +
         "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
         "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
         "    b_Pqk += tl.dot(tl.where(m_in[:, None], b_q * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
-        + lines(
-            "# diagonal blocks: [NB, BC, BC] pair sums over the block's key columns, then placed on P's diagonal",
-            _diagonal_blocks_setup(p),
-            f"b_sP = tl.zeros([{p.chunk // bc}, {bc}, {bc}], dtype=tl.float32)",
-            f"b_sPq = tl.zeros([{p.chunk // bc}, {bc}, {bc}], dtype=tl.float32)",
-            _diagonal_columns(first_col),
-            "    b_skje = b_sk[:, None, :, :] * b_se",
-            "    b_sP += tl.sum(b_sk[:, :, None, :] * b_skje, 3)",
-            "    b_sPq += tl.sum(b_sq[:, :, None, :] * b_skje, 3)",
-            "m_dsame = o_db[:, None, None, None] == o_db[None, None, :, None]",
-            "b_P += tl.reshape(tl.where(m_dsame, b_sP[:, :, None, :], 0.0), [C, C])",
-            "b_Pqk += tl.reshape(tl.where(m_dsame, b_sPq[:, :, None, :], 0.0), [C, C])"))
+        + _diagonal_column_loop(bc) +
+        "    b_kj = b_kj * tl.exp(tl.where((o_c >= o_j)[:, None], b_G - b_gj, 0.0))\n"
+        "    m_sel = o_c[None, :] == o_j[:, None]\n"
+        "    b_P += tl.where(m_sel, tl.sum(b_k * b_kj, 1)[:, None], 0.0)\n"
+        "    b_Pqk += tl.where(m_sel, tl.sum(b_q * b_kj, 1)[:, None], 0.0)")
 
 
 def kda_rounds_pairs(p: ChunkParams) -> bool:

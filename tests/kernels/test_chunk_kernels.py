@@ -284,6 +284,27 @@ def test_blocked_solve_forward_and_backward(kind, C, state):
     _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
+def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
+    """KDA's pair-product kernels run one 16-row sub-chunk per program (forward: chunk_kda_fwd_kernel_pairs;
+    backward: chunk_kda_bwd_kernel_pairs) through the first / last REAL row of the block as the decay
+    reference. Chunks of 32 with sequences of 17 and 33 tokens leave sub-chunks with one real row and
+    sub-chunks with none; g down to about -6 per token makes G fall by ~100 across a sub-chunk, so any
+    exponent taken from a padded row or the wrong side of the diagonal overflows fp32 (exp(88.7)) and
+    shows up as inf / NaN. Forward, final state and every gradient against fp64 autograd."""
+    from la_compiler.kernels.chunk_codegen import kda_pairs_kernel, kda_splits_pair_grads
+
+    cu = torch.tensor([0, 17, 17, 50])
+    q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=50, H=1, HV=2, K=8, V=16, N=3, dtype=torch.float32, decay=8.0)
+    assert g.min() < -6
+    spec = RecurrenceSpec(kind="kda", chunk=32)
+    params = ChunkParams.from_spec(spec)
+    assert params.sub_chunk == 16 and kda_pairs_kernel(params) and kda_splits_pair_grads(params)
+    inputs = (q, k, v, g, beta, h0)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
+    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+
+
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_chunk_variant_through_the_ir_op(kind):
     """torch.ops.laqat.delta_rule with kernel=chunk and state + W QDQ: forward and every gradient

@@ -29,6 +29,8 @@
 #   defaults  the key-block defaults at the three KDA shapes and K = 256 (all policies), kernels split
 #   diag      KDA's diagonal sub-chunk blocks as [NB, BC, BC, DS] tiles: KDA exactness cases, FLA equality, the two
 #             large shapes (exact, FP8 state, autotuned: its choices copied to $OUT), kernels split
+#   session5  the fifth session's table in one call: KDA at the two small shapes (every policy, the emulation),
+#             at [8,4096,16,128] (exact, FP8 / INT8 state), GDN exact at [8,4096,16,128], FP8-state training
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -142,6 +144,14 @@ for stage in $stages; do
                  --profile "FLA exact,laqat exact,laqat exact (autotuned)"
                cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
                wait; cat "$OUT/exact_ieee.log" ;;
+    session5)  OUT=$OUT/kda timeout 170 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x1024x4x64,1x4096x16x128 --policies "$POLICIES,laqat FP8 state + W" \
+                 --no-emulation-above 65536 --profile "laqat exact"
+               OUT=$OUT/kda8 timeout 100 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
+               OUT=$OUT/gdn timeout 50 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact" --no-emulation-above 0 --profile "laqat exact"
+               timeout 75 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

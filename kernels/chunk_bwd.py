@@ -59,10 +59,13 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         heads = HV * (1 if cu_seqlens is not None else B)
         t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
         split = kda_splits_pair_grads(p)
+        gdn_blocks = p.kind == "gdn" and bwd_intra_by_key_blocks(p)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
             # dq's share goes into W's buffer (same shape, fp32), which nothing reads after the dh stage
             rest = [parts["w"]] + [scratch((B, T, HV, K), f32, dev) for _ in range(2)]
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
+        elif gdn_blocks:  # fp32 shares of dq, dk per key block, completed in place (dq's in W's buffer)
+            dq, dk = parts["w"], scratch((B, T, HV, K), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
         BKP = key_block(BK, BWD_KEY_BLOCK_ENV)
@@ -84,6 +87,8 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)
+    else:  # fp32 where the key-blocked GDN backward completed them in place
+        dq, dk = dq.to(q.dtype), dk.to(k.dtype)
     if dh0 is not None:
         dh0 = dh0.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0

@@ -19,7 +19,8 @@ from types import ModuleType
 from la_compiler.kernels import cache
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.kernels.chunk_snippets import (
-    ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, QDQ_IMPORT, ROW_SUM_HELPER, gdn_pair_block, gdn_pairs,
+    ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
+    gdn_pair_block, gdn_pairs, lines,
     kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
@@ -252,14 +253,73 @@ _HAND_OVER_PAIRS = (
     "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])\n"
     "tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])")
 
+_GDN_KEY_BLOCK_SHARES = (
+    "# this key block's share of dq, dk (fp32, in the dq / dk buffers); dG (one per row) summed over blocks\n"
+    "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
+    "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
+    "b_dGs += b_dG")
+
+
+def _indented(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _gdn_pairs_by_key_blocks(p: ChunkParams) -> str:
+    """GDN's pair products once dA is known: P, P_qk recomputed over key blocks (for dbeta and dG), then a
+    second key loop adds (dP ⊙ Γ) K + (dP ⊙ Γ)^T K + (dP_qk ⊙ Γ)^T Q to dk and (dP_qk ⊙ Γ) K to dq."""
+    key_block = lines(
+        "o_k = i_k * BK + tl.arange(0, BK)",
+        "m_ck = m_c[:, None] & (o_k < K)[None, :]",
+        "r_qk = ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :]",
+        "r_qk_v = r_hv[:, None] * K + o_k[None, :]",
+        "b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
+        "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)")
+    return lines(
+        "# P = (K K^T) ⊙ Γ and P_qk = (Q K^T) ⊙ Γ over the key blocks",
+        GDN_BWD["LOAD_G"],
+        "b_P = tl.zeros([C, C], dtype=tl.float32)",
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
+        "for i_k in range(0, tl.cdiv(K, BK)):",
+        _indented(key_block),
+        _indented(gdn_pair_block(p)),
+        GDN_PAIRS_DECAY,
+        "b_dbeta += tl.sum(b_dA * b_P, 1)",
+        "b_dP = b_dA * b_beta[:, None]",
+        "b_M = b_dP * b_P + b_dPqk * b_Pqk",
+        "b_dGs += tl.sum(b_M, 1) - tl.sum(b_M, 0)",
+        "b_dKK = b_dP * b_Gam",
+        "b_dQK = b_dPqk * b_Gam",
+        "tl.debug_barrier()  # the shares below were stored by other threads in the key loop",
+        "for i_k in range(0, tl.cdiv(K, BK)):",
+        _indented(key_block),
+        "    b_dk = tl.load(dk + r_qk_v, mask=m_ck, other=0) + tl.dot(b_dKK, b_k, input_precision=DOT_PRECISION) \\",
+        "        + tl.dot(tl.trans(b_dKK), b_k, input_precision=DOT_PRECISION) \\",
+        "        + tl.dot(tl.trans(b_dQK), b_q, input_precision=DOT_PRECISION)",
+        "    b_dq = tl.load(dq + r_qk_v, mask=m_ck, other=0) + tl.dot(b_dQK, b_k, input_precision=DOT_PRECISION)",
+        "    tl.store(dq + r_qk_v, b_dq, mask=m_ck)",
+        "    tl.store(dk + r_qk_v, b_dk, mask=m_ck)",
+        "# g -> G = cumsum(g): dg = reverse cumsum of dG within the chunk",
+        "b_dg = tl.cumsum(b_dGs, 0, reverse=True)",
+        GDN_BWD["STORE_DG"])
+
+
 KEY_SIDE_OPERAND_SITES = ("state_read.rhs", "output_state.rhs", "wy_key.rhs")  # rounded over all key rows
 
 
 def bwd_intra_by_key_blocks(p: ChunkParams) -> bool:
     """The backward intra stage runs its key-side gradients key block by key block: when the pair products'
-    gradients are in their own kernel (``kda_splits_pair_grads``) and no operand it rounds spans all key
-    rows (h_n's columns for state_read / output_state, NVFP4 or row scales over K)."""
-    return kda_splits_pair_grads(p) and not any(site in KEY_SIDE_OPERAND_SITES for site, _ in p.operands)
+    gradients are separable by key column (KDA: in their own kernel, ``kda_splits_pair_grads``; GDN: a
+    second key loop, ``gdn_pair_grads_by_key_blocks``) and no operand it rounds spans all key rows (h_n's
+    columns for state_read / output_state, NVFP4 or row scales over K)."""
+    separable = kda_splits_pair_grads(p) or gdn_pair_grads_by_key_blocks(p)
+    return separable and not any(site in KEY_SIDE_OPERAND_SITES for site, _ in p.operands)
+
+
+def gdn_pair_grads_by_key_blocks(p: ChunkParams) -> bool:
+    """GDN with exact pair products and the exact solve: P, P_qk are recomputed over key blocks once dA is
+    known, and their gradients added to each key block's shares in a second key loop."""
+    return p.kind == "gdn" and p.solve == "exact" and not any(
+        site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc)
 
 
 def kda_splits_pair_grads(p: ChunkParams) -> bool:
@@ -277,8 +337,10 @@ def max_head_k(p: ChunkParams) -> tuple[int, str]:
     """The largest head_k the chunk kernels take for ``p``, and why not more."""
     if bwd_intra_by_key_blocks(p):
         return MAX_HEAD_K, f"the chunk kernels take head_k <= {MAX_HEAD_K}"
-    if p.kind == "gdn":
-        why = "GDN's backward intra stage"
+    if p.kind == "gdn" and not gdn_pair_grads_by_key_blocks(p):
+        why = "GDN's backward with a rounded pair product or the Neumann solve"
+    elif p.kind == "gdn":
+        why = f"GDN's backward with q.{'/'.join(KEY_SIDE_OPERAND_SITES)} rounded over all key rows"
     elif not kda_splits_pair_grads(p):
         why = "KDA's backward with a rounded pair product or the Neumann solve"
     else:
@@ -295,6 +357,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     else:
         bwd = dict(KDA_BWD, PAIRS=kda_pairs(p), PAIR_GRADS=kda_pair_grads(p))
     split = kda_splits_pair_grads(p)
+    gdn_blocks = bwd_intra_by_key_blocks(p) and p.kind == "gdn"
     ops = operand_values(p)
     state_offsets = _state_offsets(p.state)
     dh = render(template("chunk_bwd_dh"), {
@@ -305,22 +368,24 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     # value loop when the Neumann solve needs A there, else after it (T comes from the forward recompute)
     loads = "\n".join(["b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
                        "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)", bwd["LOAD_G"]])
-    pairs = "" if split else "\n".join([loads, bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
+    pairs = "" if split or gdn_blocks else "\n".join(
+        [loads, bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
     before = p.solve != "exact"
-    finish = _HAND_OVER_PAIRS if split else render("\n".join([
+    finish = _HAND_OVER_PAIRS if split else _gdn_pairs_by_key_blocks(p) if gdn_blocks else render("\n".join([
         "b_dbeta += tl.sum(b_dA * b_P, 1)", "b_dP = b_dA * b_beta[:, None]", "${PAIR_GRADS}", "",
         _STORE_INPUT_GRADS]), {"PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="bwd_intra finish")
     # one key block without the split: the loop's gradients are carried out of it into the pair products' part
     dG_shape = "[C]" if p.kind == "gdn" else "[C, BK]"
-    init = "" if split else "\n".join([
+    init = "" if split else "b_dGs = tl.zeros([C], dtype=tl.float32)  # dG summed over the key blocks" if gdn_blocks \
+        else "\n".join([
         "b_dq = tl.zeros([C, BK], dtype=tl.float32)", "b_dk = tl.zeros([C, BK], dtype=tl.float32)",
         f"b_dG = tl.zeros({dG_shape}, dtype=tl.float32)"])
     intra = render(template("chunk_bwd_intra"), {
         "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p), "SOLVE_GRAD": solve_grad(p),
         "PAIRS_BEFORE_LOOP": pairs if before else "# q, k, G, P: after the value loop",
         "PAIRS_AFTER_LOOP": "" if before else pairs, "FINISH": finish, "KEY_GRADS_INIT": init,
-        "KEY_BLOCK_LOADS": loads if split else "# q, k, G: the whole rows loaded with the pair products",
-        "KEY_BLOCK_DONE": _HAND_OVER_SHARES if split else "",
+        "KEY_BLOCK_LOADS": loads if split or gdn_blocks else "# q, k, G: the whole rows loaded with the pair products",
+        "KEY_BLOCK_DONE": _HAND_OVER_SHARES if split else _GDN_KEY_BLOCK_SHARES if gdn_blocks else "",
         **{key: bwd[key] for key in ("EXP_G", "ROWS", "LAST_ROW_GRADS")},
         **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS_VALUE", "BWD_V_OPERANDS_KEY", "WY_VALUE_RHS",
                                      "WY_KEY_RHS", "BWD_INTRA_AMAX")}},

@@ -90,6 +90,7 @@ EXACT_CASES = [
     dict(kind="kda", state="vk", B=1, T=200, H=1, HV=2, K=256, V=128, cu=(0, 70, 200), quant={}),
     dict(kind="kda", state="kv", B=2, T=150, H=2, HV=2, K=256, V=64, cu=None,
          quant={"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}),
+    dict(kind="gdn", state="vk", B=1, T=200, H=1, HV=2, K=256, V=128, cu=(0, 70, 200), quant={}),
 ]
 
 

@@ -193,22 +193,23 @@ def test_backward_exact(kind, varlen, state, extra):
     _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
-@pytest.mark.parametrize("varlen,state,HV", [(False, "kv", 1), (True, "vk", 2)])
-def test_kda_pair_gradients_by_key_block(varlen, state, HV):
-    """KDA's exact backward runs its key-side gradients by key blocks (the intra stage) and the pair products'
-    in a second kernel, one key block per program: above 64 columns, blocks of 32, so K = 72 takes two full
-    blocks and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped
-    value heads."""
-    from la_compiler.kernels.chunk_codegen import kda_splits_pair_grads
+@pytest.mark.parametrize("kind,varlen,state,HV", [("kda", False, "kv", 1), ("kda", True, "vk", 2),
+                                                  ("gdn", False, "vk", 2), ("gdn", True, "kv", 1)])
+def test_pair_gradients_by_key_block(kind, varlen, state, HV):
+    """The exact backward runs its key-side gradients by key blocks (the intra stage) and the pair products'
+    after them (KDA: a second kernel, one sub-chunk x key block per program; GDN: a second key loop): above 64
+    columns, blocks of 32, so K = 72 takes two full blocks and a masked partial one. Every gradient against
+    fp64 autograd, on a packed batch and with grouped value heads."""
+    from la_compiler.kernels.chunk_codegen import bwd_intra_by_key_blocks
     from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block
 
     cu = torch.tensor([0, 9, 25]) if varlen else None
-    q, k, v, g, beta, h0 = make_inputs("kda", B=1 if varlen else 2, T=25 if varlen else 13, H=1, HV=HV, K=72, V=8,
+    q, k, v, g, beta, h0 = make_inputs(kind, B=1 if varlen else 2, T=25 if varlen else 13, H=1, HV=HV, K=72, V=8,
                                        N=2, dtype=torch.float32)
     if state == "vk":
         h0 = h0.transpose(-1, -2).contiguous()
-    spec = RecurrenceSpec(kind="kda", chunk=8, state=state)
-    assert kda_splits_pair_grads(ChunkParams.from_spec(spec)) and key_block(128, BWD_KEY_BLOCK_ENV) < 72
+    spec = RecurrenceSpec(kind=kind, chunk=8, state=state)
+    assert bwd_intra_by_key_blocks(ChunkParams.from_spec(spec)) and key_block(128, BWD_KEY_BLOCK_ENV) < 72
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 
@@ -254,16 +255,20 @@ def test_intra_key_block_choice(monkeypatch):
         intra_key_block(exact, 128, 16)
 
 
-def test_kda_head_k_256():
-    """K = 256 (the issue's largest head): the forward intra stage in four key blocks of 64, the backward
-    intra and pairs stages likewise; FP8 state and W, forward and every gradient against fp64; GDN refuses it."""
-    q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=10, H=1, HV=1, K=256, V=16, dtype=torch.float32)
-    spec = RecurrenceSpec(kind="kda", chunk=8).replace(quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"})
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_head_k_256(kind):
+    """K = 256 (the issue's largest head): the forward intra stage and the backward's key-side and pair
+    gradients in key blocks of 32; FP8 state and W, forward and every gradient against fp64. A GDN pair
+    product rounded over whole key rows is refused at that width, by name."""
+    q, k, v, g, beta, h0 = make_inputs(kind, B=1, T=10, H=1, HV=1, K=256, V=16, dtype=torch.float32)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"})
     (o, ht, _), (o_ref, ht_ref, _) = _run(spec, (q, k, v, g, beta, h0), None)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), None, QDQ_TOL)
-    with pytest.raises(ValueError, match="GDN's backward intra stage"):
-        chunk_fwd(ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8)), q, k, v, g[..., 0], beta, 0.4)
+    if kind == "gdn":
+        rounded = RecurrenceSpec(kind="gdn", chunk=8).replace(quant={"key_interaction.lhs": "fp8_e4m3/row"})
+        with pytest.raises(ValueError, match="GDN's backward with a rounded pair product"):
+            chunk_fwd(ChunkParams.from_spec(rounded), q, k, v, g, beta, 0.4)
 
 
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])
@@ -356,13 +361,15 @@ def test_selection_row_takes_only_what_the_kernels_implement():
     assert choose("kda[chunk=64; q.output_value.rhs=nvfp4/block16; acc.wy_key=bf16:16]").variant == "chunk"
     operand = choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.output_value.lhs=fp8_e4m3/row/clip]")
     assert operand.variant == "reference" and "output_value.lhs" in dict(operand.rejected)["chunk"]
-    wide = choose("gdn[chunk=64; q.state=fp8_e4m3/tile64]", head_k=256)
-    assert wide.variant == "reference" and "GDN's backward intra stage" in dict(wide.rejected)["chunk"]
-    # KDA's key-blocked stages take K up to 256, unless a site rounds over whole key rows
+    # the key-blocked stages take K up to 256, unless a site rounds over whole key rows
+    assert choose("gdn[chunk=64; q.state=fp8_e4m3/tile64]", head_k=256).variant == "chunk"
     assert choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.w=fp8_e4m3/row]", head_k=256).variant == "chunk"
     assert choose("kda[chunk=64]", head_k=512).variant == "reference"
+    wide = choose("gdn[chunk=64; acc.output_score=bf16:32]", head_k=256)
+    assert wide.variant == "reference" and "GDN's backward with a rounded pair product" in dict(wide.rejected)["chunk"]
     for text in ("kda[chunk=64; q.state_read.rhs=fp8_e4m3/row]", "kda[chunk=64; solve=neumann:3]",
-                 "kda[chunk=64; q.key_interaction.lhs=fp8_e4m3/row]"):
+                 "kda[chunk=64; q.key_interaction.lhs=fp8_e4m3/row]", "gdn[chunk=64; solve=neumann:3]",
+                 "gdn[chunk=64; q.output_state.rhs=fp8_e4m3/row]", "gdn[chunk=64; q.key_interaction.rhs=fp8_e4m3/row]"):
         assert choose(text, head_k=128).variant == "chunk"
         wide = choose(text, head_k=256)
         assert wide.variant == "reference" and "head_k <= 128" in dict(wide.rejected)["chunk"], text

@@ -43,6 +43,7 @@ def test_refusal_at_one_stage_and_other_errors_propagate():
 
 def test_launch_table():
     assert launch_config("fwd_h", 128, 64) == LaunchConfig(4, 1)
+    assert launch_config("fwd_h", 256, 64) == LaunchConfig(8, 1)  # four warps measured at K = 128 only
     assert launch_config("fwd_o", 128, 64) == LaunchConfig(4, 2)
     assert launch_config("bwd_intra", 32, 64) == LaunchConfig(8, 3)
     assert launch_config("bwd_intra", 64, 64) == LaunchConfig(8, 3)

@@ -17,12 +17,14 @@ import functools
 from types import ModuleType
 
 from la_compiler.kernels import cache
-from la_compiler.kernels.codegen import CodegenError, module_source, render, template
+from la_compiler.kernels.chunk_bwd_snippets import (GDN_KEY_BLOCK_SHARES, HAND_OVER_PAIRS, HAND_OVER_SHARES,
+                                                   STORE_INPUT_GRADS, gdn_pairs_by_key_blocks)
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
-    gdn_pair_block, gdn_pairs, lines,
+    gdn_pair_block, gdn_pairs,
     kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
+from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
@@ -232,77 +234,6 @@ def chunk_fwd_module(p: ChunkParams) -> ModuleType:
 
 
 # ---- backward --------------------------------------------------------------------------------
-_STORE_INPUT_GRADS = (
-    "# g -> G = cumsum(g): dg = reverse cumsum of dG within the chunk\n"
-    "b_dg = tl.cumsum(b_dG, 0, reverse=True)\n"
-    "${STORE_DG}\n"
-    "tl.store(dq + r_qk_v, b_dq.to(dq.dtype.element_ty), mask=m_ck)\n"
-    "tl.store(dk + r_qk_v, b_dk.to(dk.dtype.element_ty), mask=m_ck)")
-
-_HAND_OVER_SHARES = (
-    "# this key block's share of dq, dk, dG (fp32) for chunk_kda_bwd_kernel_pairs\n"
-    "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
-    "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
-    "tl.store(dg + r_qk_v, b_dG, mask=m_ck)")
-
-_HAND_OVER_PAIRS = (
-    "# P from the forward recompute (chunk_kda_fwd_kernel_pairs; unwritten above the diagonal)\n"
-    "b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_strict, other=0)\n"
-    "b_dbeta += tl.sum(b_dA * b_P, 1)\n"
-    "# the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over dP, dP_qk\n"
-    "tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])\n"
-    "tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])")
-
-_GDN_KEY_BLOCK_SHARES = (
-    "# this key block's share of dq, dk (fp32, in the dq / dk buffers); dG (one per row) summed over blocks\n"
-    "tl.store(dq + r_qk_v, b_dq, mask=m_ck)\n"
-    "tl.store(dk + r_qk_v, b_dk, mask=m_ck)\n"
-    "b_dGs += b_dG")
-
-
-def _indented(text: str) -> str:
-    return "\n".join("    " + line for line in text.splitlines())
-
-
-def _gdn_pairs_by_key_blocks(p: ChunkParams) -> str:
-    """GDN's pair products once dA is known: P, P_qk recomputed over key blocks (for dbeta and dG), then a
-    second key loop adds (dP ⊙ Γ) K + (dP ⊙ Γ)^T K + (dP_qk ⊙ Γ)^T Q to dk and (dP_qk ⊙ Γ) K to dq."""
-    key_block = lines(
-        "o_k = i_k * BK + tl.arange(0, BK)",
-        "m_ck = m_c[:, None] & (o_k < K)[None, :]",
-        "r_qk = ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :]",
-        "r_qk_v = r_hv[:, None] * K + o_k[None, :]",
-        "b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)",
-        "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)")
-    return lines(
-        "# P = (K K^T) ⊙ Γ and P_qk = (Q K^T) ⊙ Γ over the key blocks",
-        GDN_BWD["LOAD_G"],
-        "b_P = tl.zeros([C, C], dtype=tl.float32)",
-        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
-        "for i_k in range(0, tl.cdiv(K, BK)):",
-        _indented(key_block),
-        _indented(gdn_pair_block(p)),
-        GDN_PAIRS_DECAY,
-        "b_dbeta += tl.sum(b_dA * b_P, 1)",
-        "b_dP = b_dA * b_beta[:, None]",
-        "b_M = b_dP * b_P + b_dPqk * b_Pqk",
-        "b_dGs += tl.sum(b_M, 1) - tl.sum(b_M, 0)",
-        "b_dKK = b_dP * b_Gam",
-        "b_dQK = b_dPqk * b_Gam",
-        "tl.debug_barrier()  # the shares below were stored by other threads in the key loop",
-        "for i_k in range(0, tl.cdiv(K, BK)):",
-        _indented(key_block),
-        "    b_dk = tl.load(dk + r_qk_v, mask=m_ck, other=0) + tl.dot(b_dKK, b_k, input_precision=DOT_PRECISION) \\",
-        "        + tl.dot(tl.trans(b_dKK), b_k, input_precision=DOT_PRECISION) \\",
-        "        + tl.dot(tl.trans(b_dQK), b_q, input_precision=DOT_PRECISION)",
-        "    b_dq = tl.load(dq + r_qk_v, mask=m_ck, other=0) + tl.dot(b_dQK, b_k, input_precision=DOT_PRECISION)",
-        "    tl.store(dq + r_qk_v, b_dq, mask=m_ck)",
-        "    tl.store(dk + r_qk_v, b_dk, mask=m_ck)",
-        "# g -> G = cumsum(g): dg = reverse cumsum of dG within the chunk",
-        "b_dg = tl.cumsum(b_dGs, 0, reverse=True)",
-        GDN_BWD["STORE_DG"])
-
-
 KEY_SIDE_OPERAND_SITES = ("state_read.rhs", "output_state.rhs", "wy_key.rhs")  # rounded over all key rows
 
 
@@ -371,9 +302,9 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     pairs = "" if split or gdn_blocks else "\n".join(
         [loads, bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
     before = p.solve != "exact"
-    finish = _HAND_OVER_PAIRS if split else _gdn_pairs_by_key_blocks(p) if gdn_blocks else render("\n".join([
+    finish = HAND_OVER_PAIRS if split else gdn_pairs_by_key_blocks(p) if gdn_blocks else render("\n".join([
         "b_dbeta += tl.sum(b_dA * b_P, 1)", "b_dP = b_dA * b_beta[:, None]", "${PAIR_GRADS}", "",
-        _STORE_INPUT_GRADS]), {"PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="bwd_intra finish")
+        STORE_INPUT_GRADS]), {"PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="bwd_intra finish")
     # one key block without the split: the loop's gradients are carried out of it into the pair products' part
     dG_shape = "[C]" if p.kind == "gdn" else "[C, BK]"
     init = "" if split else "b_dGs = tl.zeros([C], dtype=tl.float32)  # dG summed over the key blocks" if gdn_blocks \
@@ -385,7 +316,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         "PAIRS_BEFORE_LOOP": pairs if before else "# q, k, G, P: after the value loop",
         "PAIRS_AFTER_LOOP": "" if before else pairs, "FINISH": finish, "KEY_GRADS_INIT": init,
         "KEY_BLOCK_LOADS": loads if split or gdn_blocks else "# q, k, G: the whole rows loaded with the pair products",
-        "KEY_BLOCK_DONE": _HAND_OVER_SHARES if split else _GDN_KEY_BLOCK_SHARES if gdn_blocks else "",
+        "KEY_BLOCK_DONE": HAND_OVER_SHARES if split else GDN_KEY_BLOCK_SHARES if gdn_blocks else "",
         **{key: bwd[key] for key in ("EXP_G", "ROWS", "LAST_ROW_GRADS")},
         **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS_VALUE", "BWD_V_OPERANDS_KEY", "WY_VALUE_RHS",
                                      "WY_KEY_RHS", "BWD_INTRA_AMAX")}},

@@ -21,7 +21,7 @@ from la_compiler.kernels.chunk_bwd_snippets import (GDN_KEY_BLOCK_SHARES, HAND_O
                                                    STORE_INPUT_GRADS, gdn_pairs_by_key_blocks)
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
-    gdn_pair_block, gdn_pairs,
+    SUB_DOT_HELPER, gdn_pair_block, gdn_pairs,
     kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
@@ -222,7 +222,8 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")
     kernels = [intra, h, o]
     if kda_pairs_kernel(p):
-        kernels[:0] = [render(template("chunk_fwd_pairs"), {"OP": p.kind, "PROGRAM": program}, where="chunk_fwd_pairs")]
+        kernels[:0] = [SUB_DOT_HELPER,
+                       render(template("chunk_fwd_pairs"), {"OP": p.kind, "PROGRAM": program}, where="chunk_fwd_pairs")]
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: " + (
         "cumsum, pairs, intra, h, o." if kda_pairs_kernel(p) else "intra, h, o.")
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, *kernels])
@@ -323,6 +324,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         where="chunk_bwd_intra")
     kernels = [dh, intra]
     if split:
+        kernels.append(SUB_DOT_HELPER)
         kernels.append(render(template("chunk_bwd_pairs"), {
             "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "STORE_DG": bwd["STORE_DG"]},
             where="chunk_bwd_pairs"))

@@ -369,9 +369,9 @@ def _diagonal_column_loop(bc: int) -> str:
             "    b_gj = tl.load(g_cum + ((bos + t_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)\n")
 
 
-def kda_pairs(p: ChunkParams, init: bool = True) -> str:
-    """b_P += K K^T ⊙ Γ and b_Pqk += Q K^T ⊙ Γ of one KDA chunk over the key columns in b_q, b_k, b_G
-    (masks applied later; ``init`` starts both from zero).
+def kda_pairs(p: ChunkParams) -> str:
+    """b_P = K K^T ⊙ Γ and b_Pqk = Q K^T ⊙ Γ of one KDA chunk over the key columns in b_q, b_k, b_G
+    (masks applied later).
 
     Off-diagonal sub-chunk blocks (rows in block b, columns before its first row r): dots of
     K exp(G - G_r) and K exp(G_r - G), both factors <= 1 (G falls along the chunk). Diagonal
@@ -380,8 +380,8 @@ def kda_pairs(p: ChunkParams, init: bool = True) -> str:
     bc = p.sub_chunk
     return (
         f"# sub-chunks of {bc} rows: off-diagonal blocks by dots through a reference row, diagonal blocks columnwise\n"
-        + ("b_P = tl.zeros([C, C], dtype=tl.float32)\n"
-           "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n" if init else "")
+        + "b_P = tl.zeros([C, C], dtype=tl.float32)\n"
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)\n"
         + _off_diagonal_loop(bc) +
         "    b_kr = tl.where(m_before[:, None], b_k * b_er, 0.0)\n"
         "    b_P += tl.dot(tl.where(m_in[:, None], b_k * b_el, 0.0), tl.trans(b_kr), input_precision=DOT_PRECISION)\n"
@@ -636,3 +636,12 @@ KDA_BWD = {
 }
 
 ROW_SUM_HELPER = "@triton.jit\ndef _row_sum(x):\n    return tl.sum(x, 1)"
+
+SUB_DOT_HELPER = '''@triton.jit
+def _sub_dot(a, b, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
+    """a @ b for the sub-chunk kernels' [BC x ..] tiles: tl.dot from 16 rows up, else a broadcast sum
+    (tl.dot needs 16)."""
+    if USE_DOT:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+    else:
+        return tl.sum(a[:, :, None] * b[None, :, :], 1)'''

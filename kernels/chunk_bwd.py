@@ -18,6 +18,7 @@ from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blo
                                              kda_splits_pair_grads)
 from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, scratch
 from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block, launch, launch_config
+from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 
 
 def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
@@ -75,11 +76,13 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
                cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK_intra, C),
                **dict(common, BK=BK_intra))
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
+            rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
+            BKP = BK if rounded else BKP
             NKB = triton.cdiv(K, BKP)
             BC = p.sub_chunk
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
-                   q, k, parts["g_cum"], dpair, *rest, dq, dk, cu_seqlens, lay.chunk_indices, T,
-                   H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
+                   q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []), cu_seqlens,
+                   lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
                    DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C))
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
                    rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from types import ModuleType
 
-from la_compiler.kernels import cache
+from la_compiler.kernels import cache, chunk_pair_rounding
 from la_compiler.kernels.chunk_bwd_snippets import (GDN_KEY_BLOCK_SHARES, HAND_OVER_PAIRS, HAND_OVER_SHARES,
                                                    STORE_INPUT_GRADS, gdn_pairs_by_key_blocks)
 from la_compiler.kernels.chunk_snippets import (
@@ -180,9 +180,23 @@ _PAIRS_FROM_KERNEL = (
 
 
 def kda_pairs_kernel(p: ChunkParams) -> bool:
-    """KDA's exact pair products run in their own forward kernel (chunk_kda_fwd_kernel_pairs, one program
-    per sub-chunk like FLA's); rounded ones need the per-pair operand inside the intra kernel."""
-    return p.kind == "kda" and not kda_rounds_pairs(p)
+    """KDA's pair products run in their own forward kernel (chunk_kda_fwd_kernel_pairs, one program per
+    sub-chunk like FLA's): exact ones by key blocks and tensor-core dots, rounded ones (operand QDQ or
+    accumulator emulation at key_interaction / output_score) column by column over whole key rows."""
+    return p.kind == "kda"
+
+
+def _kda_pairs_kernels(p: ChunkParams, program: str) -> list[str]:
+    """The forward's cumsum kernel, then the pairs kernel: exact, or rounded (after the NVFP4 pair amax)."""
+    kernels = [render(template("chunk_fwd_cumsum"), {"OP": p.kind, "PROGRAM": program}, where="chunk_fwd_cumsum")]
+    if not kda_rounds_pairs(p):
+        return kernels + [SUB_DOT_HELPER, render(template("chunk_fwd_pairs"), {"OP": p.kind, "PROGRAM": program},
+                                                 where="chunk_fwd_pairs")]
+    if chunk_pair_rounding.kda_pairs_nvfp4(p):
+        kernels.append(render(template("chunk_fwd_pair_amax"), {
+            "OP": p.kind, "PROGRAM": program, **chunk_pair_rounding.amax_values(p)}, where="chunk_fwd_pair_amax"))
+    return kernels + [render(template("chunk_fwd_pairs_rounded"), {
+        "OP": p.kind, "PROGRAM": program, **chunk_pair_rounding.fwd_values(p)}, where="chunk_fwd_pairs_rounded")]
 
 
 def chunk_fwd_source(p: ChunkParams) -> str:
@@ -190,12 +204,8 @@ def chunk_fwd_source(p: ChunkParams) -> str:
     if p.kind == "gdn":
         pairs = render(_PAIRS_BY_KEY_BLOCKS, {"LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"], "PAIR_PRODUCTS": gdn_pair_block(p),
                                               "PAIRS_DONE": GDN_PAIRS_DECAY}, where="chunk_fwd_intra pairs")
-    elif kda_pairs_kernel(p):
-        pairs = _PAIRS_FROM_KERNEL
     else:
-        pairs = render(_PAIRS_BY_KEY_BLOCKS, {
-            "LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"], "PAIR_PRODUCTS": kda_pairs_rounded(p, init=False),
-            "PAIRS_DONE": "# KDA: Γ is inside every key column's product"}, where="chunk_fwd_intra pairs")
+        pairs = _PAIRS_FROM_KERNEL
     ops = operand_values(p)
     dots = acc_values(p)
     program = template("chunk_fwd_program")
@@ -222,8 +232,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")
     kernels = [intra, h, o]
     if kda_pairs_kernel(p):
-        kernels[:0] = [SUB_DOT_HELPER,
-                       render(template("chunk_fwd_pairs"), {"OP": p.kind, "PROGRAM": program}, where="chunk_fwd_pairs")]
+        kernels[:0] = _kda_pairs_kernels(p, program)
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: " + (
         "cumsum, pairs, intra, h, o." if kda_pairs_kernel(p) else "intra, h, o.")
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, *kernels])
@@ -255,10 +264,11 @@ def gdn_pair_grads_by_key_blocks(p: ChunkParams) -> bool:
 
 
 def kda_splits_pair_grads(p: ChunkParams) -> bool:
-    """KDA's exact pair products (no rounding at the pairwise sites, exact solve): their gradients run in
-    a second kernel over key blocks, so that no program holds the chunk's full-width tiles through the
-    sub-chunk loops (at K = 128 the one-kernel form spilled 3.5 KB per thread)."""
-    return p.kind == "kda" and not kda_rounds_pairs(p) and p.solve == "exact"
+    """KDA with the exact solve: the pair products' gradients run in a second kernel by sub-chunk (exact
+    pair products also by key blocks), so that no program holds the chunk's full-width tiles through the
+    pair loops (at K = 128 the one-kernel form spilled 3.5 KB per thread). The Neumann solve's backward
+    still takes them inside the intra kernel."""
+    return p.kind == "kda" and p.solve == "exact"
 
 
 WHOLE_ROW_MAX_K = 128  # head_k of stages that hold whole [C x K] key rows (GDN's bwd intra: 356 KB of smem at 256)
@@ -274,7 +284,7 @@ def max_head_k(p: ChunkParams) -> tuple[int, str]:
     elif p.kind == "gdn":
         why = f"GDN's backward with q.{'/'.join(KEY_SIDE_OPERAND_SITES)} rounded over all key rows"
     elif not kda_splits_pair_grads(p):
-        why = "KDA's backward with a rounded pair product or the Neumann solve"
+        why = "KDA's backward with the Neumann solve"
     else:
         why = f"KDA's backward with q.{'/'.join(KEY_SIDE_OPERAND_SITES)} rounded over all key rows"
     return WHOLE_ROW_MAX_K, f"{why} holds whole key rows in registers: head_k <= {WHOLE_ROW_MAX_K}"
@@ -323,11 +333,17 @@ def chunk_bwd_source(p: ChunkParams) -> str:
                                      "WY_KEY_RHS", "BWD_INTRA_AMAX")}},
         where="chunk_bwd_intra")
     kernels = [dh, intra]
-    if split:
+    if split and kda_rounds_pairs(p):
+        kernels.append(render(template("chunk_bwd_pairs_rounded"), {
+            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), **chunk_pair_rounding.bwd_values(p)},
+            where="chunk_bwd_pairs_rounded"))
+    elif split:
         kernels.append(SUB_DOT_HELPER)
-        kernels.append(render(template("chunk_bwd_pairs"), {
-            "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "STORE_DG": bwd["STORE_DG"]},
-            where="chunk_bwd_pairs"))
+        kernels.append(render(template("chunk_bwd_pairs"), {"OP": p.kind, "PROGRAM": template("chunk_fwd_program")},
+                              where="chunk_bwd_pairs"))
+    if split:
+        kernels.append(render(template("chunk_bwd_dg"), {"OP": p.kind, "PROGRAM": template("chunk_fwd_program"),
+                                                         "STORE_DG": bwd["STORE_DG"]}, where="chunk_bwd_dg"))
     title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)" + (
         ", pairs (the pair products' share, by sub-chunk and key block), dg (reverse cumsum)." if split else ".")
     return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, ROW_SUM_HELPER, *kernels])

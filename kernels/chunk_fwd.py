@@ -18,8 +18,9 @@ import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
+from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
 from la_compiler.kernels.chunk_launch import FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, key_block, launch, launch_config
-from la_compiler.kernels.chunk_snippets import pairs_need_all_keys
+from la_compiler.kernels.chunk_snippets import kda_rounds_pairs, pairs_need_all_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,20 +121,30 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
     p_pairs = scratch((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
+    chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
+    heads = HV * (1 if cu_seqlens is not None else B)
+    BC = p.sub_chunk
+    # NVFP4 pairwise operands: each sub-chunk's share of the chunk-wide amaxes (pk, pq, |K|, |Q|)
+    pair_amax = scratch((chunks_per_row, heads, C // BC, 4), f32, dev) if kda_pairs_nvfp4(p) else None
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
-    chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
-    heads = HV * (1 if cu_seqlens is not None else B)
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, triton.cdiv(K, BKG)),
                g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
                IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_cumsum", BKG, C))
-        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), (chunks_per_row * (C // p.sub_chunk), heads),
-               q, k, g_cum, p_pairs, A_qk, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=p.sub_chunk,
-               BK=BKG, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=common["DOT_PRECISION"],
-               config=launch_config("fwd_pairs", BKG, C))
+        rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
+        BKP = BK if rounded else BKG
+        sub_grid = (chunks_per_row * (C // BC), heads)
+        if pair_amax is not None:
+            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), sub_grid,
+                   q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP,
+                   IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_pairs", BKP, C))
+        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
+               q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
+               H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
+               DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C))
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)
         launch(kernels["intra"], (chunks_per_row, heads),
@@ -149,7 +160,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                BV=BV_io, config=launch_config("fwd_o", BK, C), **common)
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
-                             p_pairs=p_pairs)
+                             p_pairs=p_pairs, pair_amax=pair_amax)
     return o, ht
 
 

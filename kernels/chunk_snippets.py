@@ -85,12 +85,13 @@ def w_amax_pass(p: ChunkParams, w_key_block: str) -> str:
 
 
 def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None,
-        shape: tuple[str, str] | None = None, gam: str | None = None) -> str:
+        shape: tuple[str, str] | None = None, gam: str | None = None, tag: str = "") -> str:
     """``out = QDQ(var)`` for a GEMM operand site (identity when the site is off); ``axis`` is the
     reduction axis of the register tile: 1 = one scale per row, 0 = one scale per column. NVFP4 needs
     the tile's ``shape`` (constexpr names) for its blocks of 16 along the reduction, and takes its
     global amax over the tile, or ``gam`` (an amax computed over the whole operand when the tile is a
-    value block of it)."""
+    value block of it). ``tag`` names the NVFP4 temporary apart where one kernel rounds a site's operand
+    in tiles of two shapes."""
     out = out or var
     fmt = dict(p.operands).get(site)
     if fmt is None:
@@ -103,7 +104,7 @@ def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None,
             blocks, red_axis, bcast = f"({m}, {n} // 16, 16)", 2, "[:, :, None]"
         else:
             blocks, red_axis, bcast = f"({m} // 16, 16, {n})", 1, "[:, None, :]"
-        x3 = f"b_x3_{site.replace('.', '_')}"  # one name per site: loops must not see a temporary change shape
+        x3 = f"b_x3_{site.replace('.', '_')}{tag}"  # one name per site: loops must not see a temporary change shape
         return lines(
             f"{x3} = tl.reshape({var}, {blocks})  # q.{site}={fmt}",
             f"{out} = tl.reshape(qdq_e2m1({x3}, nvfp4_block_scale(tl.max(amax_abs({x3}), axis={red_axis}), "
@@ -279,10 +280,11 @@ def gdn_pairs(p: ChunkParams) -> str:
 
 
 def pairs_need_all_keys(p: ChunkParams) -> bool:
-    """The forward intra stage must see all key columns in one block: a rounded or accumulator-emulated
-    pair product (row scales over K, NVFP4 global amax, reduction blocks rounded in order) or an NVFP4
-    wy_key.rhs (global amax over the chunk's [C x K] operand)."""
-    return any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc) or _nvfp4(p, "wy_key.rhs")
+    """The forward intra stage must see all key columns in one block: GDN's rounded or accumulator-emulated
+    pair product (row scales over K, NVFP4 global amax, reduction blocks rounded in order; KDA's come from
+    chunk_kda_fwd_kernel_pairs) or an NVFP4 wy_key.rhs (global amax over the chunk's [C x K] operand)."""
+    rounded = p.kind == "gdn" and any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc)
+    return rounded or _nvfp4(p, "wy_key.rhs")
 
 
 SOLVE_BLOCK = 16  # rows of the diagonal blocks of the blocked exact solve

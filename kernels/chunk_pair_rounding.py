@@ -1,0 +1,94 @@
+"""Template values of KDA's rounded pair-product kernels (chunk_fwd_pair_amax, chunk_fwd_pairs_rounded,
+chunk_bwd_pairs_rounded): key_interaction / output_score rounded per pair, one sub-chunk of rows per program.
+
+The pairwise operand k_j e^(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so
+these kernels hold whole key rows ([BC x K] tiles) and run column by column. Where the reference
+rounds, and why the backward needs no rounding on the column side: docs/kernels-chunk.md, "Rounded
+pair products".
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from la_compiler.kernels.chunk_snippets import PAIRWISE_SITES, _nvfp4, _op, acc_row_sum, lines
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk_codegen import ChunkParams
+
+ROWS = lines(
+    "o_r = tl.arange(0, BC)",
+    "n_real = seq_len - i_t * C  # rows of this chunk inside the sequence (may exceed C)",
+    "x_c = bos + i_t * C  # token of the chunk's row 0",
+    "r_b = i_s * BC + o_r",
+    "m_b = r_b < n_real",
+    "m_bk = m_b[:, None] & m_k[None, :]",
+    "x_b = ((x_c + r_b) * H + i_h)[:, None] * K + o_k[None, :]",
+    "b_k = tl.load(k + x_b, mask=m_bk, other=0).to(tl.float32)",
+    "b_q = tl.load(q + x_b, mask=m_bk, other=0).to(tl.float32)",
+    "# rows past the sequence end hold the chunk's last G, as in the reference's zero-padded g",
+    "b_G = tl.load(g_cum + ((x_c + tl.minimum(r_b, n_real - 1)) * HV + i_hv)[:, None] * K + o_k[None, :],",
+    "              mask=m_k[None, :], other=0)")
+
+PAIR_COLUMN = lines(
+    "m_jk = m_k & (j + 0 * o_k < n_real)  # a [BK] mask: the interpreter refuses a scalar one in &",
+    "b_kj = tl.load(k + ((x_c + j) * H + i_h) * K + o_k, mask=m_jk, other=0).to(tl.float32)",
+    "b_gj = tl.load(g_cum + ((x_c + tl.minimum(j, n_real - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)",
+    "b_e = tl.exp(tl.where((r_b >= j)[:, None], b_G - b_gj[None, :], 0.0))",
+    "b_pk = tl.where((r_b > j)[:, None], b_kj[None, :] * b_e, 0.0)",
+    "b_pq = tl.where((r_b >= j)[:, None], b_kj[None, :] * b_e, 0.0)")
+
+# row i (>= this sub-chunk's first row, inside the sequence) as [1 x BK] tiles: the column side of the backward
+PAIR_ROW = lines(
+    "x_i = ((x_c + i) * H + i_h) * K + o_k[None, :]",
+    "b_ki = tl.load(k + x_i, mask=m_k[None, :], other=0).to(tl.float32)",
+    "b_qi = tl.load(q + x_i, mask=m_k[None, :], other=0).to(tl.float32)",
+    "b_gi = tl.load(g_cum + ((x_c + i) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0)")
+
+
+def kda_pairs_nvfp4(p: ChunkParams) -> bool:
+    """NVFP4 at a pairwise site: its global amax spans the chunk (chunk_kda_fwd_kernel_pair_amax first)."""
+    return any(_nvfp4(p, f"{site}.{side}") for site in PAIRWISE_SITES for side in ("lhs", "rhs"))
+
+
+def _global_amax(p: ChunkParams) -> str:
+    if not kda_pairs_nvfp4(p):
+        return "# no NVFP4 pairwise operand: no chunk-wide amax"
+    return lines(
+        "# NVFP4's global amax of each pairwise operand: the max of the chunk's sub-chunk shares",
+        "x_am = ((i_c * tl.num_programs(1) + i_bh) * (C // BC) + tl.arange(0, C // BC)) * 4",
+        "b_gam_pk = tl.max(tl.load(pair_amax + x_am), axis=0)",
+        "b_gam_pq = tl.max(tl.load(pair_amax + x_am + 1), axis=0)",
+        "b_gam_k = tl.max(tl.load(pair_amax + x_am + 2), axis=0)",
+        "b_gam_q = tl.max(tl.load(pair_amax + x_am + 3), axis=0)")
+
+
+def _row_operands(p: ChunkParams, k: str, q: str, rows: str, tag: str = "") -> str:
+    """The rounded lhs rows: key_interaction.lhs of K, output_score.lhs of Q (one scale per row over K)."""
+    return lines(
+        _op(p, "key_interaction.lhs", k, 1, k.replace("b_k", "b_kl"), (rows, "BK"), "b_gam_k", tag),
+        _op(p, "output_score.lhs", q, 1, q.replace("b_q", "b_ql"), (rows, "BK"), "b_gam_q", tag))
+
+
+def _pair_operands(p: ChunkParams) -> str:
+    """The rounded rhs of every pair (i, j) of column j: b_pkq (strict, j < i), b_pqq (causal, j <= i)."""
+    return lines(_op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq", ("BC", "BK"), "b_gam_pk"),
+                 _op(p, "output_score.rhs", "b_pq", 1, "b_pqq", ("BC", "BK"), "b_gam_pq"))
+
+
+def amax_values(p: ChunkParams) -> dict[str, str]:
+    return {"ROWS": ROWS, "PAIR_COLUMN": PAIR_COLUMN}
+
+
+def fwd_values(p: ChunkParams) -> dict[str, str]:
+    return {
+        "ROWS": ROWS, "GLOBAL_AMAX": _global_amax(p), "ROW_OPERANDS": _row_operands(p, "b_k", "b_q", "BC"),
+        "PAIR_COLUMN": PAIR_COLUMN, "PAIR_OPERANDS": _pair_operands(p),
+        "ROW_SUMS": lines(acc_row_sum(p, "key_interaction", "b_cp", "b_kl * b_pkq"),
+                          acc_row_sum(p, "output_score", "b_cq", "b_ql * b_pqq"))}
+
+
+def bwd_values(p: ChunkParams) -> dict[str, str]:
+    return {
+        "ROWS": ROWS, "GLOBAL_AMAX": _global_amax(p), "ROW_OPERANDS": _row_operands(p, "b_k", "b_q", "BC"),
+        "PAIR_COLUMN": PAIR_COLUMN, "PAIR_OPERANDS": _pair_operands(p), "PAIR_ROW": PAIR_ROW,
+        "ROW_I_OPERANDS": _row_operands(p, "b_ki", "b_qi", "1", tag="_i")}

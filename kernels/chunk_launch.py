@@ -37,6 +37,10 @@ def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
     if stage not in ("fwd_cumsum", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra", "bwd_pairs",
                      "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
+    if stage in ("fwd_pairs", "bwd_pairs") and BK >= 128:
+        # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps take 233 (forward) and 255
+        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills
+        return LaunchConfig(8, 1)
     if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps

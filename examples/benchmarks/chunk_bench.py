@@ -79,6 +79,9 @@ ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site 
 
 
 # ---- 1. exactness ------------------------------------------------------------------------------
+PAIR_SITES = [f"{s}.{side}" for s in ("key_interaction", "output_score") for side in ("lhs", "rhs")]
+PAIR_SITES_FP8 = {site: "fp8_e4m3/row" for site in PAIR_SITES}  # KDA: the rounded pair-product kernels
+PAIR_SITES_NVFP4 = {site: "nvfp4/block16" for site in PAIR_SITES}
 EXACT_CASES = [
     dict(kind="gdn", state="kv", B=2, T=200, H=2, HV=2, K=64, V=64, cu=None, quant={}),
     dict(kind="gdn", state="vk", B=1, T=300, H=2, HV=4, K=128, V=128, cu=(0, 37, 101, 300), quant={}),
@@ -91,6 +94,8 @@ EXACT_CASES = [
     dict(kind="kda", state="kv", B=2, T=150, H=2, HV=2, K=256, V=64, cu=None,
          quant={"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}),
     dict(kind="gdn", state="vk", B=1, T=200, H=1, HV=2, K=256, V=128, cu=(0, 70, 200), quant={}),
+    dict(kind="kda", state="kv", B=1, T=200, H=1, HV=2, K=128, V=64, cu=(0, 70, 200), quant=PAIR_SITES_FP8),
+    dict(kind="kda", state="vk", B=2, T=150, H=2, HV=2, K=64, V=64, cu=None, quant=PAIR_SITES_NVFP4),
 ]
 
 

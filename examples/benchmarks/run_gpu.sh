@@ -31,6 +31,9 @@
 #             large shapes (exact, FP8 state, autotuned: its choices copied to $OUT), kernels split
 #   session5  the fifth session's table in one call: KDA at the two small shapes (every policy, the emulation),
 #             at [8,4096,16,128] (exact, FP8 / INT8 state), GDN exact at [8,4096,16,128], FP8-state training
+#   session6  KDA's rounded pair kernels: exactness (cases 8-10), the FP8 all-sites / NVFP4 rows at the two large
+#             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
+#   train20   FP8-state training, 20 steps
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -152,6 +155,16 @@ for stage in $stages; do
                OUT=$OUT/gdn timeout 50 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact" --no-emulation-above 0 --profile "laqat exact"
                timeout 75 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
+    session6)  # KDA's rounded pair products by sub-chunk (all-sites / NVFP4 rows) and GDN's key-blocked backward
+               OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 8,9,10 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/kda timeout 330 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x4096x16x128,8x4096x16x128 --policies "laqat exact,laqat FP8 all sites,laqat NVFP4 operands" \
+                 --no-emulation-above 65536 --profile "laqat FP8 all sites"
+               OUT=$OUT/gdn timeout 120 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

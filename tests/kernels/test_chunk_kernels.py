@@ -261,7 +261,9 @@ def test_head_k_256(kind):
     gradients in key blocks of 32; FP8 state and W, forward and every gradient against fp64. A GDN pair
     product rounded over whole key rows is refused at that width, by name."""
     q, k, v, g, beta, h0 = make_inputs(kind, B=1, T=10, H=1, HV=1, K=256, V=16, dtype=torch.float32)
-    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"})
+    # KDA: rounded pair products too (their own kernels hold [4 x 256] rows)
+    pairs = {"key_interaction.lhs": "fp8_e4m3/row", "output_score.rhs": "fp8_e4m3/row"} if kind == "kda" else {}
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row", **pairs})
     (o, ht, _), (o_ref, ht_ref, _) = _run(spec, (q, k, v, g, beta, h0), None)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), None, QDQ_TOL)
@@ -365,10 +367,13 @@ def test_selection_row_takes_only_what_the_kernels_implement():
     assert choose("gdn[chunk=64; q.state=fp8_e4m3/tile64]", head_k=256).variant == "chunk"
     assert choose("kda[chunk=64; q.state=fp8_e4m3/tile64; q.w=fp8_e4m3/row]", head_k=256).variant == "chunk"
     assert choose("kda[chunk=64]", head_k=512).variant == "reference"
+    # KDA's rounded pair products run in their own kernels: the intra stages stay key-blocked
+    assert choose("kda[chunk=64; q.key_interaction.lhs=fp8_e4m3/row; q.output_score.rhs=nvfp4/block16]",
+                  head_k=256).variant == "chunk"
     wide = choose("gdn[chunk=64; acc.output_score=bf16:32]", head_k=256)
     assert wide.variant == "reference" and "GDN's backward with a rounded pair product" in dict(wide.rejected)["chunk"]
     for text in ("kda[chunk=64; q.state_read.rhs=fp8_e4m3/row]", "kda[chunk=64; solve=neumann:3]",
-                 "kda[chunk=64; q.key_interaction.lhs=fp8_e4m3/row]", "gdn[chunk=64; solve=neumann:3]",
+                 "kda[chunk=64; solve=neumann:3; q.key_interaction.lhs=fp8_e4m3/row]", "gdn[chunk=64; solve=neumann:3]",
                  "gdn[chunk=64; q.output_state.rhs=fp8_e4m3/row]", "gdn[chunk=64; q.key_interaction.rhs=fp8_e4m3/row]"):
         assert choose(text, head_k=128).variant == "chunk"
         wide = choose(text, head_k=256)

@@ -51,10 +51,11 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     dg = scratch(g.shape, g.dtype, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
+    rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
     launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (triton.cdiv(V, BV), N * HV),
            q, k, parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens, lay.chunk_offsets,
            scale, T, USE_INITIAL_STATE=initial_state is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-           config=launch_config("bwd_dh", BK, C), **common)
+           config=launch_config("bwd_dh", BK, C, rounds), **common)
     if lay.NT:
         chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
         heads = HV * (1 if cu_seqlens is not None else B)

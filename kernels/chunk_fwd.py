@@ -129,6 +129,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
+    rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, triton.cdiv(K, BKG)),
@@ -153,11 +154,11 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                **dict(common, BK=BK_intra))
     launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
            k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
-           BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C), **common)
+           BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C, rounds), **common)
     if lay.NT and need_output:
         launch(kernels["o"], (triton.cdiv(V, BV_io), chunks_per_row, heads),
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_io, config=launch_config("fwd_o", BK, C), **common)
+               BV=BV_io, config=launch_config("fwd_o", BK, C, rounds), **common)
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)

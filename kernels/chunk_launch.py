@@ -32,8 +32,9 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
-    """stage: one of fwd_cumsum, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg."""
+def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) -> LaunchConfig:
+    """stage: one of fwd_cumsum, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
+    ``rounds_operands``: the spec rounds GEMM operands or emulates accumulators (more live tiles per stage)."""
     if stage not in ("fwd_cumsum", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra", "bwd_pairs",
                      "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
@@ -45,10 +46,12 @@ def launch_config(stage: str, BK: int, C: int) -> LaunchConfig:
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
-    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh"):
+    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not rounds_operands:
         # LAQAT_AUTOTUNE on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
         # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills).
-        # Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh) per thread on sm_90
+        # Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh) per thread on sm_90;
+        # nor with rounded operands (KDA, all FP8 sites: four warps spill 632 B (h), 336 B (o), 3.5 KB (dh);
+        # eight: 72 B, none, 1.2 KB)
         warps, stages = 4, 2 if stage == "fwd_o" else 1
     if stage == "bwd_intra" and C * BK >= 2048:
         warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (H200, autotuned)

@@ -69,10 +69,23 @@ def _row_operands(p: ChunkParams, k: str, q: str, rows: str, tag: str = "") -> s
         _op(p, "output_score.lhs", q, 1, q.replace("b_q", "b_ql"), (rows, "BK"), "b_gam_q", tag))
 
 
+def shares_pair_rhs(p: ChunkParams) -> bool:
+    """key_interaction.rhs and output_score.rhs round the same rows k_j e^(G_i - G_j) (i > j; they differ
+    only on the diagonal) in the same per-row format: one QDQ serves both. P's diagonal, where they
+    differ, is never read (A is strictly lower; dP is masked to i > j). NVFP4's global amaxes differ
+    (the causal tile holds the diagonal), so NVFP4 rounds twice."""
+    ops = dict(p.operands)
+    lhs, rhs = ops.get("key_interaction.rhs"), ops.get("output_score.rhs")
+    return lhs == rhs and (lhs is None or not lhs.startswith("nvfp4"))
+
+
 def _pair_operands(p: ChunkParams) -> str:
-    """The rounded rhs of every pair (i, j) of column j: b_pkq (strict, j < i), b_pqq (causal, j <= i)."""
-    return lines(_op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq", ("BC", "BK"), "b_gam_pk"),
-                 _op(p, "output_score.rhs", "b_pq", 1, "b_pqq", ("BC", "BK"), "b_gam_pq"))
+    """The rounded rhs of every pair (i, j) of column j: b_pkq (key_interaction, read where j < i) and
+    b_pqq (output_score, j <= i)."""
+    pq = _op(p, "output_score.rhs", "b_pq", 1, "b_pqq", ("BC", "BK"), "b_gam_pq")
+    if shares_pair_rhs(p):
+        return lines(pq, "b_pkq = b_pqq  # q.key_interaction.rhs: the same rows, the same rounding")
+    return lines(_op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq", ("BC", "BK"), "b_gam_pk"), pq)
 
 
 def amax_values(p: ChunkParams) -> dict[str, str]:

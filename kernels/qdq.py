@@ -1,4 +1,4 @@
-"""QDQ as Triton device functions, written arithmetically, plus small test launchers.
+"""QDQ as Triton device functions (arithmetic, or the GPU's E4M3 conversion), plus small test launchers.
 
 Use the ``@triton.jit`` functions inside other kernels::
 
@@ -7,8 +7,9 @@ Use the ``@triton.jit`` functions inside other kernels::
     b_h = qdq_fp8_e4m3(b_h, b_s)
 
 They round bit-identically to ``la_compiler.quant.formats`` (the torch reference): E4M3
-through the exponent read from the fp32 bits (step 2^(e-3), e >= -6), never through a cast
-to tl.float8e4nv (the interpreter's cast is wrong at binade edges, triton-lang/triton#8322);
+through the GPU's conversion instruction where it has one (``hardware_fp8_cast``), else through
+the exponent read from the fp32 bits (step 2^(e-3), e >= -6), never through the interpreter's
+cast to tl.float8e4nv (wrong at binade edges, triton-lang/triton#8322);
 every quotient uses ``tl.div_rn`` (``/`` is not correctly rounded on NVIDIA GPUs); clamps
 are written with ``tl.where`` so NaN passes through on every backend.
 """
@@ -28,6 +29,24 @@ NVFP4_GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
 NVFP4_SCALE_FLOOR = tl.constexpr(1e-5)
 H32_SCALE_FLOOR = tl.constexpr(6e-8)
 H32_NORM = tl.constexpr(1.0 / math.sqrt(32.0))
+
+FP8_CAST_ENV = "LAQAT_QDQ_FP8_CAST"
+
+
+def hardware_fp8_cast() -> bool:
+    """Round to E4M3 with the GPU's own conversion (cvt.rn.satfinite.e4m3x2.f32, sm_89 and later: round to
+    nearest even, NaN kept; the QDQ clamps to +-448 first, so saturation never decides). Never under the
+    interpreter, whose cast is wrong at binade edges (triton-lang/triton#8322); LAQAT_QDQ_FP8_CAST=0
+    forces the arithmetic form on a GPU too (tests/kernels/test_qdq_triton.py checks both bit for bit)."""
+    choice = os.environ.get(FP8_CAST_ENV, "1")
+    if choice not in ("0", "1"):
+        raise ValueError(f"{FP8_CAST_ENV} must be 0 or 1, got {choice!r}")
+    if choice == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+FP8_CAST = tl.constexpr(hardware_fp8_cast())  # read when this module is imported (by the first kernel load)
 
 FORMAT_IDS = {"fp8_e4m3": 0, "int8": 1, "e2m1": 2, "log_grid": 3, "int8_h32": 4}
 
@@ -82,6 +101,8 @@ def round_half_away(v):
 @triton.jit
 def round_e4m3(v):
     """Round v (|v| <= 448 or NaN) to the nearest E4M3 value, ties to even, subnormals kept."""
+    if FP8_CAST:
+        return v.to(tl.float8e4nv).to(tl.float32)
     b_a = tl.where(v == v, tl.abs(v), 0.0)
     b_e = ((b_a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     b_e = tl.maximum(b_e, -6)  # below 2^-6 the E4M3 grid is the subnormal step 2^-9

@@ -64,6 +64,7 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (intra key block 16)": {},  # LAQAT_CHUNK_KEY_BLOCK=16
     "laqat exact (bwd key block 32)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=32: KDA's backward intra and pairs stages
     "laqat exact (key blocks 32 / bwd 32)": {},
+    "laqat FP8 all sites (autotuned)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -74,6 +75,7 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (intra key block 16)": {"LAQAT_CHUNK_KEY_BLOCK": "16"},
     "laqat exact (bwd key block 32)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
     "laqat exact (key blocks 32 / bwd 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32", "LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
+    "laqat FP8 all sites (autotuned)": {"LAQAT_AUTOTUNE": "1"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 

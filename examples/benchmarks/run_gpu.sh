@@ -34,6 +34,8 @@
 #   session6  KDA's rounded pair kernels: exactness (cases 8-10), the FP8 all-sites / NVFP4 rows at the two large
 #             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
 #   train20   FP8-state training, 20 steps
+#   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
+#   qdqchecks QDQ device functions on the GPU with and without its E4M3 conversion; the QDQ exactness cases
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
 # `timed pack bundle`, `final bundle`.
@@ -165,6 +167,20 @@ for stage in $stages; do
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
+    allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps
+               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands,laqat FP8 all sites (autotuned)" \
+                 --no-emulation-above 65536 --profile "laqat FP8 all sites,laqat NVFP4 operands"
+               cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
+               LAQAT_QDQ_FP8_CAST=0 OUT=$OUT/kda_arith timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 8x4096x16x128 --policies "laqat FP8 all sites" --no-emulation-above 0 --no-fla ;;
+    qdqchecks) # the QDQ device functions bit for bit with the GPU's E4M3 conversion and without; QDQ exactness cases
+               OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 4,5,9,10 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py
+               LAQAT_QDQ_FP8_CAST=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py
+               wait; cat "$OUT/exact_ieee.log" ;;
     fla)       timeout 300 python3 $B/fla_frontend_gpu_check.py ;;
     qdq)       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py ;;
     *) echo "unknown stage $stage" ;;

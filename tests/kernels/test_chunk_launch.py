@@ -44,6 +44,8 @@ def test_refusal_at_one_stage_and_other_errors_propagate():
 def test_launch_table():
     assert launch_config("fwd_h", 128, 64) == LaunchConfig(4, 1)
     assert launch_config("fwd_h", 256, 64) == LaunchConfig(8, 1)  # four warps measured at K = 128 only
+    assert launch_config("bwd_dh", 128, 64, rounds_operands=True) == LaunchConfig(8, 1)  # four spill 3.5 KB
+    assert launch_config("fwd_pairs", 128, 64) == LaunchConfig(8, 1)  # KDA's rounded pairs: whole key rows
     assert launch_config("fwd_o", 128, 64) == LaunchConfig(4, 2)
     assert launch_config("bwd_intra", 32, 64) == LaunchConfig(8, 3)
     assert launch_config("bwd_intra", 64, 64) == LaunchConfig(8, 3)

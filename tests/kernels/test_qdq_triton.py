@@ -111,3 +111,14 @@ def test_launchers_reject_bad_shapes():
         K.qdq_tile(torch.randn(2, 4, 48, device=DEVICE), "int8_h32", 64)
     with pytest.raises(ValueError, match="multiple of 16"):
         K.qdq_nvfp4(torch.randn(4, 24, device=DEVICE))
+
+
+def test_hardware_fp8_cast_choice(monkeypatch):
+    """The GPU's E4M3 conversion is never taken under the interpreter (its cast is wrong at binade edges);
+    a bad LAQAT_QDQ_FP8_CAST is refused by name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(K.FP8_CAST_ENV, "1")
+    assert K.hardware_fp8_cast() is False
+    monkeypatch.setenv(K.FP8_CAST_ENV, "yes")
+    with pytest.raises(ValueError, match="LAQAT_QDQ_FP8_CAST"):
+        K.hardware_fp8_cast()

@@ -334,6 +334,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
         where="chunk_bwd_intra")
     kernels = [dh, intra]
     if split and kda_rounds_pairs(p):
+        kernels.append(SUB_DOT_HELPER)
         kernels.append(render(template("chunk_bwd_pairs_rounded"), {
             "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), **chunk_pair_rounding.bwd_values(p)},
             where="chunk_bwd_pairs_rounded"))

@@ -35,6 +35,7 @@
 #             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
+#   table6    KDA, every policy at the three shapes, the rounded rows' kernels split
 #   qdqchecks QDQ device functions on the GPU with and without its E4M3 conversion; the QDQ exactness cases
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
 # A session's calls: `checks pack bundle`, then with .gpu-cache/ (the caches.tgz.* that came back) carried:
@@ -175,6 +176,9 @@ for stage in $stages; do
                cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
                LAQAT_QDQ_FP8_CAST=0 OUT=$OUT/kda_arith timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
                  --shapes 8x4096x16x128 --policies "laqat FP8 all sites" --no-emulation-above 0 --no-fla ;;
+    table6)    # the sixth session's KDA table: every policy at the three shapes (kernels of the rounded rows split)
+               OUT=$OUT/kda timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
+                 --no-emulation-above 65536 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;
     qdqchecks) # the QDQ device functions bit for bit with the GPU's E4M3 conversion and without; QDQ exactness cases
                OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 4,5,9,10 \
                  >"$OUT/exact_ieee.log" 2>&1 &

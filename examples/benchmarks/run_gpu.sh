@@ -35,6 +35,7 @@
 #             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
+#   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
 #   table6    KDA, every policy at the three shapes, the rounded rows' kernels split
 #   qdqchecks QDQ device functions on the GPU with and without its E4M3 conversion; the QDQ exactness cases
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
@@ -176,6 +177,10 @@ for stage in $stages; do
                cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
                LAQAT_QDQ_FP8_CAST=0 OUT=$OUT/kda_arith timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
                  --shapes 8x4096x16x128 --policies "laqat FP8 all sites" --no-emulation-above 0 --no-fla ;;
+    rounded)   # the FP8 all-sites / NVFP4 rows at the two large shapes, kernels split (after a rounded-pair change)
+               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x4096x16x128,8x4096x16x128 --policies "laqat exact,laqat FP8 all sites,laqat NVFP4 operands" \
+                 --no-emulation-above 0 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;
     table6)    # the sixth session's KDA table: every policy at the three shapes (kernels of the rounded rows split)
                OUT=$OUT/kda timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
                  --no-emulation-above 65536 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;

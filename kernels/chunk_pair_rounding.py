@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from la_compiler.kernels.chunk_snippets import PAIRWISE_SITES, _nvfp4, _op, acc_row_sum, lines
+from la_compiler.kernels.codegen import render
 
 if TYPE_CHECKING:
     from la_compiler.kernels.chunk_codegen import ChunkParams
@@ -46,6 +47,64 @@ PAIR_ROW = lines(
     "b_ki = tl.load(k + x_i, mask=m_k[None, :], other=0).to(tl.float32)",
     "b_qi = tl.load(q + x_i, mask=m_k[None, :], other=0).to(tl.float32)",
     "b_gi = tl.load(g_cum + ((x_c + i) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0)")
+
+
+# the backward's column side: rows i in the blocks after this one, as products through its last real row l
+COLUMN_BLOCKS = '''# column side, rows i in blocks after this one: e^(G_i - G_j) = e^(G_i - G_l) e^(G_l - G_j) through this
+# block's last real row l; d(k_j e^(G_i - G_j)) summed over i is a product with the rounded lhs rows
+r_l = tl.minimum(i_s * BC + BC - 1, n_real - 1)
+b_gl = tl.load(g_cum + ((x_c + r_l) * HV + i_hv) * K + o_k, mask=m_k, other=0)
+b_dR = tl.zeros([BC, BK], dtype=tl.float32)
+for i_i in range(i_s + 1, C // BC):
+    r_i = i_i * BC + o_r
+    m_i = r_i < n_real
+    m_ik = m_i[:, None] & m_k[None, :]
+    x_i = ((x_c + r_i) * H + i_h)[:, None] * K + o_k[None, :]
+    b_kb = tl.load(k + x_i, mask=m_ik, other=0).to(tl.float32)
+    b_qb = tl.load(q + x_i, mask=m_ik, other=0).to(tl.float32)
+    ${BLOCK_OPERANDS}
+    b_ei = tl.exp(tl.where(m_i[:, None], tl.load(g_cum + ((x_c + r_i) * HV + i_hv)[:, None] * K + o_k[None, :],
+                                                 mask=m_ik, other=0) - b_gl[None, :], 0.0))
+    x_pi = ((x_c + r_i) * HV + i_hv) * (2 * C)
+    b_dPt = tl.load(dpair + x_pi[None, :] + r_b[:, None], mask=m_i[None, :], other=0)
+    b_dQt = tl.load(dpair + x_pi[None, :] + C + r_b[:, None], mask=m_i[None, :], other=0)
+    b_dR += _sub_dot(b_dPt, b_klb * b_ei, DOT_PRECISION, BC >= 16) \\
+        + _sub_dot(b_dQt, b_qlb * b_ei, DOT_PRECISION, BC >= 16)
+b_er = tl.exp(tl.where(m_b[:, None], b_gl[None, :] - b_G, 0.0))
+b_dk += b_er * b_dR
+b_dG -= b_er * b_k * b_dR
+'''
+
+# the backward's column side, rows i one by one: of this block (after COLUMN_BLOCKS), or of every later block
+COLUMN_ROWS = '''for i in range(i_s * BC, tl.minimum(n_real, ${ROWS_END})):
+    ${PAIR_ROW}
+    ${ROW_I_OPERANDS}
+    x_pi = ((x_c + i) * HV + i_hv) * (2 * C)
+    b_dPi = tl.load(dpair + x_pi + r_b, mask=r_b < i, other=0)
+    b_dQi = tl.load(dpair + x_pi + C + r_b, mask=r_b <= i, other=0)
+    b_e = tl.exp(tl.where((r_b <= i)[:, None], b_gi - b_G, 0.0))
+    b_x = (b_dPi[:, None] * b_kli + b_dQi[:, None] * b_qli) * b_e
+    b_dk += b_x
+    b_dG -= b_x * b_k
+'''
+
+
+def column_side_by_products(p: ChunkParams) -> bool:
+    """The backward's column side takes the blocks after the sub-chunk as products unless an lhs row is
+    NVFP4-rounded: its [BC x K] block QDQ made the kernel slower on the H200 (KDA [8,4096,16,128], f+b ms of
+    the backward pairs kernel: FP8 all sites 11.9 by products against 13.4 row by row; NVFP4 32.2 against 24.8)."""
+    return not any(_nvfp4(p, f"{site}.lhs") for site in PAIRWISE_SITES)
+
+
+def _column_side(p: ChunkParams) -> str:
+    row_values = {"PAIR_ROW": PAIR_ROW, "ROW_I_OPERANDS": _row_operands(p, "b_ki", "b_qi", "1", tag="_i")}
+    if not column_side_by_products(p):
+        return render(COLUMN_ROWS, {**row_values, "ROWS_END": "C"}, where="rounded pairs column rows")
+    return lines(
+        render(COLUMN_BLOCKS, {"BLOCK_OPERANDS": _row_operands(p, "b_kb", "b_qb", "BC", tag="_blk")},
+               where="rounded pairs column blocks"),
+        "# column side, rows i of this block (i >= j), one by one",
+        render(COLUMN_ROWS, {**row_values, "ROWS_END": "i_s * BC + BC"}, where="rounded pairs column rows"))
 
 
 def kda_pairs_nvfp4(p: ChunkParams) -> bool:
@@ -106,6 +165,4 @@ def fwd_values(p: ChunkParams) -> dict[str, str]:
 def bwd_values(p: ChunkParams) -> dict[str, str]:
     return {
         "ROWS": ROWS, "GLOBAL_AMAX": _global_amax(p), "ROW_OPERANDS": _row_operands(p, "b_k", "b_q", "BC"),
-        "PAIR_COLUMN": PAIR_COLUMN, "PAIR_OPERANDS": _pair_operands(p),
-        "PAIR_ROW": PAIR_ROW, "ROW_I_OPERANDS": _row_operands(p, "b_ki", "b_qi", "1", tag="_i"),
-        "BLOCK_OPERANDS": _row_operands(p, "b_kb", "b_qb", "BC", tag="_blk")}
+        "PAIR_COLUMN": PAIR_COLUMN, "PAIR_OPERANDS": _pair_operands(p), "COLUMN_SIDE": _column_side(p)}

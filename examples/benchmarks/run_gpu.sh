@@ -36,6 +36,7 @@
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
+#   final6    the final rounded pair kernels: exactness cases 9, 10, FP8 all sites / NVFP4 at [8,4096,16,128]
 #   table6    KDA, every policy at the three shapes, the rounded rows' kernels split
 #   qdqchecks QDQ device functions on the GPU with and without its E4M3 conversion; the QDQ exactness cases
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
@@ -181,6 +182,13 @@ for stage in $stages; do
                OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
                  --shapes 1x4096x16x128,8x4096x16x128 --policies "laqat exact,laqat FP8 all sites,laqat NVFP4 operands" \
                  --no-emulation-above 0 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;
+    final6)    # the final rounded pair kernels: exactness cases 9, 10 and the two rounded rows at [8,4096,16,128]
+               OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 9,10 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --policies "laqat FP8 all sites,laqat NVFP4 operands" --no-emulation-above 0 \
+                 --profile "laqat FP8 all sites,laqat NVFP4 operands"
+               wait; cat "$OUT/exact_ieee.log" ;;
     table6)    # the sixth session's KDA table: every policy at the three shapes (kernels of the rounded rows split)
                OUT=$OUT/kda timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
                  --no-emulation-above 65536 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;

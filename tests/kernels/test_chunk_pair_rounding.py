@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_source, kda_pairs_kernel, kda_splits_pair_grads
+from la_compiler.kernels.chunk_pair_rounding import column_side_by_products
 from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 from la_compiler.spec import RecurrenceSpec
@@ -24,7 +25,8 @@ PAIR_SITES = ("key_interaction.lhs", "key_interaction.rhs", "output_score.lhs", 
 def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
     """Sub-chunks of C / 2 rows (2 per chunk), several chunks per sequence, partial last chunks and an
     empty sequence (varlen), grouped value heads, K = 32 (two NVFP4 blocks per row). The NVFP4 global
-    amaxes span the chunk: each sub-chunk program contributes its share first. The Neumann solve keeps
+    amaxes span the chunk: each sub-chunk program contributes its share first. The backward's column side
+    runs by products (FP8 / INT8) and row by row (NVFP4 lhs rows). The Neumann solve keeps
     its backward's pair gradients inside the intra kernel but takes the forward's pairs kernel."""
     if varlen:
         cu = torch.tensor([0, 13, 13, 37])
@@ -39,6 +41,7 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
     assert kda_pairs_kernel(params) and kda_rounds_pairs(params)
     assert kda_splits_pair_grads(params) == (not solve)
     assert ("fwd_kernel_pair_amax" in chunk_fwd_source(params)) == fmt.startswith("nvfp4")
+    assert column_side_by_products(params) == (not fmt.startswith("nvfp4"))  # both forms of the column side
     (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind="kda", chunk=C, **solve),

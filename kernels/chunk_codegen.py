@@ -193,8 +193,8 @@ def _kda_pairs_kernels(p: ChunkParams, program: str) -> list[str]:
         return kernels + [SUB_DOT_HELPER, render(template("chunk_fwd_pairs"), {"OP": p.kind, "PROGRAM": program},
                                                  where="chunk_fwd_pairs")]
     if chunk_pair_rounding.kda_pairs_nvfp4(p):
-        kernels.append(render(template("chunk_fwd_pair_amax"), {
-            "OP": p.kind, "PROGRAM": program, **chunk_pair_rounding.amax_values(p)}, where="chunk_fwd_pair_amax"))
+        kernels.append(render(template("chunk_fwd_pair_amax"), {"OP": p.kind, "PROGRAM": program},
+                              where="chunk_fwd_pair_amax"))
     return kernels + [render(template("chunk_fwd_pairs_rounded"), {
         "OP": p.kind, "PROGRAM": program, **chunk_pair_rounding.fwd_values(p)}, where="chunk_fwd_pairs_rounded")]
 

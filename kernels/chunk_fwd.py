@@ -124,8 +124,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
     BC = p.sub_chunk
-    # NVFP4 pairwise operands: each sub-chunk's share of the chunk-wide amaxes (pk, pq, |K|, |Q|)
-    pair_amax = scratch((chunks_per_row, heads, C // BC, 4), f32, dev) if kda_pairs_nvfp4(p) else None
+    # NVFP4 pairwise operands: the chunk-wide amaxes (pk, pq, |K|, |Q|)
+    pair_amax = scratch((chunks_per_row, heads, 4), f32, dev) if kda_pairs_nvfp4(p) else None
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
@@ -139,9 +139,9 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         BKP = BK if rounded else BKG
         sub_grid = (chunks_per_row * (C // BC), heads)
         if pair_amax is not None:
-            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), sub_grid,
-                   q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP,
-                   IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_pairs", BKP, C))
+            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
+                   q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
+                   IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_pair_amax", BKP, C))
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
                q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
                H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,

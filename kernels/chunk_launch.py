@@ -33,10 +33,10 @@ class LaunchConfig:
 
 
 def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) -> LaunchConfig:
-    """stage: one of fwd_cumsum, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
+    """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
     ``rounds_operands``: the spec rounds GEMM operands or emulates accumulators (more live tiles per stage)."""
-    if stage not in ("fwd_cumsum", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra", "bwd_pairs",
-                     "bwd_dg"):
+    if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
+                     "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
     if stage in ("fwd_pairs", "bwd_pairs") and BK >= 128:
         # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps take 233 (forward) and 255

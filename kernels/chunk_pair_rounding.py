@@ -1,5 +1,4 @@
-"""Template values of KDA's rounded pair-product kernels (chunk_fwd_pair_amax, chunk_fwd_pairs_rounded,
-chunk_bwd_pairs_rounded): key_interaction / output_score rounded per pair, one sub-chunk of rows per program.
+"""Template values of KDA's rounded pair-product kernels (chunk_fwd_pairs_rounded, chunk_bwd_pairs_rounded): key_interaction / output_score rounded per pair, one sub-chunk of rows per program.
 
 The pairwise operand k_j e^(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so
 these kernels hold whole key rows ([BC x K] tiles) and run column by column. Where the reference
@@ -116,12 +115,12 @@ def _global_amax(p: ChunkParams) -> str:
     if not kda_pairs_nvfp4(p):
         return "# no NVFP4 pairwise operand: no chunk-wide amax"
     return lines(
-        "# NVFP4's global amax of each pairwise operand: the max of the chunk's sub-chunk shares",
-        "x_am = ((i_c * tl.num_programs(1) + i_bh) * (C // BC) + tl.arange(0, C // BC)) * 4",
-        "b_gam_pk = tl.max(tl.load(pair_amax + x_am), axis=0)",
-        "b_gam_pq = tl.max(tl.load(pair_amax + x_am + 1), axis=0)",
-        "b_gam_k = tl.max(tl.load(pair_amax + x_am + 2), axis=0)",
-        "b_gam_q = tl.max(tl.load(pair_amax + x_am + 3), axis=0)")
+        "# NVFP4's global amax of each pairwise operand over the chunk (chunk_kda_fwd_kernel_pair_amax)",
+        "x_am = (i_c * tl.num_programs(1) + i_bh) * 4",
+        "b_gam_pk = tl.load(pair_amax + x_am)",
+        "b_gam_pq = tl.load(pair_amax + x_am + 1)",
+        "b_gam_k = tl.load(pair_amax + x_am + 2)",
+        "b_gam_q = tl.load(pair_amax + x_am + 3)")
 
 
 def _row_operands(p: ChunkParams, k: str, q: str, rows: str, tag: str = "") -> str:
@@ -148,10 +147,6 @@ def _pair_operands(p: ChunkParams) -> str:
     if shares_pair_rhs(p):
         return lines(pq, "b_pkq = b_pqq  # q.key_interaction.rhs: the same rows, the same rounding")
     return lines(_op(p, "key_interaction.rhs", "b_pk", 1, "b_pkq", ("BC", "BK"), "b_gam_pk"), pq)
-
-
-def amax_values(p: ChunkParams) -> dict[str, str]:
-    return {"ROWS": ROWS, "PAIR_COLUMN": PAIR_COLUMN}
 
 
 def fwd_values(p: ChunkParams) -> dict[str, str]:

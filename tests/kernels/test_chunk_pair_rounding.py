@@ -48,3 +48,39 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
                                           scale=0.4, initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, exact) > 10 * rel_l2(o, o_ref)  # the rounding is really there
     _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+
+
+def test_nvfp4_pair_amax_is_the_pair_tiles_max():
+    """chunk_kda_fwd_kernel_pair_amax takes the amax of the chunk's [C x C x K] pair tiles from a reverse
+    running max of G (O(C x K)): it must equal the max over the tile the reference rounds (zero-padded
+    chunks, so a sequence's last real row meets padded rows i with e^0 = 1), for j < i and j <= i, and of
+    |K| / |Q| over the chunk. Growing and decaying channels (g of both signs), a packed batch whose chunks
+    end mid-way and one longer than a chunk (row C is the next chunk's: excluded)."""
+    from la_compiler.kernels.chunk_fwd import chunk_fwd, chunk_layout
+    from la_compiler.kernels.chunk_reference import _pair_decay, _to_chunks
+    from la_compiler.kernels.reference import sequence_bounds
+
+    C = 16
+    cu = torch.tensor([0, 5, 5, 40])
+    q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=40, H=1, HV=2, K=32, V=8, N=3, dtype=torch.float32)
+    g = g + 0.3 * torch.randn_like(g)  # some channels grow: the largest G is not always the latest row's
+    spec = RecurrenceSpec(kind="kda", chunk=C).replace(quant={"output_score.rhs": "nvfp4/block16"})
+    parts = {}
+    chunk_fwd(ChunkParams.from_spec(spec), q, k, v, g, beta, 0.4, h0, cu, intermediates=parts)
+    seqs = sequence_bounds(1, 40, cu)
+    NC = 3
+    G = _to_chunks(g.double(), seqs, NC, C).cumsum(3)  # [N, HV, NC, C, K]
+    Kc = _to_chunks(k.double().expand(-1, -1, 2, -1), seqs, NC, C)
+    Qc = _to_chunks(q.double().expand(-1, -1, 2, -1), seqs, NC, C)
+    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    lay = chunk_layout(1, 40, C, cu)
+    got = parts["pair_amax"].double()  # [chunks, heads, 4]
+    rows = [(n, c) for n, (_, s, e) in enumerate(seqs) for c in range((e - s + C - 1) // C)]
+    assert len(rows) == lay.NT == got.shape[0]
+    for i_chunk, (n, c) in enumerate(rows):
+        for hv in range(2):
+            kc, Gc = Kc[n, hv, c], G[n, hv, c]
+            strict = (kc[None, :, :] * _pair_decay(Gc, causal.tril(-1))).abs().max()
+            full = (kc[None, :, :] * _pair_decay(Gc, causal)).abs().max()
+            want = torch.stack([strict, full, kc.abs().max(), Qc[n, hv, c].abs().max()])
+            torch.testing.assert_close(got[i_chunk, hv], want, rtol=1e-6, atol=0)

@@ -37,6 +37,7 @@
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
 #   final6    the final rounded pair kernels: exactness cases 9, 10, FP8 all sites / NVFP4 at [8,4096,16,128]
+#   emul4096  KDA [1,4096,16,128]: exact, FP8 all sites, NVFP4 and the torch emulation in one run
 #   table6    KDA, every policy at the three shapes, the rounded rows' kernels split
 #   qdqchecks QDQ device functions on the GPU with and without its E4M3 conversion; the QDQ exactness cases
 #   bundle    every log and JSON under $OUT into $OUT/results.tgz (the device returns at most 8 files)
@@ -189,6 +190,9 @@ for stage in $stages; do
                  --policies "laqat FP8 all sites,laqat NVFP4 operands" --no-emulation-above 0 \
                  --profile "laqat FP8 all sites,laqat NVFP4 operands"
                wait; cat "$OUT/exact_ieee.log" ;;
+    emul4096)  # the rounded rows against the torch emulation in one run, KDA [1,4096,16,128]
+               OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 1x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 all sites,laqat NVFP4 operands" --no-emulation-above 65536 ;;
     table6)    # the sixth session's KDA table: every policy at the three shapes (kernels of the rounded rows split)
                OUT=$OUT/kda timeout 420 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
                  --no-emulation-above 65536 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;

@@ -66,8 +66,9 @@ def chunk_delta_rule_reference(
     ``spec`` gives the kind, chunk size, solve, state layout and (unless ``rounding`` is
     passed) the quant sites. Differentiable with torch autograd; every QDQ passes gradients
     straight through (that comes from the rounding callables). ``record``, if given, receives
-    the rounded intermediates the kernels also hold: "w" [N, HV, NC, C, K] and "h" (the
-    chunk-start states) [N, HV, NC, K, V], for counting rounding flips in tests.
+    the rounded intermediates the kernels also hold: "w" [N, HV, NC, C, K], "h" (the
+    chunk-start states) [N, HV, NC, K, V], and the products of the pairwise sites "A" (strict,
+    beta applied) and "A_qk" (causal, scaled) [N, HV, NC, C, C], for counting rounding flips in tests.
     """
     spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
     if spec.phase != "none":
@@ -138,7 +139,7 @@ def chunk_delta_rule_reference(
 
     O = torch.stack(outputs, 2)  # [N, HV, NC, C, V]
     if record is not None:
-        record.update(w=W, h=torch.stack(starts, 2))
+        record.update(w=W, h=torch.stack(starts, 2), A=A, A_qk=A_qk)
     o = _from_chunks(O, seqs, B, T)
     final = S.transpose(-1, -2) if spec.state == "vk" else S
     return o, final

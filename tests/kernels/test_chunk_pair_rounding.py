@@ -6,12 +6,13 @@ import torch
 
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_source, kda_pairs_kernel, kda_splits_pair_grads
 from la_compiler.kernels.chunk_pair_rounding import column_side_by_products
-from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
+from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
+from la_compiler.kernels.reference import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import make_inputs
-from tests.kernels.test_chunk_kernels import QDQ_TOL, _assert_backward_matches, _run
+from tests.kernels.test_chunk_kernels import MAX_FLIP_FRACTION, QDQ_TOL, _assert_backward_matches, _flips, _run
 
 PAIR_SITES = ("key_interaction.lhs", "key_interaction.rhs", "output_score.lhs", "output_score.rhs")
 
@@ -23,7 +24,8 @@ PAIR_SITES = ("key_interaction.lhs", "key_interaction.rhs", "output_score.lhs", 
     ("fp8_e4m3/row", None, 16, False, dict(solve="neumann", degree=3)),
 ])
 def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
-    """Sub-chunks of C / 2 rows (2 per chunk), several chunks per sequence, partial last chunks and an
+    """A and A_qk (the rounded pair operands' products) element for element against the rounding reference,
+    flips counted and bounded; forward, final state and every gradient. Sub-chunks of C / 2 rows (2 per chunk), several chunks per sequence, partial last chunks and an
     empty sequence (varlen), grouped value heads, K = 32 (two NVFP4 blocks per row). The NVFP4 global
     amaxes span the chunk: each sub-chunk program contributes its share first. The backward's column side
     runs by products (FP8 / INT8) and row by row (NVFP4 lhs rows). The Neumann solve keeps
@@ -42,8 +44,21 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
     assert kda_splits_pair_grads(params) == (not solve)
     assert ("fwd_kernel_pair_amax" in chunk_fwd_source(params)) == fmt.startswith("nvfp4")
     assert column_side_by_products(params) == (not fmt.startswith("nvfp4"))  # both forms of the column side
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    # the products of the rounded pair operands element for element: A = beta P (strict) and A_qk, flips counted
+    B, T = inputs[0].shape[:2]
+    seqs = sequence_bounds(B, T, cu)
+    NC = ref["A"].shape[2]
+    strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
+    P = _to_chunks(parts["p_pairs"].double(), seqs, NC, C)  # unwritten above the diagonal: masked here
+    A = torch.where(strict, P * _to_chunks(inputs[4].double(), seqs, NC, C)[..., None], 0.0)
+    A_qk = _to_chunks(parts["A_qk"].double(), seqs, NC, C)
+    for name, got in (("A", A), ("A_qk", A_qk)):
+        want = ref[name]
+        flips = _flips(got, want, want.abs().amax((-2, -1), keepdim=True))
+        print(f"{fmt} {name}: {flips} of {want.numel()} elements off by more than fp32 noise")
+        assert flips <= MAX_FLIP_FRACTION * want.numel(), name
     exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind="kda", chunk=C, **solve),
                                           scale=0.4, initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, exact) > 10 * rel_l2(o, o_ref)  # the rounding is really there
@@ -57,8 +72,7 @@ def test_nvfp4_pair_amax_is_the_pair_tiles_max():
     |K| / |Q| over the chunk. Growing and decaying channels (g of both signs), a packed batch whose chunks
     end mid-way and one longer than a chunk (row C is the next chunk's: excluded)."""
     from la_compiler.kernels.chunk_fwd import chunk_fwd, chunk_layout
-    from la_compiler.kernels.chunk_reference import _pair_decay, _to_chunks
-    from la_compiler.kernels.reference import sequence_bounds
+    from la_compiler.kernels.chunk_reference import _pair_decay
 
     C = 16
     cu = torch.tensor([0, 5, 5, 40])

@@ -169,7 +169,6 @@ for i_k in range(0, tl.cdiv(K, BK)):
     r_qk = ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :]
     b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)
     b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)
-    ${LOAD_KEY_DECAY}
     ${PAIR_PRODUCTS}
 ${PAIRS_DONE}"""
 
@@ -202,7 +201,7 @@ def _kda_pairs_kernels(p: ChunkParams, program: str) -> list[str]:
 def chunk_fwd_source(p: ChunkParams) -> str:
     fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
     if p.kind == "gdn":
-        pairs = render(_PAIRS_BY_KEY_BLOCKS, {"LOAD_KEY_DECAY": fwd["LOAD_KEY_DECAY"], "PAIR_PRODUCTS": gdn_pair_block(p),
+        pairs = render(_PAIRS_BY_KEY_BLOCKS, {"PAIR_PRODUCTS": gdn_pair_block(p),
                                               "PAIRS_DONE": GDN_PAIRS_DECAY}, where="chunk_fwd_intra pairs")
     else:
         pairs = _PAIRS_FROM_KERNEL

@@ -432,7 +432,7 @@ def _pair_operands(p: ChunkParams, pk: str, pq: str) -> str:
                  _indent(_op(p, "output_score.rhs", "b_pq", 1, pq, ("C", "BK"), "b_gam_pq")))
 
 
-def kda_pairs_rounded(p: ChunkParams, init: bool = True) -> str:
+def kda_pairs_rounded(p: ChunkParams) -> str:
     """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
     k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column
     (over all key columns at once: ``pairs_need_all_keys``)."""
@@ -441,8 +441,8 @@ def kda_pairs_rounded(p: ChunkParams, init: bool = True) -> str:
         _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
         _op(p, "output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
         _pair_amax(p),
-        "b_P = tl.zeros([C, C], dtype=tl.float32)" if init else "",
-        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)" if init else "",
+        "b_P = tl.zeros([C, C], dtype=tl.float32)",
+        "b_Pqk = tl.zeros([C, C], dtype=tl.float32)",
         "for j in range(0, C):",
         *_PAIR_ROWS,
         _pair_operands(p, "b_pk_q", "b_pq_q"),
@@ -520,7 +520,6 @@ GDN_FWD = {
         "b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"
         "tl.store(g_cum + r_hv, b_G, mask=m_c)"),
-    "LOAD_KEY_DECAY": "",
     "KEY_BLOCK_DECAY": "",
     "KEY_DECAY": "tl.exp(b_G)[:, None]",
     "CHUNK_DECAY": (
@@ -535,11 +534,6 @@ GDN_FWD = {
 
 KDA_FWD = {
     "LOAD_DECAY": "",
-    "LOAD_KEY_DECAY": (  # per key block: G = cumsum(g) channel by channel
-        "b_g = tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)\n"
-        "b_G = tl.cumsum(b_g, 0)\n"
-        "tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], b_G, mask=m_ck)\n"
-        "tl.debug_barrier()  # the pair products gather rows of g_cum written just now"),
     "KEY_BLOCK_DECAY": "b_G = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)",
     "KEY_DECAY": "tl.exp(b_G)",
     "CHUNK_DECAY": (

@@ -136,8 +136,8 @@ OPERAND_SITES = [f"{s}.{side}" for s in ("key_interaction", "wy_value", "wy_key"
 ])
 def test_operand_sites_forward_and_backward(kind, fmt, C):
     """All eight GEMM operand sites (+ state and W; KDA: per-pair rounding of its pairwise operands; NVFP4:
-    global amax over each operand tile, all of V for value-spanning operands): QDQ'd W and h element for
-    element (flips counted), outputs, and every gradient (identity STE: the products' other operands are the
+    global amax over each operand tile, all of V for value-spanning operands): QDQ'd W and h and the
+    output_score product A_qk element for element (flips counted), outputs, and every gradient (identity STE: the products' other operands are the
     rounded ones)."""
     if kind == "gdn":  # NVFP4: V = 32 makes the h stage hold two [K x 16] state tiles in its all-V tile
         inputs, cu = _case(kind, True, "kv", K=16, V=32 if fmt.startswith("nvfp4") else 16)
@@ -150,8 +150,13 @@ def test_operand_sites_forward_and_backward(kind, fmt, C):
     w_flips = _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
     h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]
     h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
-    print(f"{kind} all operand sites {fmt}: W flips {w_flips}/{w.numel()}, state flips {h_flips}/{h_sel.numel()}")
+    B, T = inputs[0].shape[:2]
+    A_qk = _to_chunks(parts["A_qk"].double(), sequence_bounds(B, T, cu), ref["A_qk"].shape[2], C)
+    a_flips = _flips(A_qk, ref["A_qk"], ref["A_qk"].abs().amax((-2, -1), keepdim=True))  # output_score's product
+    print(f"{kind} all operand sites {fmt}: W flips {w_flips}/{w.numel()}, state flips {h_flips}/{h_sel.numel()}, "
+          f"A_qk flips {a_flips}/{A_qk.numel()}")
     assert w_flips <= MAX_FLIP_FRACTION * w.numel() and h_flips <= MAX_FLIP_FRACTION * h_sel.numel()
+    assert a_flips <= MAX_FLIP_FRACTION * A_qk.numel()
     # 16 rounding sites on tiny tiles: one fp32-vs-fp64 flip of an operand element (an FP8 step is 6-12 %)
     # moves a whole row or column of the product it feeds (observed: 1.4e-3 on dq, 7.9e-3 on a 512-element
     # final state), hence ALL_SITES_TOL; the kernel must still sit far closer to the rounding reference

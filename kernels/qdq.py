@@ -43,6 +43,8 @@ def hardware_fp8_cast() -> bool:
         raise ValueError(f"{FP8_CAST_ENV} must be 0 or 1, got {choice!r}")
     if choice == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
+    if torch.version.hip is not None:  # ROCm: its capability numbers are not NVIDIA's; E4M3 there is unmeasured
+        return False
     return torch.cuda.get_device_capability() >= (8, 9)
 
 

@@ -291,13 +291,15 @@ def max_head_k(p: ChunkParams) -> tuple[int, str]:
 
 def chunk_bwd_source(p: ChunkParams) -> str:
     fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
+    split = kda_splits_pair_grads(p)
     if p.kind == "gdn":
         bwd = dict(GDN_BWD, PAIRS=gdn_pairs(p))
-    elif kda_rounds_pairs(p):
+    elif split:  # the pair products and their gradients run in chunk_kda_bwd_kernel_pairs
+        bwd = dict(KDA_BWD)
+    elif kda_rounds_pairs(p):  # the Neumann solve: pair products inside the intra kernel
         bwd = dict(KDA_BWD, PAIRS=kda_pairs_rounded(p), PAIR_GRADS=kda_pair_grads_rounded(p))
     else:
         bwd = dict(KDA_BWD, PAIRS=kda_pairs(p), PAIR_GRADS=kda_pair_grads(p))
-    split = kda_splits_pair_grads(p)
     gdn_blocks = bwd_intra_by_key_blocks(p) and p.kind == "gdn"
     ops = operand_values(p)
     state_offsets = _state_offsets(p.state)

@@ -435,7 +435,8 @@ def _pair_operands(p: ChunkParams, pk: str, pq: str) -> str:
 def kda_pairs_rounded(p: ChunkParams) -> str:
     """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
     k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column
-    (over all key columns at once: ``pairs_need_all_keys``)."""
+    over whole key rows: the Neumann solve's backward intra kernel (the exact solve's pair products run in
+    chunk_pair_rounding's kernels)."""
     return lines(
         "# column by column: the pairwise operands k_j exp(G_i - G_j) (rows (i, j) over K) are rounded per pair",
         _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),

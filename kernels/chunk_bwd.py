@@ -16,8 +16,9 @@ import triton
 
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
-from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, dot_precision, scratch
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, scratch
 from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block, launch, launch_config
+from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 
 
@@ -39,8 +40,10 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dev, f32 = q.device, torch.float32
-    dh = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
-    dv_new = scratch((B, T, HV, V), f32, dev)
+    gemm = gemm_precision(p, q.dtype)
+    mid = intermediate_dtype(gemm, q.dtype)  # of dh, dV_new (and the forward's W, U, h, V_new)
+    dh = scratch((max(lay.NT, 1), HV, K, V), mid, dev)
+    dv_new = scratch((B, T, HV, V), mid, dev)
     dh0 = scratch(state_shape, f32, dev) if initial_state is not None else None
     group = HV // H
     # per value head; summed over a group of value heads (HV > H) in fp32, else written in the input dtype
@@ -50,7 +53,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     dbeta = scratch((B, T, HV), beta.dtype, dev)
     dg = scratch(g.shape, g.dtype, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                  DOT_PRECISION=dot_precision(q.dtype))
+                  DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
     launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (triton.cdiv(V, BV), N * HV),
            q, k, parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens, lay.chunk_offsets,
@@ -63,11 +66,11 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         split = kda_splits_pair_grads(p)
         gdn_blocks = p.kind == "gdn" and bwd_intra_by_key_blocks(p)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
-            # dq's share goes into W's buffer (same shape, fp32), which nothing reads after the dh stage
-            rest = [parts["w"]] + [scratch((B, T, HV, K), f32, dev) for _ in range(2)]
+            # dq's share goes into W's buffer (same shape), which nothing reads after the dh stage, where it is fp32
+            rest = [_fp32_or_new(parts["w"])] + [scratch((B, T, HV, K), f32, dev) for _ in range(2)]
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
         elif gdn_blocks:  # fp32 shares of dq, dk per key block, completed in place (dq's in W's buffer)
-            dq, dk = parts["w"], scratch((B, T, HV, K), f32, dev)
+            dq, dk = _fp32_or_new(parts["w"]), scratch((B, T, HV, K), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
         BKP = key_block(BK, BWD_KEY_BLOCK_ENV)
@@ -96,3 +99,8 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     if dh0 is not None:
         dh0 = dh0.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def _fp32_or_new(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` to be reused as fp32 scratch of its shape, or a new one where it is 16-bit (16-bit GEMMs)."""
+    return buffer if buffer.dtype == torch.float32 else scratch(buffer.shape, torch.float32, buffer.device)

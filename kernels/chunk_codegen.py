@@ -24,6 +24,7 @@ from la_compiler.kernels.chunk_snippets import (
     SUB_DOT_HELPER, gdn_pair_block, gdn_pairs,
     kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
+from la_compiler.kernels.chunk_precision import GEMM_HELPER
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
@@ -234,7 +235,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         kernels[:0] = _kda_pairs_kernels(p, program)
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: " + (
         "cumsum, pairs, intra, h, o." if kda_pairs_kernel(p) else "intra, h, o.")
-    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, *kernels])
+    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, GEMM_HELPER, *kernels])
 
 
 def chunk_fwd_module(p: ChunkParams) -> ModuleType:
@@ -348,7 +349,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
                                                          "STORE_DG": bwd["STORE_DG"]}, where="chunk_bwd_dg"))
     title = f"Chunked (WY) {p.kind.upper()} backward kernels: dh (state gradient), intra (input gradients)" + (
         ", pairs (the pair products' share, by sub-chunk and key block), dg (reverse cumsum)." if split else ".")
-    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, ROW_SUM_HELPER, *kernels])
+    return module_source(title, dataclasses.asdict(p), [QDQ_IMPORT, ACC_HELPERS, GEMM_HELPER, ROW_SUM_HELPER, *kernels])
 
 
 def chunk_bwd_module(p: ChunkParams) -> ModuleType:

@@ -5,9 +5,10 @@
     chunk_fwd_h      -> h (chunk-start states), V_new, final state   (sequential over chunks)
     chunk_fwd_o      -> o                      (all chunks in parallel)
 
-Intermediates are fp32. Dots are IEEE fp32 for fp32 inputs (the exact-numerics contract:
-relative error <= 1e-5 against the fp64 reference) and TF32 for 16-bit inputs (FLA's bf16
-tolerance; FLA itself multiplies in bf16).
+Intermediates are fp32 and dots IEEE fp32 for fp32 inputs (the exact-numerics contract: relative
+error <= 1e-5 against the fp64 reference). For 16-bit inputs the GEMMs over values and states run in
+the input dtype with W, U, h, V_new kept in it, as FLA's do, unless the spec rounds GEMM operands;
+the pair products and the solve multiply in TF32 (chunk_precision.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import triton
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
 from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
+from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_launch import FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, key_block, launch, launch_config
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs, pairs_need_all_keys
 
@@ -67,21 +69,6 @@ def scratch(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-FP32_DOT_ENV = "LAQAT_FP32_DOT"
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tf32 for 16-bit inputs; for fp32 inputs IEEE (the exact-numerics contract), or with
-    LAQAT_FP32_DOT=tf32x3 Triton's three-pass TF32 split (tensor cores, close to fp32; its error
-    against the fp64 reference is still to be measured on a GPU: the benchmark's exactness stage)."""
-    if dtype not in (torch.float32, torch.float64):
-        return "tf32"
-    choice = os.environ.get(FP32_DOT_ENV, "ieee")
-    if choice not in ("ieee", "tf32x3"):
-        raise ValueError(f"{FP32_DOT_ENV} must be 'ieee' or 'tf32x3', got {choice!r}")
-    return choice
-
-
 def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
     """Key columns the forward intra stage reads at a time (its BK): whole rows where
     ``pairs_need_all_keys``, else ``chunk_launch.key_block``, never fewer than a W quantizer block."""
@@ -94,8 +81,9 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
               intermediates: dict | None = None, need_output: bool = True):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
-    ``intermediates``, if given, receives the fp32 buffers: g_cum, w, u, A_qk, v_new [B, T, HV, ..]
-    and h, the chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h).
+    ``intermediates``, if given, receives the buffers g_cum, w, u, A_qk, v_new [B, T, HV, ..] and h, the
+    chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h): fp32, except W, U, h,
+    V_new in the input dtype for 16-bit GEMMs (chunk_precision.py).
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
     the backward's input-gradient stage loads it instead of solving again."""
@@ -113,12 +101,14 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     if p.h_full_v:  # NVFP4 state_read / state_update operands: one tile over all of V (and whole state tiles)
         BV_h = max(16, triton.next_power_of_2(V), p.state_block_v or 16)
     dev, f32 = q.device, torch.float32
+    gemm = gemm_precision(p, q.dtype)
+    mid = intermediate_dtype(gemm, q.dtype)  # of W, U, h, V_new: the input dtype for 16-bit GEMMs
     g_cum = scratch(g.shape, f32, dev)
-    w = scratch((B, T, HV, K), f32, dev)
-    u = scratch((B, T, HV, V), f32, dev)
+    w = scratch((B, T, HV, K), mid, dev)
+    u = scratch((B, T, HV, V), mid, dev)
     A_qk = scratch((B, T, HV, C), f32, dev)
-    h = scratch((max(lay.NT, 1), HV, K, V), f32, dev)
-    v_new = scratch((B, T, HV, V), f32, dev)
+    h = scratch((max(lay.NT, 1), HV, K, V), mid, dev)
+    v_new = scratch((B, T, HV, V), mid, dev)
     o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
     p_pairs = scratch((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
@@ -129,7 +119,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     pair_amax = scratch((chunks_per_row, heads, 4), f32, dev) if kda_pairs_nvfp4(p) else None
     ht = scratch(state_shape, f32, dev)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
-                  DOT_PRECISION=dot_precision(q.dtype))
+                  DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)

@@ -165,11 +165,14 @@ def parse_acc(text: str) -> tuple[str, int]:
     return name, int(block)
 
 
-def acc_dot(p: ChunkParams, site: str, out: str, lhs: str, rhs: str, red: str) -> str:
+def acc_dot(p: ChunkParams, site: str, out: str, lhs: str, rhs: str, red: str,
+            precision: str = "GEMM_PRECISION") -> str:
     """``out = lhs @ rhs`` for a GEMM site; with ``acc.<site>`` the reduction (length ``red``, a
     constexpr name) runs block by block, the running sum rounded to fp16/bf16 after every block's add
-    (the first block's product included), as the reference's accumulator emulation does."""
-    dot = "tl.dot({}, " + rhs + ", input_precision=DOT_PRECISION)"
+    (the first block's product included), as the reference's accumulator emulation does. ``precision``
+    names the kernel's constexpr: GEMM_PRECISION, or DOT_PRECISION for the pair products
+    (chunk_precision.py)."""
+    dot = "_gemm({}, " + rhs + f", {precision})"
     acc = dict(p.acc).get(site)
     if acc is None:
         return f"{out} = " + dot.format(lhs)
@@ -258,8 +261,8 @@ def gdn_pair_block(p: ChunkParams) -> str:
     """One key block's share of K_l K_r^T and Q_l K_r2^T, added to b_P, b_Pqk (Γ after the last block)."""
     return lines(
         _gdn_pair_operands(p),
-        acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK"),
-        acc_dot(p, "output_score", "b_Pqkb", "b_ql", "tl.trans(b_kr2)", "BK"),
+        acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK", "DOT_PRECISION"),
+        acc_dot(p, "output_score", "b_Pqkb", "b_ql", "tl.trans(b_kr2)", "BK", "DOT_PRECISION"),
         "b_P += b_Pb",
         "b_Pqk += b_Pqkb")
 

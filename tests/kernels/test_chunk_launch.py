@@ -122,7 +122,7 @@ def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
 def test_fp32_dot_precision_knob(monkeypatch):
     import torch
 
-    from la_compiler.kernels.chunk_fwd import dot_precision
+    from la_compiler.kernels.chunk_precision import dot_precision
 
     monkeypatch.delenv("LAQAT_FP32_DOT", raising=False)
     assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.bfloat16) == "tf32"

@@ -1,0 +1,90 @@
+"""What the chunk kernels multiply in, and what they keep their intermediates in.
+
+Two precisions per launch:
+
+* ``DOT_PRECISION``, of the pair products, the solve and their gradients (fp32 operands): IEEE for fp32
+  inputs (the exact-numerics contract), TF32 for 16-bit inputs;
+* ``GEMM_PRECISION``, of the GEMMs over values and states (W and U from T, W h, K^T V_new, Q h, A_qk V_new,
+  the state gradient's and the input gradients' products with h, dh, V_new, dO): for 16-bit inputs and
+  specs that round no GEMM operand, operands in the input dtype with fp32 accumulation, FLA's own
+  numerics (its kernels keep w, u, h, v_new, dh in the input dtype and multiply them in it), and the
+  intermediates W, U, h, V_new, dh, dV_new stored in the input dtype (half the memory traffic of the
+  serial h / dh stages). Otherwise the same as ``DOT_PRECISION`` with fp32 intermediates.
+
+Specs with GEMM operand QDQ, accumulator emulation or the W quantizer keep fp32 operands: a rounded
+operand (FP8 value times an fp32 scale) is not a bf16 number, and casting it would round it again. The
+state quantizer does not block the 16-bit GEMMs: the state carried from chunk to chunk stays fp32 and is
+rounded by its quantizer; the GEMMs read it in the input dtype, as FLA's kernels (and a serving engine
+running them on a dequantized FP8 state) do. ``LAQAT_CHUNK_GEMM=tf32`` keeps fp32 operands (TF32) and
+fp32 intermediates for 16-bit inputs (the earlier kernels; benchmarks compare the two).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FP32_DOT_ENV = "LAQAT_FP32_DOT"
+GEMM_ENV = "LAQAT_CHUNK_GEMM"
+_SIXTEEN_BIT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tf32 for 16-bit inputs; for fp32 inputs IEEE (the exact-numerics contract), or with
+    LAQAT_FP32_DOT=tf32x3 Triton's three-pass TF32 split (tensor cores, close to fp32)."""
+    if dtype not in (torch.float32, torch.float64):
+        return "tf32"
+    choice = os.environ.get(FP32_DOT_ENV, "ieee")
+    if choice not in ("ieee", "tf32x3"):
+        raise ValueError(f"{FP32_DOT_ENV} must be 'ieee' or 'tf32x3', got {choice!r}")
+    return choice
+
+
+def rounds_gemm_operands(p) -> bool:
+    """The spec rounds a GEMM operand (a site, the W quantizer) or emulates an accumulator."""
+    return bool(p.operands or p.acc or p.w_quant)
+
+
+def gemm_precision(p, dtype: torch.dtype) -> str:
+    """``GEMM_PRECISION`` of ``p``'s kernels for inputs of ``dtype``: "bf16" / "fp16" (operands cast to
+    the input dtype), else ``dot_precision(dtype)``. Under Triton's interpreter "bf16_rounded" /
+    "fp16_rounded": its tl.dot of bf16 operands returns garbage (Triton 3.9), so the operands are rounded
+    to the 16-bit format (to nearest even) and multiplied in fp32, which gives the same products (a
+    product of two 16-bit numbers is exact in fp32); only the order of the fp32 sums may differ."""
+    choice = os.environ.get(GEMM_ENV, "input")
+    if choice not in ("input", "tf32"):
+        raise ValueError(f"{GEMM_ENV} must be 'input' or 'tf32', got {choice!r}")
+    if dtype in _SIXTEEN_BIT and choice == "input" and not rounds_gemm_operands(p):
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        return _SIXTEEN_BIT[dtype] + ("_rounded" if interpreted else "")
+    return dot_precision(dtype)
+
+
+def intermediate_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of W, U, h, V_new, dh, dV_new for a ``GEMM_PRECISION``: the input dtype for 16-bit GEMMs."""
+    return dtype if precision.split("_")[0] in _SIXTEEN_BIT.values() else torch.float32
+
+
+GEMM_HELPER = '''@triton.jit
+def _gemm(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation: operands cast to bf16 / fp16 (16-bit GEMMs), or fp32 operands at
+    PRECISION ("ieee", "tf32", "tf32x3")."""
+    if PRECISION == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PRECISION == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    elif PRECISION == "bf16_rounded":  # the interpreter's stand-in for "bf16" (chunk_precision.gemm_precision)
+        return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
+    elif PRECISION == "fp16_rounded":
+        return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _cast_for(x, buffer, PRECISION: tl.constexpr):
+    """x (fp32) in ``buffer``'s element type, rounded to nearest even (the GPU's conversion; the
+    interpreter's truncates, so its stand-in rounds on the bits first)."""
+    if PRECISION == "bf16_rounded":
+        x = _round_bf16(x)
+    return x.to(buffer.dtype.element_ty)'''

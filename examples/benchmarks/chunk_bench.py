@@ -65,6 +65,8 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (bwd key block 32)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=32: KDA's backward intra and pairs stages
     "laqat exact (key blocks 32 / bwd 32)": {},
     "laqat FP8 all sites (autotuned)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    "laqat exact (TF32 GEMMs)": {},  # LAQAT_CHUNK_GEMM=tf32: fp32 operands and intermediates (before session 7)
+    "laqat FP8 state (TF32 GEMMs)": {"state": "fp8_e4m3/tile64"},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -76,6 +78,8 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (bwd key block 32)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
     "laqat exact (key blocks 32 / bwd 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32", "LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
     "laqat FP8 all sites (autotuned)": {"LAQAT_AUTOTUNE": "1"},
+    "laqat exact (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
+    "laqat FP8 state (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
@@ -161,8 +165,29 @@ def fla_equality(kind, B, T, H, D) -> dict:
     theirs = run(lambda L: fla(*L, scale=scale, output_final_state=True))
     errors = {n: rel_l2(ours[n], theirs[n]) for n in theirs}
     ok = all(e <= FLA_TOLERANCES[n] for n, e in errors.items())
+    # both bf16 kernels against fp64 autograd of the chunk reference on the same inputs, and laqat with an FP8
+    # state against the reference that rounds its state (FLA has no such kernel)
+    want = reference_run(kind, xs, scale, {}, do, dht, with_grads)
+    vs_ref = {"laqat": {n: rel_l2(ours[n], want[n]) for n in ours}, "FLA": {n: rel_l2(theirs[n], want[n]) for n in theirs}}
+    fp8 = {"state": "fp8_e4m3/tile64"}
+    fp8_spec = str(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=fp8))
+    ours_fp8 = run(lambda L: torch.ops.laqat.delta_rule(*L, None, None, scale, fp8_spec))
+    want_fp8 = reference_run(kind, xs, scale, fp8, do, dht, with_grads)
+    vs_ref["laqat FP8 state"] = {n: rel_l2(ours_fp8[n], want_fp8[n]) for n in ours_fp8}
     return {"kind": kind, "shape": [B, T, H, D], "rel_l2": errors, "tolerances": FLA_TOLERANCES, "ok": ok,
-            "gradients": with_grads}
+            "gradients": with_grads, "rel_l2_vs_fp64_reference": vs_ref}
+
+
+def reference_run(kind, xs, scale, quant, do, dht, with_grads) -> dict:
+    """o, ht and (with_grads) the input gradients of fp64 autograd of the chunk reference on ``xs``."""
+    leaves = [x.detach().double().requires_grad_(with_grads) for x in xs]
+    spec = RecurrenceSpec(kind=kind, chunk=64).replace(quant=quant)
+    o, ht = chunk_delta_rule_reference(*leaves, spec=spec, scale=scale)
+    out = {"o": o.detach(), "ht": ht.detach()}
+    if with_grads:
+        grads = torch.autograd.grad([o, ht], leaves, [do.double(), dht.double()])
+        out.update(zip(["dq", "dk", "dv", "dg", "dbeta"], grads))
+    return out
 
 
 # ---- 3. timing ---------------------------------------------------------------------------------
@@ -359,6 +384,8 @@ def main():
             else:
                 print(f"  {kind} {shape}: " + ", ".join(f"{n} {e:.1e}" for n, e in r["rel_l2"].items())
                       + f"  {'ok' if r['ok'] else 'FAIL'}")
+                for who, errs in r["rel_l2_vs_fp64_reference"].items():
+                    print(f"    {who} vs the fp64 reference: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
             result["fla_equality"].append(r)
         (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))
         return

@@ -33,6 +33,7 @@
 #             at [8,4096,16,128] (exact, FP8 / INT8 state), GDN exact at [8,4096,16,128], FP8-state training
 #   session6  KDA's rounded pair kernels: exactness (cases 8-10), the FP8 all-sites / NVFP4 rows at the two large
 #             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
+#   session7  16-bit GEMMs: FLA equality + fp64-reference errors, fp32 exactness cases, KDA / GDN tables (TF32 rows)
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -169,6 +170,18 @@ for stage in $stages; do
                  --no-emulation-above 65536 --profile "laqat FP8 all sites"
                OUT=$OUT/gdn timeout 120 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    session7)  # 16-bit GEMMs for bf16 inputs: FLA equality (both against the fp64 reference too), fp32 exactness
+               # cases (unchanged numerics), KDA and GDN tables with the TF32-GEMM rows, kernels split
+               OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 1,2,4 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 200 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128,gdn:1x4096x16x128
+               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat exact (TF32 GEMMs),laqat FP8 state,laqat FP8 state (TF32 GEMMs),laqat INT8 state" \
+                 --no-emulation-above 0 --profile "FLA exact,laqat exact,laqat FP8 state"
+               OUT=$OUT/gdn timeout 120 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat exact (TF32 GEMMs),laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps

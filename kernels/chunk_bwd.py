@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
 from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, scratch
@@ -87,7 +88,8 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
                    q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []), cu_seqlens,
                    lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
-                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C))
+                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C),
+                   **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
                    rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
                    IS_VARLEN=cu_seqlens is not None, config=launch_config("bwd_dg", BKP, C))

@@ -179,6 +179,14 @@ _PAIRS_FROM_KERNEL = (
     "b_Pqk = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)")
 
 
+# KDA's exact pair kernels take a diagonal sub-chunk block through its first real row f (tensor-core dots,
+# like the blocks off the diagonal) when every |G_i - G_f| in it is at most this: the factors
+# exp(G_i - G_f), exp(G_f - G_j) then lie within e^(+-40) (1e+-17), far inside fp32's (and TF32's) normal
+# range, and their product keeps fp32's relative precision. A block with a steeper decay runs row by row
+# (every exponent G_i - G_j <= 0), as before. docs/kernels-chunk.md, "The diagonal blocks".
+DIAG_DOT_MAX_RANGE = 40.0
+
+
 def kda_pairs_kernel(p: ChunkParams) -> bool:
     """KDA's pair products run in their own forward kernel (chunk_kda_fwd_kernel_pairs, one program per
     sub-chunk like FLA's): exact ones by key blocks and tensor-core dots, rounded ones (operand QDQ or

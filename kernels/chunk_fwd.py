@@ -19,6 +19,7 @@ import torch
 import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
+from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
 from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
@@ -136,7 +137,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
                q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
                H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
-               DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C))
+               DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C),
+               **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)
         launch(kernels["intra"], (chunks_per_row, heads),

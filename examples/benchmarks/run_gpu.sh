@@ -34,6 +34,7 @@
 #   session6  KDA's rounded pair kernels: exactness (cases 8-10), the FP8 all-sites / NVFP4 rows at the two large
 #             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
 #   session7  16-bit GEMMs: FLA equality + fp64-reference errors, fp32 exactness cases, KDA / GDN tables (TF32 rows)
+#   kdapairs  KDA's diagonal pair blocks by dots: exactness cases 2,3,5,6, FLA equality, the KDA table (exact, FP8 / INT8 state)
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -182,6 +183,15 @@ for stage in $stages; do
                  --no-emulation-above 0 --profile "FLA exact,laqat exact,laqat FP8 state"
                OUT=$OUT/gdn timeout 120 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact,laqat exact (TF32 GEMMs),laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    kdapairs)  # KDA's exact pair kernels with the diagonal blocks by dots: exactness, FLA equality, the KDA table
+               OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3,5,6 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 200 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --shapes 1x1024x4x64,1x4096x16x128,8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state,laqat INT8 state" \
+                 --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps

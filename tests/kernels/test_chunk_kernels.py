@@ -383,3 +383,31 @@ def test_selection_row_takes_only_what_the_kernels_implement():
         assert choose(text, head_k=128).variant == "chunk"
         wide = choose(text, head_k=256)
         assert wide.variant == "reference" and "head_k <= 128" in dict(wide.rejected)["chunk"], text
+
+
+@pytest.mark.parametrize("max_range", [-1.0, 40.0], ids=["rows", "dots"])
+def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
+    """KDA's exact pair kernels take a diagonal sub-chunk block through its first real row (tensor-core dots)
+    when its decay range is at most chunk_codegen.DIAG_DOT_MAX_RANGE, else row by row: each form alone
+    (-1 forces rows everywhere; at 40 these inputs' blocks all go by dots), forward and every gradient."""
+    from la_compiler.kernels import chunk_codegen
+
+    monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", max_range)
+    cu = torch.tensor([0, 17, 17, 50])
+    inputs = make_inputs("kda", B=1, T=50, H=1, HV=2, K=16, V=16, N=3, dtype=torch.float32)
+    spec = RecurrenceSpec(kind="kda", chunk=32)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
+    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+
+
+def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
+    """Without the range guard a steep block's factors exp(G_f - G_j) overflow: the guard is what keeps the
+    strong-decay test finite."""
+    from la_compiler.kernels import chunk_codegen
+
+    monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", 1e9)
+    q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=32, H=1, HV=1, K=8, V=8, dtype=torch.float32, decay=8.0)
+    g[:, :16] = -7.0  # G falls by 105 across the first sub-chunk
+    o, _ = chunk_fwd(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=32)), q, k, v, g, beta, 0.4, h0)
+    assert not torch.isfinite(o).all()

@@ -35,6 +35,8 @@
 #             shapes (kernels split), GDN exact / FP8 state at [8,4096,16,128] with the key-blocked backward
 #   session7  16-bit GEMMs: FLA equality + fp64-reference errors, fp32 exactness cases, KDA / GDN tables (TF32 rows)
 #   kdapairs  KDA's diagonal pair blocks by dots: exactness cases 2,3,5,6, FLA equality, the KDA table (exact, FP8 / INT8 state)
+#   table7    KDA, every policy at the three shapes; fp32 exactness cases 0,4,9,10
+#   gdn7      GDN [8,4096,16,128] (exact, FP8 / INT8 state, TF32 GEMMs), then FP8-state training (20 steps)
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -193,6 +195,17 @@ for stage in $stages; do
                  --policies "laqat exact,laqat FP8 state,laqat INT8 state" \
                  --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
+    table7)    # the seventh session's KDA table: every policy at the three shapes; fp32 exactness of the rounded paths
+               OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,4,9,10 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/kda timeout 440 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
+                 --no-emulation-above 65536 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    gdn7)      # GDN at [8,4096,16,128] (exact, FP8 / INT8 state, TF32 rows), then FP8-state training, 20 steps
+               OUT=$OUT/gdn timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state,laqat INT8 state,laqat exact (TF32 GEMMs)" --no-emulation-above 0 \
+                 --profile "laqat exact"
+               timeout 300 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps
                OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \

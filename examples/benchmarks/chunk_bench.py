@@ -65,6 +65,8 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (bwd key block 32)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=32: KDA's backward intra and pairs stages
     "laqat exact (key blocks 32 / bwd 32)": {},
     "laqat FP8 all sites (autotuned)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    "laqat exact (intra key block 64)": {},  # LAQAT_CHUNK_KEY_BLOCK=64
+    "laqat exact (bwd key block 64)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=64
     "laqat exact (TF32 GEMMs)": {},  # LAQAT_CHUNK_GEMM=tf32: fp32 operands and intermediates (before session 7)
     "laqat FP8 state (TF32 GEMMs)": {"state": "fp8_e4m3/tile64"},
 }
@@ -78,6 +80,8 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (bwd key block 32)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
     "laqat exact (key blocks 32 / bwd 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32", "LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
     "laqat FP8 all sites (autotuned)": {"LAQAT_AUTOTUNE": "1"},
+    "laqat exact (intra key block 64)": {"LAQAT_CHUNK_KEY_BLOCK": "64"},
+    "laqat exact (bwd key block 64)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "64"},
     "laqat exact (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
     "laqat FP8 state (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
 }

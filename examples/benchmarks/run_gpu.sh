@@ -37,6 +37,7 @@
 #   kdapairs  KDA's diagonal pair blocks by dots: exactness cases 2,3,5,6, FLA equality, the KDA table (exact, FP8 / INT8 state)
 #   table7    KDA, every policy at the three shapes; fp32 exactness cases 0,4,9,10
 #   gdn7      GDN [8,4096,16,128] (exact, FP8 / INT8 state, TF32 GEMMs), then FP8-state training (20 steps)
+#   blocks7   KDA [8,4096,16,128] exact: key blocks of 64 (forward intra / backward) and LAQAT_AUTOTUNE, kernels split
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -206,6 +207,11 @@ for stage in $stages; do
                  --policies "laqat exact,laqat FP8 state,laqat INT8 state,laqat exact (TF32 GEMMs)" --no-emulation-above 0 \
                  --profile "laqat exact"
                timeout 300 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
+    blocks7)   # KDA [8,4096,16,128] exact under the key-block settings and LAQAT_AUTOTUNE (16-bit GEMMs), kernels split
+               OUT=$OUT/kda timeout 330 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat exact (intra key block 64),laqat exact (bwd key block 64),laqat exact (autotuned)" \
+                 --no-emulation-above 0 --profile "laqat exact,laqat exact (intra key block 64),laqat exact (bwd key block 64),laqat exact (autotuned)"
+               cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json" ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps
                OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \

@@ -18,7 +18,8 @@ from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
 from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, scratch
-from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block, launch, launch_config
+from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, KEY_BLOCK, key_block, launch,
+                                            launch_config)
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 
@@ -74,7 +75,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             dq, dk = _fp32_or_new(parts["w"]), scratch((B, T, HV, K), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
-        BKP = key_block(BK, BWD_KEY_BLOCK_ENV)
+        BKP = key_block(BK, BWD_KEY_BLOCK_ENV, bwd_key_block(p, mid))
         BK_intra = BKP if bwd_intra_by_key_blocks(p) else BK
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
@@ -106,3 +107,9 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
 def _fp32_or_new(buffer: torch.Tensor) -> torch.Tensor:
     """``buffer`` to be reused as fp32 scratch of its shape, or a new one where it is 16-bit (16-bit GEMMs)."""
     return buffer if buffer.dtype == torch.float32 else scratch(buffer.shape, torch.float32, buffer.device)
+
+
+def bwd_key_block(p: ChunkParams, intermediates: torch.dtype) -> int:
+    """Key columns per step of the key-blocked backward above 64 columns: 64 for KDA with 16-bit GEMMs
+    (measured), else 32."""
+    return BWD_KEY_BLOCK_16BIT if p.kind == "kda" and intermediates != torch.float32 else KEY_BLOCK

@@ -83,12 +83,18 @@ PAIRS_KEY_BLOCK = 64  # key columns per step of KDA's forward pairs kernel and i
 BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
 
 
-def key_block(BK: int, env: str) -> int:
-    """Key columns per step for key rows padded to BK, or the benchmark override in ``env``
-    (16, 32, 64 or 128)."""
+# KDA's split backward (intra and pairs stages) with 16-bit GEMMs: blocks of 64 beat 32 on the H200 at
+# [8, 4096, 16, 128] bf16 (f+b 10.95 ms against 11.96; backward intra 1.99 / 2.50, pairs 1.75 / 2.24;
+# docs/gpu-results.md, seventh session). With fp32 GEMM operands 32 stays (fourth session); GDN is unmeasured.
+BWD_KEY_BLOCK_16BIT = 64
+
+
+def key_block(BK: int, env: str, block: int = KEY_BLOCK) -> int:
+    """Key columns per step for key rows padded to BK (whole rows up to 64 columns, else ``block``), or the
+    benchmark override in ``env`` (16, 32, 64 or 128)."""
     text = os.environ.get(env)
     if text is None:
-        return BK if BK <= WHOLE_ROWS_UP_TO else KEY_BLOCK
+        return BK if BK <= WHOLE_ROWS_UP_TO else block
     if text not in ("16", "32", "64", "128"):
         raise ValueError(f"{env} must be 16, 32, 64 or 128, got {text!r}")
     return min(BK, int(text))

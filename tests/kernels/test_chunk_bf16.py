@@ -99,3 +99,21 @@ def test_tf32_knob_keeps_fp32_intermediates(monkeypatch):
     o64, _ = chunk_delta_rule_reference(*[x.double() for x in xs[:5]], spec=spec, scale=0.4,
                                         initial_state=xs[5].double(), cu_seqlens=cu)
     assert rel_l2(o, o64) <= FLA_TOL["o"]
+
+
+def test_bf16_kda_backward_by_key_blocks_of_64():
+    """KDA with 16-bit GEMMs runs its key-blocked backward in blocks of 64 columns above 64 (chunk_bwd.bwd_key_block):
+    K = 72 pads to 128 and takes two blocks, the second partial; every gradient at FLA's bars."""
+    from la_compiler.kernels.chunk_bwd import bwd_key_block
+
+    xs = make_inputs("kda", B=1, T=20, H=1, HV=1, K=72, V=16, dtype=torch.bfloat16)
+    spec = RecurrenceSpec(kind="kda", chunk=16)
+    p = ChunkParams.from_spec(spec)
+    assert bwd_key_block(p, torch.bfloat16) == 64 and bwd_key_block(p, torch.float32) == 32
+    x64 = [x.double().requires_grad_() for x in xs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5])
+    do, dht = torch.randn_like(o64), torch.randn_like(ht64)
+    want = grads_of([o64, ht64], [do, dht], x64)
+    got = chunk_bwd(p, *xs[:5], 0.4, do.to(torch.bfloat16), dht.float(), xs[5], None)
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        assert rel_l2(a, b) <= FLA_TOL[name], (name, rel_l2(a, b))

@@ -137,7 +137,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
                q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
                H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
-               DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C),
+               DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
                **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)

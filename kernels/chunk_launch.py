@@ -34,13 +34,16 @@ class LaunchConfig:
 
 def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) -> LaunchConfig:
     """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
-    ``rounds_operands``: the spec rounds GEMM operands or emulates accumulators (more live tiles per stage)."""
+    ``rounds_operands``: the spec rounds GEMM operands or emulates accumulators (more live tiles per stage); for
+    the pair stages, that the pair products are rounded (chunk_snippets.kda_rounds_pairs)."""
     if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
                      "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
-    if stage in ("fwd_pairs", "bwd_pairs") and BK >= 128:
+    if stage in ("fwd_pairs", "bwd_pairs") and (BK >= 128 or (BK >= 64 and not rounds_operands)):
         # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps take 233 (forward) and 255
-        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills
+        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills. The exact pair kernels'
+        # row-block products ([C x BK] tiles, key blocks of 64): four warps spill 200 B (forward, three stages)
+        # and 176-240 B (backward); eight take 172 / 180 registers, no spills
         return LaunchConfig(8, 1)
     if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
         return LaunchConfig(4, 3)

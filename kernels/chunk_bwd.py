@@ -89,7 +89,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
                    q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []), cu_seqlens,
                    lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
-                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C, rounded),
+                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C),
                    **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
                    rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,

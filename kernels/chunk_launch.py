@@ -39,12 +39,15 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) ->
     if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
                      "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
-    if stage in ("fwd_pairs", "bwd_pairs") and (BK >= 128 or (BK >= 64 and not rounds_operands)):
+    if stage in ("fwd_pairs", "bwd_pairs") and BK >= 128:
         # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps take 233 (forward) and 255
-        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills. The exact pair kernels'
-        # row-block products ([C x BK] tiles, key blocks of 64): four warps spill 200 B (forward, three stages)
-        # and 176-240 B (backward); eight take 172 / 180 registers, no spills
+        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills
         return LaunchConfig(8, 1)
+    if stage == "fwd_pairs" and BK >= 64 and not rounds_operands:
+        # the exact forward's row-block products ([C x BK] tiles): LAQAT_AUTOTUNE on the H200 (KDA [8,4096,16,128])
+        # chose four warps, one stage (1.44 ms for both calls; eight warps, one stage: 1.81). sm_90: 228 registers,
+        # no spills (three stages: 200 B of spills)
+        return LaunchConfig(4, 1)
     if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps

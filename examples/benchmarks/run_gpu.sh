@@ -40,6 +40,7 @@
 #   blocks7   KDA [8,4096,16,128] exact: key blocks of 64 (forward intra / backward) and LAQAT_AUTOTUNE, kernels split
 #   confirm7  the final defaults: KDA exact / FP8 / INT8 state at the three shapes, autotuned row, FLA equality, exactness
 #   pairs7    KDA's exact pairs as row-block products: FLA equality, exactness, KDA table, autotuned row
+#   final7    the final kernels: FLA equality, KDA exactness cases 2,3, KDA table (exact / FP8 / INT8 state)
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -235,6 +236,13 @@ for stage in $stages; do
                OUT=$OUT/kda_tuned timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --policies "laqat exact (autotuned)" --no-emulation-above 0 --profile "laqat exact (autotuned)"
                cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    final7)    # the final kernels: FLA equality, KDA fp32 exactness, the KDA table (exact / FP8 / INT8 state)
+               OUT=$OUT/ieee timeout 240 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+               OUT=$OUT/kda timeout 240 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps

@@ -50,11 +50,10 @@ def test_launch_table():
     assert launch_config("bwd_intra", 32, 64) == LaunchConfig(8, 3)
     assert launch_config("bwd_intra", 64, 64) == LaunchConfig(8, 3)
     assert launch_config("fwd_o", 64, 64) == LaunchConfig(8, 3)
-    # the exact pair kernels' row-block products at key blocks of 64: eight warps (four spill on sm_90)
-    assert launch_config("bwd_pairs", 64, 64) == LaunchConfig(8, 1)
-    assert launch_config("fwd_pairs", 64, 64) == LaunchConfig(8, 1)
-    assert launch_config("bwd_pairs", 32, 64) == LaunchConfig(4, 3)  # one sub-chunk x one key block per program
-    assert launch_config("bwd_pairs", 64, 64, rounds_operands=True) == LaunchConfig(4, 3)  # rounded, K = 64
+    assert launch_config("bwd_pairs", 64, 64) == LaunchConfig(4, 3)  # one sub-chunk x one key block per program
+    # the exact forward's row-block products at key blocks of 64 (autotuned on the H200); rounded pairs at K = 64
+    assert launch_config("fwd_pairs", 64, 64) == LaunchConfig(4, 1)
+    assert launch_config("fwd_pairs", 64, 64, rounds_operands=True) == LaunchConfig(4, 3)
     assert launch_config("fwd_h", 32, 16) == LaunchConfig(4, 3)
     with pytest.raises(ValueError, match="unknown stage 'fwd_x'"):
         launch_config("fwd_x", 64, 64)

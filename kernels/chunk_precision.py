@@ -65,6 +65,19 @@ def intermediate_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if precision.split("_")[0] in _SIXTEEN_BIT.values() else torch.float32
 
 
+def describe(p, dtype: torch.dtype) -> str:
+    """What the chunk kernels multiply in for ``p`` and inputs of ``dtype`` (the selection's explanation)."""
+    gemm = gemm_precision(p, dtype)
+    if gemm.split("_")[0] in _SIXTEEN_BIT.values():
+        name = gemm.split("_")[0]
+        return (f"GEMMs over values and states in {name} with fp32 accumulation, W/U/h/V_new kept in {name} "
+                f"(FLA's numerics); pair products and solve in {dot_precision(dtype)}")
+    if dtype not in _SIXTEEN_BIT:
+        return f"every dot in fp32 ({gemm})"
+    why = "the spec rounds GEMM operands" if rounds_gemm_operands(p) else f"{GEMM_ENV}=tf32"
+    return f"fp32 GEMM operands and intermediates, dots in {gemm} ({why})"
+
+
 GEMM_HELPER = '''@triton.jit
 def _gemm(a, b, PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation: operands cast to bf16 / fp16 (16-bit GEMMs), or fp32 operands at

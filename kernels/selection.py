@@ -110,6 +110,13 @@ def _chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     )
 
 
+def _chunk_detail(spec: RecurrenceSpec, ctx: SelectionContext) -> str:
+    from la_compiler.kernels.chunk_codegen import ChunkParams
+    from la_compiler.kernels.chunk_precision import describe
+
+    return describe(ChunkParams.from_spec(spec), ctx.dtype)
+
+
 def _reference(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     from la_compiler.kernels.reference_variant import unsupported_reason
 
@@ -153,6 +160,9 @@ TABLE: tuple[Row, ...] = (
     Row("reference", _reference, "fp64 torch reference: any prefill spec, any device, slow", "torch"),
 )
 
+# What a chosen variant adds to its reason, given the spec and the context (its numerics at this dtype).
+DETAILS: dict[str, Callable[[RecurrenceSpec, SelectionContext], str]] = {"chunk": _chunk_detail}
+
 
 def select_kernel(spec: RecurrenceSpec, *, device: str, dtype: torch.dtype, head_k: int, head_v: int,
                   requested: str | None = None, family: str | None = None) -> Selection:
@@ -175,6 +185,8 @@ def select_kernel(spec: RecurrenceSpec, *, device: str, dtype: torch.dtype, head
             why_not = row.condition(spec, ctx)
         if why_not is None:
             reason = row.summary + (" (requested by the policy)" if requested or family else "")
+            if row.variant in DETAILS:
+                reason += "; " + DETAILS[row.variant](spec, ctx)
             return Selection(row.variant, reason, tuple(rejected))
         rejected.append((row.variant, why_not))
     if requested is not None and not any(r.variant == requested for r in TABLE):

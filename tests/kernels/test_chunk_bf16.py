@@ -117,3 +117,24 @@ def test_bf16_kda_backward_by_key_blocks_of_64():
     got = chunk_bwd(p, *xs[:5], 0.4, do.to(torch.bfloat16), dht.float(), xs[5], None)
     for name, a, b in zip(GRAD_NAMES, got, want):
         assert rel_l2(a, b) <= FLA_TOL[name], (name, rel_l2(a, b))
+
+
+def test_selection_explains_the_gemm_precision(monkeypatch):
+    """The kernel choice says what the chunk kernels multiply in (explain shows it for every node)."""
+    from la_compiler.kernels.selection import select_kernel
+
+    monkeypatch.delenv("LAQAT_CHUNK_GEMM", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def reason(text, dtype=torch.bfloat16):
+        choice = select_kernel(RecurrenceSpec.parse(text), device="cuda", dtype=dtype, head_k=128, head_v=128,
+                               requested="chunk")
+        return choice.reason
+
+    assert "in bf16 with fp32 accumulation" in reason("kda[chunk=64; q.state=fp8_e4m3/tile64]")
+    assert "in fp16 with fp32 accumulation" in reason("gdn[chunk=64]", torch.float16)
+    assert "fp32 GEMM operands and intermediates, dots in tf32 (the spec rounds GEMM operands)" in reason(
+        "kda[chunk=64; q.state=fp8_e4m3/tile64; q.w=fp8_e4m3/row]")
+    assert "every dot in fp32 (ieee)" in reason("kda[chunk=64]", torch.float32)
+    monkeypatch.setenv("LAQAT_CHUNK_GEMM", "tf32")
+    assert "(LAQAT_CHUNK_GEMM=tf32)" in reason("kda[chunk=64]")

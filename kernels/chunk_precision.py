@@ -60,16 +60,22 @@ def gemm_precision(p, dtype: torch.dtype) -> str:
     return dot_precision(dtype)
 
 
+def _sixteen_bit(precision: str) -> str | None:
+    """"bf16" / "fp16" for a 16-bit ``GEMM_PRECISION`` (the interpreter's "_rounded" stand-ins too), else None."""
+    name = precision.split("_")[0]
+    return name if name in _SIXTEEN_BIT.values() else None
+
+
 def intermediate_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype of W, U, h, V_new, dh, dV_new for a ``GEMM_PRECISION``: the input dtype for 16-bit GEMMs."""
-    return dtype if precision.split("_")[0] in _SIXTEEN_BIT.values() else torch.float32
+    return dtype if _sixteen_bit(precision) else torch.float32
 
 
 def describe(p, dtype: torch.dtype) -> str:
     """What the chunk kernels multiply in for ``p`` and inputs of ``dtype`` (the selection's explanation)."""
     gemm = gemm_precision(p, dtype)
-    if gemm.split("_")[0] in _SIXTEEN_BIT.values():
-        name = gemm.split("_")[0]
+    name = _sixteen_bit(gemm)
+    if name:
         return (f"GEMMs over values and states in {name} with fp32 accumulation, W/U/h/V_new kept in {name} "
                 f"(FLA's numerics); pair products and solve in {dot_precision(dtype)}")
     if dtype not in _SIXTEEN_BIT:

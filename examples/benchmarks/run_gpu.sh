@@ -38,9 +38,8 @@
 #   table7    KDA, every policy at the three shapes; fp32 exactness cases 0,4,9,10
 #   gdn7      GDN [8,4096,16,128] (exact, FP8 / INT8 state, TF32 GEMMs), then FP8-state training (20 steps)
 #   blocks7   KDA [8,4096,16,128] exact: key blocks of 64 (forward intra / backward) and LAQAT_AUTOTUNE, kernels split
-#   confirm7  the final defaults: KDA exact / FP8 / INT8 state at the three shapes, autotuned row, FLA equality, exactness
-#   pairs7    KDA's exact pairs as row-block products: FLA equality, exactness, KDA table, autotuned row
-#   final7    the final kernels: FLA equality, KDA exactness cases 2,3, KDA table (exact / FP8 / INT8 state)
+#   confirm7 pairs7  FLA equality, KDA exactness cases 2,3,6, KDA table (exact / FP8 / INT8 state), autotuned row
+#   final7    the same without the autotuned row
 #   train20   FP8-state training, 20 steps
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -77,6 +76,13 @@ k256_timing() {
   OUT=$OUT/kda256 timeout 300 python3 $B/chunk_bench.py --skip-exactness --no-fla --kinds kda --shapes 1x4096x16x256 \
     --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
   echo "kda256 exit $?"
+}
+# FLA equality, KDA fp32 exactness cases ($1, in the background) and the KDA table (exact / FP8 / INT8 state, kernels split)
+kda_final_checks() {
+  OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases "$1" >"$OUT/exact_ieee.log" 2>&1 &
+  OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+  OUT=$OUT/kda timeout 240 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+    --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
 }
 stages=${*:-exact gdn train decode}
 for stage in $stages; do
@@ -215,34 +221,12 @@ for stage in $stages; do
                  --policies "laqat exact,laqat exact (intra key block 64),laqat exact (bwd key block 64),laqat exact (autotuned)" \
                  --no-emulation-above 0 --profile "laqat exact,laqat exact (intra key block 64),laqat exact (bwd key block 64),laqat exact (autotuned)"
                cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json" ;;
-    confirm7)  # the final defaults (KDA's backward key blocks of 64 with 16-bit GEMMs): KDA exact / FP8 / INT8 state at
-               # the three shapes, the autotuned row at the largest; FLA equality; exactness of KDA's fp32 cases
-               OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
-                 >"$OUT/exact_ieee.log" 2>&1 &
-               OUT=$OUT/equality timeout 200 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
-               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
-                 --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
-               OUT=$OUT/kda_tuned timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --policies "laqat exact,laqat exact (autotuned)" --no-emulation-above 0 --profile "laqat exact (autotuned)"
-               cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
-               wait; cat "$OUT/exact_ieee.log" ;;
-    pairs7)    # KDA's exact pair kernels as row-block products through the sub-chunk's first real row (eight warps):
-               # FLA equality, KDA fp32 exactness, the KDA table (exact / FP8 / INT8 state), the autotuned row
-               OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3,6 \
-                 >"$OUT/exact_ieee.log" 2>&1 &
-               OUT=$OUT/equality timeout 200 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
-               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
-                 --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
-               OUT=$OUT/kda_tuned timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --policies "laqat exact (autotuned)" --no-emulation-above 0 --profile "laqat exact (autotuned)"
-               cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"
-               wait; cat "$OUT/exact_ieee.log" ;;
-    final7)    # the final kernels: FLA equality, KDA fp32 exactness, the KDA table (exact / FP8 / INT8 state)
-               OUT=$OUT/ieee timeout 240 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
-                 >"$OUT/exact_ieee.log" 2>&1 &
-               OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
-               OUT=$OUT/kda timeout 240 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
-                 --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
+    confirm7|pairs7|final7)  # the KDA checks of the session's last calls (pairs7 ran a backward form since reverted;
+               # on main the three run the final kernels): FLA equality, KDA fp32 exactness, the KDA table, autotuned row
+               kda_final_checks 2,3,6
+               [ "$stage" = final7 ] || { OUT=$OUT/kda_tuned timeout 150 python3 $B/chunk_bench.py --skip-exactness \
+                 --kinds kda --shapes 8x4096x16x128 --policies "laqat exact,laqat exact (autotuned)" --no-emulation-above 0 \
+                 --profile "laqat exact (autotuned)"; cp "$LAQAT_CACHE_DIR/autotune/chunk.json" "$OUT/autotune_chunk.json"; }
                wait; cat "$OUT/exact_ieee.log" ;;
     train20)   timeout 400 python3 $B/train_fp8_state_gpu.py --steps 20 ;;
     allsites)  # the all-sites / NVFP4 rows after the shared pair QDQ, the GPU's E4M3 conversion and eight warps

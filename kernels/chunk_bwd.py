@@ -17,7 +17,7 @@ import triton
 from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
-from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, scratch
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, needs_int64_index, scratch
 from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, KEY_BLOCK, key_block, launch,
                                             launch_config)
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
@@ -54,6 +54,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     dv = scratch(v.shape, v.dtype, dev)
     dbeta = scratch((B, T, HV), beta.dtype, dev)
     dg = scratch(g.shape, g.dtype, dev)
+    index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
@@ -80,7 +81,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
                cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK_intra, C),
-               **dict(common, BK=BK_intra))
+               INDEX_64=index_64, **dict(common, BK=BK_intra))
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
             BKP = BK if rounded else BKP
@@ -89,11 +90,11 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
                    q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []), cu_seqlens,
                    lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
-                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C),
+                   INDEX_64=index_64, DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C),
                    **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
                    rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
-                   IS_VARLEN=cu_seqlens is not None, config=launch_config("bwd_dg", BKP, C))
+                   IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("bwd_dg", BKP, C))
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)

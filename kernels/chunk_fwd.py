@@ -39,6 +39,14 @@ class ChunkLayout:
     chunk_offsets: torch.Tensor | None  # [N + 1] int32: first chunk of every sequence, varlen only
 
 
+def needs_int64_index(B: int, T: int, C: int, heads: int, K: int, V: int, chunks: int, HV: int) -> bool:
+    """Whether an element offset of the chunk kernels may pass 2^31 (their ``INDEX_64``): rows of [B, T, heads, ..]
+    buffers up to 2C wide (the backward's pair gradients) with every sequence's last chunk padded, or the chunk
+    states [chunks, HV, K, V]. int32 offsets take half the registers of the address tiles (KDA's forward pairs
+    kernel: 0.59 ms against 0.71 at [8, 4096, 16, 128] on the H200)."""
+    return max(B * (T + C) * heads * max(K, V, 2 * C), chunks * HV * K * V) >= 2 ** 31
+
+
 def chunk_layout(B: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     if cu_seqlens is None:
         return ChunkLayout(B, T, B, B * triton.cdiv(T, C), None, None)
@@ -119,6 +127,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     # NVFP4 pairwise operands: the chunk-wide amaxes (pk, pq, |K|, |Q|)
     pair_amax = scratch((chunks_per_row, heads, 4), f32, dev) if kda_pairs_nvfp4(p) else None
     ht = scratch(state_shape, f32, dev)
+    index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
@@ -126,17 +135,17 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         BKG = min(BK, PAIRS_KEY_BLOCK)
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, triton.cdiv(K, BKG)),
                g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
-               IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_cumsum", BKG, C))
+               IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_cumsum", BKG, C))
         rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
         BKP = BK if rounded else BKG
         sub_grid = (chunks_per_row * (C // BC), heads)
         if pair_amax is not None:
             launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
                    q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
-                   IS_VARLEN=cu_seqlens is not None, config=launch_config("fwd_pair_amax", BKP, C))
+                   IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_pair_amax", BKP, C))
         launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
                q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
-               H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
+               H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
                **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
     if lay.NT:
@@ -144,14 +153,14 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         launch(kernels["intra"], (chunks_per_row, heads),
                q, k, v, g, beta, g_cum, w, u, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK_intra, C),
-               **dict(common, BK=BK_intra))
+               INDEX_64=index_64, **dict(common, BK=BK_intra))
     launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
            k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
            BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C, rounds), **common)
     if lay.NT and need_output:
         launch(kernels["o"], (triton.cdiv(V, BV_io), chunks_per_row, heads),
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_io, config=launch_config("fwd_o", BK, C, rounds), **common)
+               BV=BV_io, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, rounds), **common)
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)

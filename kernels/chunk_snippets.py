@@ -326,19 +326,26 @@ def solve(p: ChunkParams) -> str:
 def blocked_solve(p: ChunkParams) -> str:
     """T = (I + A)^-1 by blocks (docs/kernels-chunk.md, "Blocked solve"): the 16 x 16 diagonal blocks D
     by forward substitution, all blocks at once (16 steps instead of C); then with L the strictly
-    block-lower part and M = (I + D)^-1 L (nilpotent of order C/16), T = sum_n<C/16 (-M)^n (I + D)^-1."""
+    block-lower part and M = (I + D)^-1 L (nilpotent of order C/16), T = sum_n<C/16 (-M)^n (I + D)^-1.
+
+    The substitution holds the blocks transposed, X[b, c, j] = (I + D_b)^-1[j, c]: step i's sum over the
+    rows j < i then runs along the tile's last axis, inside a warp, where a sum over its middle axis crossed
+    warps (a shared-memory round trip per step). Row i of every D_b comes from ``solve_row``."""
     nb, bs = p.chunk // SOLVE_BLOCK, SOLVE_BLOCK
     return lines(
         f"# blocked exact solve: {nb} diagonal blocks of {bs} rows",
         f"o_sb = tl.arange(0, {nb})",
         f"o_sr = tl.arange(0, {bs})",
         "m_same_blk = o_sb[:, None, None, None] == o_sb[None, None, :, None]",
-        f"b_D = tl.sum(tl.where(m_same_blk, tl.reshape(b_A, [{nb}, {bs}, {nb}, {bs}]), 0.0), 2)",
-        "m_row = o_sr[None, :, None]",
-        f"b_Td = tl.where(m_row == o_sr[None, None, :], 1.0, 0.0) + tl.zeros([{nb}, {bs}, {bs}], dtype=tl.float32)",
+        solve_rows(p),
+        "# X[b, c, j] = (I + D_b)^-1[j, c]; step i: column i of X = e_i - sum_j<i D_b[i, j] X[b, :, j]",
+        "m_col = o_sr[None, None, :]",
+        f"b_X = tl.where(o_sr[None, :, None] == m_col, 1.0, 0.0) + tl.zeros([{nb}, {bs}, {bs}], dtype=tl.float32)",
         f"for i in range(1, {bs}):",
-        "    b_a = tl.sum(tl.where(m_row == i, b_D, 0.0), 1)",
-        "    b_Td = tl.where(m_row == i, b_Td - tl.sum(b_a[:, :, None] * b_Td, 1)[:, None, :], b_Td)",
+        solve_row(p),
+        "    b_s = tl.sum(b_a[:, None, :] * b_X, 2)",
+        "    b_X = tl.where(m_col == i, tl.where(o_sr == i, 1.0, 0.0)[None, :, None] - b_s[:, :, None], b_X)",
+        "b_Td = tl.permute(b_X, (0, 2, 1))",
         "b_Tbd = tl.reshape(tl.where(m_same_blk, b_Td[:, :, None, :], 0.0), [C, C])",
         f"b_M = tl.dot(b_Tbd, tl.where((o_c // {bs})[:, None] > (o_c // {bs})[None, :], b_A, 0.0),",
         "             input_precision=DOT_PRECISION)",
@@ -347,6 +354,31 @@ def blocked_solve(p: ChunkParams) -> str:
         f"for _ in tl.static_range({nb - 2}):",
         "    b_X = b_I - tl.dot(b_M, b_X, input_precision=DOT_PRECISION)",
         "b_T = tl.dot(b_X, b_Tbd, input_precision=DOT_PRECISION)")
+
+
+def solve_rows(p: ChunkParams) -> str:
+    """Set-up of ``solve_row``: GDN's diagonal blocks D [nb, 16, 16] out of the register tile of A."""
+    if p.kind == "kda":
+        return "# row i of D_b below: beta_i P_ij from p_pairs (chunk_kda_fwd_kernel_pairs wrote P)"
+    nb, bs = p.chunk // SOLVE_BLOCK, SOLVE_BLOCK
+    return f"b_D = tl.sum(tl.where(m_same_blk, tl.reshape(b_A, [{nb}, {bs}, {nb}, {bs}]), 0.0), 2)"
+
+
+def solve_row(p: ChunkParams) -> str:
+    """b_a [nb, 16]: row i of every diagonal block D_b, zero from column i on. KDA's A = diag(beta) P is
+    read from p_pairs in memory, as FLA's solve_tril reads its rows; GDN's A exists only in registers (its
+    pair products are computed in the same kernel). Each was the faster form for its kind on the H200
+    (KDA [8, 4096, 16, 128] intra stage: 0.58 ms against 0.81 from registers; GDN: 0.51 against 0.54 from a
+    copy of the diagonal blocks in memory)."""
+    bs = SOLVE_BLOCK
+    if p.kind == "kda":
+        return lines(
+            f"    x_i = (bos + i_t * C + o_sb * {bs} + i) * HV + i_hv  # row i of every diagonal block",
+            f"    m_ri = (i_t * C + o_sb * {bs} + i) < seq_len",
+            f"    b_a = tl.load(p_pairs + x_i[:, None] * C + (o_sb * {bs})[:, None] + o_sr[None, :],",
+            "                  mask=m_ri[:, None] & (o_sr < i)[None, :], other=0)",
+            "    b_a = b_a * tl.load(beta + x_i, mask=m_ri, other=0).to(tl.float32)[:, None]")
+    return "    b_a = tl.sum(tl.where(o_sr[None, :, None] == i, b_D, 0.0), 1)"
 
 
 def _off_diagonal_loop(bc: int) -> str:

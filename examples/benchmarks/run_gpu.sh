@@ -41,6 +41,11 @@
 #   confirm7 pairs7  FLA equality, KDA exactness cases 2,3,6, KDA table (exact / FP8 / INT8 state), autotuned row
 #   final7    the same without the autotuned row
 #   train20   FP8-state training, 20 steps
+#   session8  the transposed blocked solve, int32 offsets (and a one-pass KDA pairs kernel, since reverted):
+#             exactness cases (GDN, KDA, rounded pairs), FLA equality (both kinds), KDA every policy at the
+#             three shapes (the emulation up to [1,4096,16,128]), GDN at [8,4096,16,128]
+#   final8    the session's last kernels: KDA exactness cases 2,3, FLA equality (KDA), KDA exact / FP8 state
+#             at the three shapes, GDN exact / FP8 state at [8,4096,16,128]
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
 #   final6    the final rounded pair kernels: exactness cases 9, 10, FP8 all sites / NVFP4 at [8,4096,16,128]
@@ -182,6 +187,22 @@ for stage in $stages; do
                  --shapes 1x4096x16x128,8x4096x16x128 --policies "laqat exact,laqat FP8 all sites,laqat NVFP4 operands" \
                  --no-emulation-above 65536 --profile "laqat FP8 all sites"
                OUT=$OUT/gdn timeout 120 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    session8)  OUT=$OUT/ieee timeout 400 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,1,2,3,4,9,10 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128,gdn:1x4096x16x128
+               OUT=$OUT/kda timeout 330 python3 $B/chunk_bench.py --skip-exactness --kinds kda --policies "$POLICIES" \
+                 --no-emulation-above 65536 --profile "laqat exact"
+               OUT=$OUT/gdn timeout 90 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 90 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
+               OUT=$OUT/kda timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               OUT=$OUT/gdn timeout 60 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
     session7)  # 16-bit GEMMs for bf16 inputs: FLA equality (both against the fp64 reference too), fp32 exactness

@@ -411,3 +411,32 @@ def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
     g[:, :16] = -7.0  # G falls by 105 across the first sub-chunk
     o, _ = chunk_fwd(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=32)), q, k, v, g, beta, 0.4, h0)
     assert not torch.isfinite(o).all()
+
+
+def test_int64_offsets_where_an_offset_may_pass_2_31():
+    """The per-chunk kernels take int32 offsets unless an element offset may pass 2^31: rows of the
+    [B, T, heads, ..] buffers (up to 2C wide, each sequence's last chunk padded) or the chunk states."""
+    from la_compiler.kernels.chunk_fwd import needs_int64_index
+
+    rows_edge = 2 ** 24 - 64  # (T + C) * 1 head * 128 (= 2C) columns reaches 2^31
+    assert not needs_int64_index(1, rows_edge - 1, 64, 1, 64, 64, (rows_edge - 1) // 64 + 1, 1)
+    assert needs_int64_index(1, rows_edge, 64, 1, 64, 64, rows_edge // 64, 1)
+    T = 2 ** 21 + 64  # rows far below 2^31, but the chunk states [chunks, 1, 256, 256] pass it
+    assert needs_int64_index(1, T, 64, 1, 256, 256, T // 64, 1)
+    assert not needs_int64_index(8, 4096, 64, 16, 128, 128, 8 * 64, 16)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, kind):
+    """Small inputs forced onto the int64-offset path (INDEX_64, taken by shapes past 2^31 elements) match
+    the fp64 reference like the int32 path: forward, final state and every gradient, packed sequences."""
+    from la_compiler.kernels import chunk_bwd as bwd_module, chunk_fwd as fwd_module
+
+    monkeypatch.setattr(fwd_module, "needs_int64_index", lambda *shape: True)
+    monkeypatch.setattr(bwd_module, "needs_int64_index", lambda *shape: True)
+    cu = torch.tensor([0, 40, 90])
+    inputs = make_inputs(kind, B=1, T=90, H=1, HV=2, K=16, V=16, N=2, dtype=torch.float32)
+    spec = RecurrenceSpec(kind=kind, chunk=32)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
+    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)

@@ -337,7 +337,7 @@ def blocked_solve(p: ChunkParams) -> str:
         f"o_sb = tl.arange(0, {nb})",
         f"o_sr = tl.arange(0, {bs})",
         "m_same_blk = o_sb[:, None, None, None] == o_sb[None, None, :, None]",
-        solve_rows(p),
+        solve_row_setup(p),
         "# X[b, c, j] = (I + D_b)^-1[j, c]; step i: column i of X = e_i - sum_j<i D_b[i, j] X[b, :, j]",
         "m_col = o_sr[None, None, :]",
         f"b_X = tl.where(o_sr[None, :, None] == m_col, 1.0, 0.0) + tl.zeros([{nb}, {bs}, {bs}], dtype=tl.float32)",
@@ -356,7 +356,7 @@ def blocked_solve(p: ChunkParams) -> str:
         "b_T = tl.dot(b_X, b_Tbd, input_precision=DOT_PRECISION)")
 
 
-def solve_rows(p: ChunkParams) -> str:
+def solve_row_setup(p: ChunkParams) -> str:
     """Set-up of ``solve_row``: GDN's diagonal blocks D [nb, 16, 16] out of the register tile of A."""
     if p.kind == "kda":
         return "# row i of D_b below: beta_i P_ij from p_pairs (chunk_kda_fwd_kernel_pairs wrote P)"

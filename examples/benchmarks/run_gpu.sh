@@ -41,9 +41,8 @@
 #   confirm7 pairs7  FLA equality, KDA exactness cases 2,3,6, KDA table (exact / FP8 / INT8 state), autotuned row
 #   final7    the same without the autotuned row
 #   train20   FP8-state training, 20 steps
-#   session8  the transposed blocked solve, int32 offsets (and a one-pass KDA pairs kernel, since reverted):
-#             exactness cases (GDN, KDA, rounded pairs), FLA equality (both kinds), KDA every policy at the
-#             three shapes (the emulation up to [1,4096,16,128]), GDN at [8,4096,16,128]
+#   session8  exactness cases (GDN, KDA, rounded pairs), FLA equality (both kinds), KDA every policy at the three
+#             shapes (the emulation up to [1,4096,16,128]), GDN at [8,4096,16,128]
 #   final8    the session's last kernels: KDA exactness cases 2,3, FLA equality (KDA), KDA exact / FP8 state
 #             at the three shapes, GDN exact / FP8 state at [8,4096,16,128]
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)

@@ -226,6 +226,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": fwd["LOAD_DECAY"],
         "PAIRS": pairs, "SOLVE": solve(p), "T_OPERANDS": ops["T_OPERANDS"],
         "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block, "ON_W": w_qdq(p),
+        "DECAYED_KEYS": fwd["DECAYED_KEYS"],
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
     h = render(template("chunk_fwd_h"), {

@@ -86,11 +86,19 @@ def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
     return min(BK, max(key_block(BK, FWD_KEY_BLOCK_ENV), w_block))
 
 
+def output_value_block(V: int, rounds_operands: bool) -> int:
+    """Value columns per program of the output stage. Exact GEMM operands: up to 128, so that one program
+    computes Q ⊙ exp(G) and reads Q, G, A_qk once for a whole V = 128 head (H200, [8, 4096, 16, 128] bf16, per
+    call: KDA 0.34 -> 0.30 ms, GDN 0.21 -> 0.20; eight warps at 128: 0.46). Rounded operands keep 64 (fp32
+    [K x BV] state tiles; unmeasured wider)."""
+    return min(64 if rounds_operands else 128, max(16, triton.next_power_of_2(V)))
+
+
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
               intermediates: dict | None = None, need_output: bool = True):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
-    ``intermediates``, if given, receives the buffers g_cum, w, u, A_qk, v_new [B, T, HV, ..] and h, the
+    ``intermediates``, if given, receives the buffers g_cum, w, u, A_qk, v_new, kd (KDA) [B, T, HV, ..] and h, the
     chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h): fp32, except W, U, h,
     V_new in the input dtype for 16-bit GEMMs (chunk_precision.py).
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
@@ -118,6 +126,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     A_qk = scratch((B, T, HV, C), f32, dev)
     h = scratch((max(lay.NT, 1), HV, K, V), mid, dev)
     v_new = scratch((B, T, HV, V), mid, dev)
+    kd = scratch((B, T, HV, K), mid, dev) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
     o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
     p_pairs = scratch((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
@@ -151,18 +160,19 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)
         launch(kernels["intra"], (chunks_per_row, heads),
-               q, k, v, g, beta, g_cum, w, u, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
+               q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK_intra, C),
                INDEX_64=index_64, **dict(common, BK=BK_intra))
     launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
-           k, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
+           k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
            BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C, rounds), **common)
     if lay.NT and need_output:
-        launch(kernels["o"], (triton.cdiv(V, BV_io), chunks_per_row, heads),
+        BV_o = output_value_block(V, rounds)
+        launch(kernels["o"], (triton.cdiv(V, BV_o), chunks_per_row, heads),
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_io, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, rounds), **common)
+               BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, rounds), **common)
     if intermediates is not None:
-        intermediates.update(g_cum=g_cum, w=w, u=u, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
+        intermediates.update(g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)
     return o, ht
 

@@ -558,7 +558,9 @@ GDN_FWD = {
         "tl.store(g_cum + r_hv, b_G, mask=m_c)"),
     "KEY_BLOCK_DECAY": "",
     "KEY_DECAY": "tl.exp(b_G)[:, None]",
+    "DECAYED_KEYS": "",
     "CHUNK_DECAY": (
+        "b_k = tl.load(k + ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)\n"
         "b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)\n"
         "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
         "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
@@ -572,10 +574,17 @@ KDA_FWD = {
     "LOAD_DECAY": "",
     "KEY_BLOCK_DECAY": "b_G = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)",
     "KEY_DECAY": "tl.exp(b_G)",
+    # K ⊙ exp(G_last - G) of the chunk's state update, written by the intra stage (which holds K and G by key
+    # block) for the h and dh stages: each of their value-block programs would otherwise load G [C x K] and
+    # exponentiate it again (docs/kernels-chunk.md, "Decayed keys")
+    "DECAYED_KEYS": (
+        "b_glast = tl.load(g_cum + ((bos + tl.minimum(i_t * C + C, seq_len) - 1) * HV + i_hv) * K + o_k, "
+        "mask=m_k, other=0)\n"
+        "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_G), 0.0)\n"
+        "tl.store(kd + r_hv[:, None] * K + o_k[None, :], _cast_for(b_kd, kd, GEMM_PRECISION), mask=m_ck)"),
     "CHUNK_DECAY": (
-        "b_g = tl.load(g_cum + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+        "b_kd = tl.load(kd + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
         "b_glast = tl.load(g_cum + (i_last * HV + i_hv) * K + o_k, mask=m_k, other=0)\n"
-        "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_g), 0.0)\n"
         "b_h *= tl.exp(b_glast)[:, None]"),
     "QUERY_DECAY": (
         "b_g = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
@@ -640,6 +649,7 @@ GDN_BWD = {
         "b_dG += tl.where(o_c == i_row_last, b_dGlast, 0.0)"),
     "STORE_DG": "tl.store(dg + r_hv, b_dg.to(dg.dtype.element_ty), mask=m_c)",
     "KEY_TO_END": (
+        "b_k = tl.load(k + r_qk, mask=m_ck, other=0).to(tl.float32)\n"
         "b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)\n"
         "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
         "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
@@ -660,10 +670,9 @@ KDA_BWD = {
         "b_dGlast = tl.sum(b_t, 0) + tl.exp(b_glast) * b_dlast\n"
         "b_dG += tl.where((o_c == i_row_last)[:, None], b_dGlast[None, :], 0.0)"),
     "STORE_DG": "tl.store(dg + r_hv[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty), mask=m_ck)",
-    "KEY_TO_END": (
-        "b_g = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+    "KEY_TO_END": (  # K ⊙ exp(G_last - G) from the forward recompute's intra stage (KDA_FWD's DECAYED_KEYS)
+        "b_kd = tl.load(kd + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
         "b_glast = tl.load(g_cum + (i_last * HV + i_hv) * K + o_k, mask=m_k, other=0)\n"
-        "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_g), 0.0)\n"
         "b_dlast = tl.exp(b_glast)[:, None]"),
 }
 

@@ -45,6 +45,12 @@
 #             shapes (the emulation up to [1,4096,16,128]), GDN at [8,4096,16,128]
 #   final8    the session's last kernels: KDA exactness cases 2,3, FLA equality (KDA), KDA exact / FP8 state
 #             at the three shapes, GDN exact / FP8 state at [8,4096,16,128]
+#   session9  KDA's decayed keys from the intra stage, the pairs kernel's range from the cumsum kernel: exactness cases
+#             (GDN, KDA exact / INT8 state / K = 256 / rounded pairs), FLA equality (both kinds), KDA exact / FP8 state at the
+#             three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
+#   final9    the ninth session's last kernels: KDA exactness cases 2,3, FLA equality (both kinds), KDA exact / FP8 state
+#             at the three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
+#   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
 #   final6    the final rounded pair kernels: exactness cases 9, 10, FP8 all sites / NVFP4 at [8,4096,16,128]
@@ -196,6 +202,23 @@ for stage in $stages; do
                OUT=$OUT/gdn timeout 90 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
                wait; cat "$OUT/exact_ieee.log" ;;
+    session9)  OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,2,3,5,6,9 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128,gdn:1x4096x16x128
+               OUT=$OUT/kda timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               OUT=$OUT/gdn timeout 60 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               wait; cat "$OUT/exact_ieee.log" ;;
+    final9)    OUT=$OUT/ieee timeout 150 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 120 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128,gdn:1x4096x16x128
+               wait; cat "$OUT/exact_ieee.log"
+               OUT=$OUT/kda timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               OUT=$OUT/gdn timeout 60 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
+    setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &
                OUT=$OUT/equality timeout 90 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128

@@ -440,3 +440,32 @@ def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, kind):
     (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
     _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kda_decayed_keys_and_a_wide_output_block(monkeypatch, varlen):
+    """KDA's intra stage writes kd = K ⊙ exp(G_last - G) for the h and dh stages (G_last: the chunk's last real
+    row, so partial chunks too), by key blocks of 16 here (K = 40: a masked block); V = 96 runs the output stage
+    as one masked 128-wide value block. kd against fp64 from the inputs, o and ht against the fp64 reference,
+    every gradient against fp64 autograd (the dh stage reads kd from the backward's recompute)."""
+    from la_compiler.kernels.chunk_fwd import output_value_block
+
+    monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
+    C = 8
+    inputs, cu = _case("kda", varlen, "kv", K=40, V=96)
+    assert output_value_block(96, rounds_operands=False) == 128
+    spec = RecurrenceSpec(kind="kda", chunk=C)
+    (o, ht, parts), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
+    k, g = inputs[1].double(), inputs[3].double()
+    HV, H = g.shape[2], k.shape[2]
+    kd_ref = torch.full_like(g, float("nan"))
+    for b, start, end in sequence_bounds(k.shape[0], k.shape[1], cu):
+        for t0 in range(start, end, C):
+            t1 = min(t0 + C, end)
+            G = g[b, t0:t1].cumsum(0)
+            kd_ref[b, t0:t1] = k[b, t0:t1].repeat_interleave(HV // H, 1) * torch.exp(G[-1] - G)
+    written = ~torch.isnan(kd_ref)
+    assert written.any() and torch.isfinite(parts["kd"][written]).all()
+    assert rel_l2(parts["kd"][written], kd_ref[written]) <= EXACT_TOL
+    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)

@@ -21,7 +21,7 @@ from la_compiler.kernels.chunk_bwd_snippets import (GDN_KEY_BLOCK_SHARES, HAND_O
                                                    STORE_INPUT_GRADS, gdn_pairs_by_key_blocks)
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
-    SUB_DOT_HELPER, gdn_pair_block, gdn_pairs,
+    GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs,
     kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.chunk_precision import GEMM_HELPER
@@ -229,11 +229,15 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "DECAYED_KEYS": fwd["DECAYED_KEYS"],
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
+    on_values = gdn_decays_values(p)
     h = render(template("chunk_fwd_h"), {
-        "OP": p.kind, "STATE_OFFSETS": state_offsets, "CHUNK_DECAY": fwd["CHUNK_DECAY"],
+        "OP": p.kind, "STATE_OFFSETS": state_offsets,
+        "CHUNK_DECAY": GDN_CHUNK_DECAY_ON_VALUES if on_values else fwd["CHUNK_DECAY"],
         "ON_STATE_LOAD": state_hook, "ON_STATE_WRITE": state_hook,
         "STATE_READ_RHS": ops["STATE_READ_RHS"], "STATE_UPDATE_OPERANDS": ops["STATE_UPDATE_OPERANDS"],
-        "STATE_READ_DOT": dots["STATE_READ_DOT"], "STATE_UPDATE_DOT": dots["STATE_UPDATE_DOT"]}, where="chunk_fwd_h")
+        "STATE_READ_DOT": dots["STATE_READ_DOT"],
+        "STATE_UPDATE_DOT": "b_upd = _gemm(b_kd, b_vu, GEMM_PRECISION)  # b_kd: K^T" if on_values
+        else dots["STATE_UPDATE_DOT"]}, where="chunk_fwd_h")
     o = render(template("chunk_fwd_o"), {
         "OP": p.kind, "PROGRAM": program, "QUERY_DECAY": fwd["QUERY_DECAY"],
         "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"],

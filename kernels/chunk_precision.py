@@ -96,8 +96,8 @@ def _gemm(a, b, PRECISION: tl.constexpr):
         return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
     elif PRECISION == "fp16_rounded":
         return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
+    else:  # fp32 operands (a 16-bit load, GDN's K^T in the h stage, is widened; fp32 ones are unchanged)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
 
 
 @triton.jit

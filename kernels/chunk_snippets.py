@@ -570,6 +570,24 @@ GDN_FWD = {
         "b_qg = b_q * tl.exp(b_g)[:, None]"),
 }
 
+# GDN's state update with no state_update operand rounded: the chunk decay exp(G_C - G) (one number per row)
+# scales V_new's rows instead of K's, K^T loaded as a [BK x C] tile, as FLA's h kernel does; the form above
+# scales K in fp32 and transposes it in registers (state_update.lhs is K ⊙ decay: NUMERICS.md's operand)
+GDN_CHUNK_DECAY_ON_VALUES = (
+    "b_kd = tl.load(k + ((bos + t_c) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_c[None, :], "
+    "other=0)  # K^T\n"
+    "b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)\n"
+    "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
+    "b_v = b_v * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
+    "b_h *= tl.exp(b_glast)")
+
+
+def gdn_decays_values(p: ChunkParams) -> bool:
+    """GDN's h stage applies the chunk decay to V_new (GDN_CHUNK_DECAY_ON_VALUES): no state_update operand
+    rounded, no accumulator emulated there."""
+    return p.kind == "gdn" and not any(site.split(".")[0] == "state_update" for site, _ in p.operands + p.acc)
+
+
 KDA_FWD = {
     "LOAD_DECAY": "",
     "KEY_BLOCK_DECAY": "b_G = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)",

@@ -50,6 +50,8 @@
 #             three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
 #   final9    the ninth session's last kernels: KDA exactness cases 2,3, FLA equality (both kinds), KDA exact / FP8 state
 #             at the three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
+#   gdn9      GDN's h stage with the chunk decay on V_new's rows: GDN exactness cases 0,1,4, FLA equality (GDN),
+#             GDN exact / FP8 state at [8,4096,16,128], kernels split
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -216,6 +218,12 @@ for stage in $stages; do
                wait; cat "$OUT/exact_ieee.log"
                OUT=$OUT/kda timeout 150 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact"
+               OUT=$OUT/gdn timeout 60 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
+    gdn9)      OUT=$OUT/ieee timeout 150 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,1,4 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               OUT=$OUT/equality timeout 90 python3 $B/chunk_bench.py --fla-equality gdn:1x4096x16x128
+               wait; cat "$OUT/exact_ieee.log"
                OUT=$OUT/gdn timeout 60 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
     setup)     ;;

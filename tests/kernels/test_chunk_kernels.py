@@ -469,3 +469,28 @@ def test_kda_decayed_keys_and_a_wide_output_block(monkeypatch, varlen):
     assert written.any() and torch.isfinite(parts["kd"][written]).all()
     assert rel_l2(parts["kd"][written], kd_ref[written]) <= EXACT_TOL
     _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+
+
+@pytest.mark.parametrize("quant,acc,on_values", [
+    ({}, {}, True),
+    ({"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row", "state_read.rhs": "fp8_e4m3/row"}, {}, True),
+    ({"state_update.lhs": "fp8_e4m3/row"}, {}, False),
+    ({"state_update.rhs": "int8/row"}, {}, False),
+    ({}, {"state_update": "bf16:16"}, False),
+])
+def test_gdn_chunk_decay_on_values_only_where_no_state_update_operand_rounds(quant, acc, on_values):
+    """GDN's h stage scales V_new's rows by the chunk decay (K^T loaded as is) unless the state_update operands are
+    rounded or accumulated: NUMERICS.md's state_update.lhs is K ⊙ exp(G_C - G), so that form stays there. Both
+    forms against the fp64 reference (which rounds at the same sites)."""
+    from la_compiler.kernels.chunk_codegen import chunk_fwd_source
+    from la_compiler.kernels.chunk_snippets import gdn_decays_values
+
+    spec = RecurrenceSpec(kind="gdn", chunk=8).replace(quant=quant, acc=acc)
+    p = ChunkParams.from_spec(spec)
+    assert gdn_decays_values(p) == on_values
+    assert ("# K^T" in chunk_fwd_source(p)) == on_values
+    assert not gdn_decays_values(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=8)))
+    inputs, cu = _case("gdn", True, "kv", K=16, V=16)
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    tol = EXACT_TOL if not quant and not acc else QDQ_TOL
+    assert rel_l2(o, o_ref) <= tol and rel_l2(ht, ht_ref) <= tol

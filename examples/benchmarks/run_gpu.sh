@@ -52,6 +52,7 @@
 #             at the three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
 #   gdn9      GDN's h stage with the chunk decay on V_new's rows: GDN exactness cases 0,1,4, FLA equality (GDN),
 #             GDN exact / FP8 state at [8,4096,16,128], kernels split
+#   rounded9  KDA's FP8 all-sites row at [8,4096,16,128] with the ninth session's kernels (FLA in the same run)
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -226,6 +227,8 @@ for stage in $stages; do
                wait; cat "$OUT/exact_ieee.log"
                OUT=$OUT/gdn timeout 60 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
+    rounded9)  OUT=$OUT/kda timeout 220 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --policies "laqat FP8 all sites" --no-emulation-above 0 --profile "laqat FP8 all sites" ;;
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

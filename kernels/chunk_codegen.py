@@ -22,7 +22,8 @@ from la_compiler.kernels.chunk_bwd_snippets import (GDN_KEY_BLOCK_SHARES, HAND_O
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
     GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs,
-    kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs, operand_values,
+    acc_dot, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs,
+    operand_values,
     parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.chunk_precision import GEMM_HELPER
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
@@ -236,7 +237,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "ON_STATE_LOAD": state_hook, "ON_STATE_WRITE": state_hook,
         "STATE_READ_RHS": ops["STATE_READ_RHS"], "STATE_UPDATE_OPERANDS": ops["STATE_UPDATE_OPERANDS"],
         "STATE_READ_DOT": dots["STATE_READ_DOT"],
-        "STATE_UPDATE_DOT": "b_upd = _gemm(b_kd, b_vu, GEMM_PRECISION)  # b_kd: K^T" if on_values
+        "STATE_UPDATE_DOT": acc_dot(p, "state_update", "b_upd", "b_kd", "b_vu", "C") if on_values  # b_kd: K^T
         else dots["STATE_UPDATE_DOT"]}, where="chunk_fwd_h")
     o = render(template("chunk_fwd_o"), {
         "OP": p.kind, "PROGRAM": program, "QUERY_DECAY": fwd["QUERY_DECAY"],

@@ -35,9 +35,11 @@ def enabled() -> bool:
 
 
 def candidates(config):
-    """The table's configuration first, then the others of warps {4, 8} x stages {1, 2, 3}."""
+    """The table's configuration first, then the others of warps {4, 8} x stages {1, 2, 3} (the table's warps
+    only where ``config.keep_warps``)."""
     out = [config]
-    for warps in (config.num_warps, 4 if config.num_warps == 8 else 8):
+    other = 4 if config.num_warps == 8 else 8
+    for warps in (config.num_warps,) if config.keep_warps else (config.num_warps, other):
         for stages in (1, 2, 3):
             c = dataclasses.replace(config, num_warps=warps, num_stages=stages)
             if c not in out:

@@ -11,6 +11,8 @@ derivation and what is recomputed rather than stored are in docs/kernels-chunk.m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -18,8 +20,8 @@ from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
 from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, needs_int64_index, scratch
-from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, KEY_BLOCK, key_block, launch,
-                                            launch_config)
+from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, GDN_BWD_KEY_BLOCK_16BIT, KEY_BLOCK,
+                                            key_block, launch, launch_config)
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 
@@ -68,21 +70,22 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         heads = HV * (1 if cu_seqlens is not None else B)
         t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
         split = kda_splits_pair_grads(p)
-        gdn_blocks = p.kind == "gdn" and bwd_intra_by_key_blocks(p)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
             # dq's share goes into W's buffer (same shape), which nothing reads after the dh stage, where it is fp32
             rest = [_fp32_or_new(parts["w"])] + [scratch((B, T, HV, K), f32, dev) for _ in range(2)]
             dpair = scratch((B, T, HV, 2 * C), f32, dev)
-        elif gdn_blocks:  # fp32 shares of dq, dk per key block, completed in place (dq's in W's buffer)
-            dq, dk = _fp32_or_new(parts["w"]), scratch((B, T, HV, K), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
         BKP = key_block(BK, BWD_KEY_BLOCK_ENV, bwd_key_block(p, mid))
         BK_intra = BKP if bwd_intra_by_key_blocks(p) else BK
+        config = launch_config("bwd_intra", BK_intra, C)
+        if p.kind == "gdn" and bwd_intra_by_key_blocks(p):
+            # four warps made this form fault (illegal memory access) on the H200 with Triton 3.6 at key blocks of
+            # 32, at one and three stages; eight never did (docs/kernels-chunk.md, "Key blocks")
+            config = dataclasses.replace(config, keep_warps=True)
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
-               cu_seqlens, lay.chunk_indices, scale, T, config=launch_config("bwd_intra", BK_intra, C),
-               INDEX_64=index_64, **dict(common, BK=BK_intra))
+               cu_seqlens, lay.chunk_indices, scale, T, config=config, INDEX_64=index_64, **dict(common, BK=BK_intra))
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
             BKP = BK if rounded else BKP
@@ -99,8 +102,6 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)
-    else:  # fp32 where the key-blocked GDN backward completed them in place
-        dq, dk = dq.to(q.dtype), dk.to(k.dtype)
     if dh0 is not None:
         dh0 = dh0.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0
@@ -112,6 +113,8 @@ def _fp32_or_new(buffer: torch.Tensor) -> torch.Tensor:
 
 
 def bwd_key_block(p: ChunkParams, intermediates: torch.dtype) -> int:
-    """Key columns per step of the key-blocked backward above 64 columns: 64 for KDA with 16-bit GEMMs
-    (measured), else 32."""
-    return BWD_KEY_BLOCK_16BIT if p.kind == "kda" and intermediates != torch.float32 else KEY_BLOCK
+    """Key columns per step of the key-blocked backward above 64 columns: with 16-bit GEMMs 64 for KDA and
+    128 for GDN (measured), else 32."""
+    if intermediates == torch.float32:
+        return KEY_BLOCK
+    return BWD_KEY_BLOCK_16BIT if p.kind == "kda" else GDN_BWD_KEY_BLOCK_16BIT

@@ -17,14 +17,15 @@ import functools
 from types import ModuleType
 
 from la_compiler.kernels import cache, chunk_pair_rounding
-from la_compiler.kernels.chunk_bwd_snippets import (GDN_KEY_BLOCK_SHARES, HAND_OVER_PAIRS, HAND_OVER_SHARES,
-                                                   STORE_INPUT_GRADS, gdn_pairs_by_key_blocks)
+from la_compiler.kernels.chunk_bwd_snippets import (DT_FROM_W, GDN_DT_DONE, GDN_FINISH, GDN_KEY_BLOCK_DONE, GDN_LOAD_G,
+                                                   GDN_STATE_SIDE_DT, HAND_OVER_PAIRS, HAND_OVER_SHARES,
+                                                   STORE_INPUT_GRADS, da_from_dt, gdn_pair_grads_before_key_loop)
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
     GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs,
     acc_dot, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs,
     operand_values,
-    parse_acc, load_solved, solve, solve_form, solve_grad, state_qdq, w_amax_pass, w_qdq)
+    lines, parse_acc, load_solved, solve, solve_form, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.chunk_precision import GEMM_HELPER
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
@@ -329,21 +330,22 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     pairs = "" if split or gdn_blocks else "\n".join(
         [loads, bwd["PAIRS"], "b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)"])
     before = p.solve != "exact"
-    finish = HAND_OVER_PAIRS if split else gdn_pairs_by_key_blocks(p) if gdn_blocks else render("\n".join([
-        "b_dbeta += tl.sum(b_dA * b_P, 1)", "b_dP = b_dA * b_beta[:, None]", "${PAIR_GRADS}", "",
+    finish = lines(da_from_dt(p), HAND_OVER_PAIRS) if split else GDN_FINISH if gdn_blocks else render("\n".join([
+        da_from_dt(p), "b_dbeta += tl.sum(b_dA * b_P, 1)", "b_dP = b_dA * b_beta[:, None]", "${PAIR_GRADS}", "",
         STORE_INPUT_GRADS]), {"PAIR_GRADS": bwd["PAIR_GRADS"], "STORE_DG": bwd["STORE_DG"]}, where="bwd_intra finish")
     # one key block without the split: the loop's gradients are carried out of it into the pair products' part
     dG_shape = "[C]" if p.kind == "gdn" else "[C, BK]"
-    init = "" if split else "b_dGs = tl.zeros([C], dtype=tl.float32)  # dG summed over the key blocks" if gdn_blocks \
-        else "\n".join([
+    init = "" if split or gdn_blocks else "\n".join([
         "b_dq = tl.zeros([C, BK], dtype=tl.float32)", "b_dk = tl.zeros([C, BK], dtype=tl.float32)",
         f"b_dG = tl.zeros({dG_shape}, dtype=tl.float32)"])
     intra = render(template("chunk_bwd_intra"), {
-        "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p), "SOLVE_GRAD": solve_grad(p),
-        "PAIRS_BEFORE_LOOP": pairs if before else "# q, k, G, P: after the value loop",
-        "PAIRS_AFTER_LOOP": "" if before else pairs, "FINISH": finish, "KEY_GRADS_INIT": init,
+        "OP": p.kind, "PROGRAM": template("chunk_fwd_program"), "SOLVE": load_solved(p),
+        "PAIRS_BEFORE_LOOP": GDN_LOAD_G if gdn_blocks else pairs if before else "# q, k, G, P: after the value loop",
+        "PAIRS_AFTER_LOOP": gdn_pair_grads_before_key_loop(p) if gdn_blocks else "" if before else pairs,
+        "STATE_SIDE_DT": GDN_STATE_SIDE_DT if gdn_blocks else "",
+        "DT_FROM_W": GDN_DT_DONE if gdn_blocks else DT_FROM_W, "FINISH": finish, "KEY_GRADS_INIT": init,
         "KEY_BLOCK_LOADS": loads if split or gdn_blocks else "# q, k, G: the whole rows loaded with the pair products",
-        "KEY_BLOCK_DONE": HAND_OVER_SHARES if split else GDN_KEY_BLOCK_SHARES if gdn_blocks else "",
+        "KEY_BLOCK_DONE": HAND_OVER_SHARES if split else GDN_KEY_BLOCK_DONE if gdn_blocks else "",
         **{key: bwd[key] for key in ("EXP_G", "ROWS", "LAST_ROW_GRADS")},
         **{key: ops[key] for key in ("T_OPERANDS", "BWD_V_OPERANDS_VALUE", "BWD_V_OPERANDS_KEY", "WY_VALUE_RHS",
                                      "WY_KEY_RHS", "BWD_INTRA_AMAX")}},

@@ -30,6 +30,7 @@ from la_compiler.kernels import chunk_autotune
 class LaunchConfig:
     num_warps: int
     num_stages: int
+    keep_warps: bool = False  # LAQAT_AUTOTUNE varies the stages only (chunk_autotune.candidates)
 
 
 def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) -> LaunchConfig:
@@ -93,6 +94,10 @@ BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
 # [8, 4096, 16, 128] bf16 (f+b 10.95 ms against 11.96; backward intra 1.99 / 2.50, pairs 1.75 / 2.24;
 # docs/gpu-results.md, seventh session). With fp32 GEMM operands 32 stays (fourth session); GDN is unmeasured.
 BWD_KEY_BLOCK_16BIT = 64
+# GDN's backward intra stage with 16-bit GEMMs (dT, hence dA, complete before its key loop): whole rows of 128
+# beat blocks of 64 and 32 on the H200 at [8, 4096, 16, 128] bf16 (2.39 / 2.54 / 2.94 ms; docs/gpu-results.md,
+# tenth session).
+GDN_BWD_KEY_BLOCK_16BIT = 128
 
 
 def key_block(BK: int, env: str, block: int = KEY_BLOCK) -> int:

@@ -50,6 +50,11 @@
 #             three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
 #   final9    the ninth session's last kernels: KDA exactness cases 2,3, FLA equality (both kinds), KDA exact / FP8 state
 #             at the three shapes, GDN exact / FP8 state at [8,4096,16,128], kernels split
+#   gdn10     GDN at the two large shapes against FLA's fwd+bwd timed with its guard lifted (BASELINES' row): exact,
+#             FP8 state, FP8 all sites, kernels split (FLA's too)
+#   final10   GDN's backward with dA before its key loop: GDN exactness cases 0,1,4,8, FLA equality (GDN; laqat's
+#             gradients against the fp64 reference), then the gdn10 table
+#   kda10     KDA [8,4096,16,128]: the INT8-state and NVFP4 rows with the ninth session's kernels, kernels split
 #   gdn9      GDN's h stage with the chunk decay on V_new's rows: GDN exactness cases 0,1,4, FLA equality (GDN),
 #             GDN exact / FP8 state at [8,4096,16,128], kernels split
 #   rounded9  KDA's FP8 all-sites row at [8,4096,16,128] with the ninth session's kernels (FLA in the same run)
@@ -229,6 +234,16 @@ for stage in $stages; do
                  --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --profile "laqat exact" ;;
     rounded9)  OUT=$OUT/kda timeout 220 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --policies "laqat FP8 all sites" --no-emulation-above 0 --profile "laqat FP8 all sites" ;;
+    gdn10)     OUT=$OUT/gdn timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds gdn \
+                 --shapes 1x4096x16x128,8x4096x16x128 --lift-fla-gdn-guard --no-emulation-above 0 \
+                 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites" \
+                 --profile "FLA exact,laqat exact,laqat FP8 state,laqat FP8 all sites" ;;
+    final10)   OUT=$OUT/ieee timeout 170 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,1,4,8
+               OUT=$OUT/equality timeout 100 python3 $B/chunk_bench.py --fla-equality gdn:1x4096x16x128
+               bash "$0" gdn10 ;;
+    kda10)     OUT=$OUT/kda timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --policies "laqat INT8 state,laqat NVFP4 operands" --no-emulation-above 0 \
+                 --profile "laqat INT8 state,laqat NVFP4 operands" ;;
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

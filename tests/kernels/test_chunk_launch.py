@@ -134,3 +134,35 @@ def test_fp32_dot_precision_knob(monkeypatch):
     monkeypatch.setenv("LAQAT_FP32_DOT", "tf32")
     with pytest.raises(ValueError, match="LAQAT_FP32_DOT must be 'ieee' or 'tf32x3', got 'tf32'"):
         dot_precision(torch.float32)
+
+
+def test_autotune_keeps_the_warps_where_the_table_says_so():
+    from la_compiler.kernels.chunk_autotune import candidates
+
+    configs = candidates(LaunchConfig(8, 1, keep_warps=True))
+    assert [(c.num_warps, c.num_stages) for c in configs] == [(8, 1), (8, 2), (8, 3)]
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch):
+    """GDN's key-blocked backward intra stage faulted at four warps on the H200: the autotuner must not try them."""
+    import torch
+
+    from la_compiler.kernels import chunk_bwd
+    from la_compiler.kernels.chunk_codegen import ChunkParams
+    from la_compiler.spec import RecurrenceSpec
+    from tests.kernels.chunk_inputs import make_inputs
+
+    seen = {}
+
+    def recording_launch(kernel, grid, *args, config, **constexprs):
+        seen[getattr(kernel, "__name__", getattr(getattr(kernel, "fn", None), "__name__", "?"))] = config
+        return launch(kernel, grid, *args, config=config, **constexprs)
+
+    monkeypatch.setattr(chunk_bwd, "launch", recording_launch)
+    q, k, v, g, beta, _ = make_inputs(kind, B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32)
+    p = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=16, kernel="chunk"))
+    chunk_bwd.chunk_bwd(p, q, k, v, g, beta, 0.25, torch.randn_like(v))
+    intra = seen[f"chunk_{kind}_bwd_kernel_intra"]
+    assert intra.keep_warps == (kind == "gdn")
+    assert not any(c.keep_warps for name, c in seen.items() if not name.endswith("_intra"))

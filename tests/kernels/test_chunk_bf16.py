@@ -138,3 +138,31 @@ def test_selection_explains_the_gemm_precision(monkeypatch):
     assert "every dot in fp32 (ieee)" in reason("kda[chunk=64]", torch.float32)
     monkeypatch.setenv("LAQAT_CHUNK_GEMM", "tf32")
     assert "(LAQAT_CHUNK_GEMM=tf32)" in reason("kda[chunk=64]")
+
+
+@pytest.mark.parametrize("key_block", [None, "32"], ids=["default", "blocks_of_32"])
+def test_gdn_bf16_backward_by_key_blocks(monkeypatch, key_block):
+    """GDN's backward intra stage with 16-bit GEMMs: dT (hence dA) complete before its key loop, whose blocks
+    store their final dq, dk; the pair products' gradients multiplied in bf16. K = 72: by default one masked
+    block of 128 columns; with blocks of 32, two full ones and a masked partial one. Every gradient against
+    fp64 autograd at FLA's bar, with grouped value heads on a packed batch."""
+    from la_compiler.kernels.chunk_bwd import bwd_key_block
+    from la_compiler.kernels.chunk_codegen import bwd_intra_by_key_blocks
+
+    if key_block is None:
+        monkeypatch.delenv("LAQAT_CHUNK_BWD_KEY_BLOCK", raising=False)
+    else:
+        monkeypatch.setenv("LAQAT_CHUNK_BWD_KEY_BLOCK", key_block)
+    cu = torch.tensor([0, 21, 40])
+    xs = make_inputs("gdn", B=1, T=40, H=1, HV=2, K=72, V=16, N=2, dtype=torch.bfloat16)
+    spec = RecurrenceSpec(kind="gdn", chunk=16)
+    p = ChunkParams.from_spec(spec)
+    assert bwd_intra_by_key_blocks(p) and bwd_key_block(p, torch.bfloat16) == 128
+    x64 = [x.double().requires_grad_() for x in xs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.3, initial_state=x64[5], cu_seqlens=cu)
+    do, dht = torch.randn_like(o64), torch.randn_like(ht64)
+    want = grads_of([o64, ht64], [do, dht], x64)
+    got = chunk_bwd(p, *xs[:5], 0.3, do.to(torch.bfloat16), dht.float(), xs[5], cu)
+    for name, a, b, x in zip(GRAD_NAMES, got, want, xs):
+        assert a.shape == x.shape and a.dtype == x.dtype, name
+        assert rel_l2(a, b) <= FLA_TOL[name], (name, rel_l2(a, b))

@@ -202,9 +202,10 @@ def test_backward_exact(kind, varlen, state, extra):
                                                   ("gdn", False, "vk", 2), ("gdn", True, "kv", 1)])
 def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     """The exact backward runs its key-side gradients by key blocks (the intra stage) and the pair products'
-    after them (KDA: a second kernel, one sub-chunk x key block per program; GDN: a second key loop): above 64
-    columns, blocks of 32, so K = 72 takes two full blocks and a masked partial one. Every gradient against
-    fp64 autograd, on a packed batch and with grouped value heads."""
+    (KDA: after them, in a second kernel, one sub-chunk x key block per program; GDN: in the same key loop,
+    dA complete before it): above 64 columns with fp32 inputs, blocks of 32, so K = 72 takes two full blocks
+    and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped value
+    heads."""
     from la_compiler.kernels.chunk_codegen import bwd_intra_by_key_blocks
     from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block
 

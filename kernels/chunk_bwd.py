@@ -12,16 +12,16 @@ derivation and what is recomputed rather than stored are in docs/kernels-chunk.m
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
-import triton
 
 from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
-from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, needs_int64_index, scratch
+from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, nan_fill, needs_int64_index, scratch
 from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, GDN_BWD_KEY_BLOCK_16BIT, KEY_BLOCK,
-                                            key_block, launch, launch_config)
+                                            cdiv, key_block, launch, launch_config, next_power_of_2)
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 
@@ -41,39 +41,40 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)
     module = chunk_bwd_module(p)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_power_of_2(K))
+    BV = min(64, max(16, next_power_of_2(V)))
     dev, f32 = q.device, torch.float32
     gemm = gemm_precision(p, q.dtype)
     mid = intermediate_dtype(gemm, q.dtype)  # of dh, dV_new (and the forward's W, U, h, V_new)
-    dh = scratch((max(lay.NT, 1), HV, K, V), mid, dev)
-    dv_new = scratch((B, T, HV, V), mid, dev)
-    dh0 = scratch(state_shape, f32, dev) if initial_state is not None else None
+    buffer = functools.partial(scratch, fill=nan_fill())
+    dh = buffer((max(lay.NT, 1), HV, K, V), mid, dev)
+    dv_new = buffer((B, T, HV, V), mid, dev)
+    dh0 = buffer(state_shape, f32, dev) if initial_state is not None else None
     group = HV // H
     # per value head; summed over a group of value heads (HV > H) in fp32, else written in the input dtype
-    dq = scratch((B, T, HV, K), f32 if group > 1 else q.dtype, dev)
-    dk = scratch((B, T, HV, K), f32 if group > 1 else k.dtype, dev)
-    dv = scratch(v.shape, v.dtype, dev)
-    dbeta = scratch((B, T, HV), beta.dtype, dev)
-    dg = scratch(g.shape, g.dtype, dev)
+    dq = buffer((B, T, HV, K), f32 if group > 1 else q.dtype, dev)
+    dk = buffer((B, T, HV, K), f32 if group > 1 else k.dtype, dev)
+    dv = buffer(v.shape, v.dtype, dev)
+    dbeta = buffer((B, T, HV), beta.dtype, dev)
+    dg = buffer(g.shape, g.dtype, dev)
     index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
-    launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (triton.cdiv(V, BV), N * HV),
+    launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (cdiv(V, BV), N * HV),
            q, k, parts["kd"], parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens,
            lay.chunk_offsets, scale, T, USE_INITIAL_STATE=initial_state is not None,
            USE_FINAL_STATE_GRADIENT=dht is not None,
            config=launch_config("bwd_dh", BK, C, rounds), **common)
     if lay.NT:
-        chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
+        chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
         heads = HV * (1 if cu_seqlens is not None else B)
         t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
         split = kda_splits_pair_grads(p)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
             # dq's share goes into W's buffer (same shape), which nothing reads after the dh stage, where it is fp32
-            rest = [_fp32_or_new(parts["w"])] + [scratch((B, T, HV, K), f32, dev) for _ in range(2)]
-            dpair = scratch((B, T, HV, 2 * C), f32, dev)
+            rest = [_fp32_or_new(parts["w"])] + [buffer((B, T, HV, K), f32, dev) for _ in range(2)]
+            dpair = buffer((B, T, HV, 2 * C), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
         BKP = key_block(BK, BWD_KEY_BLOCK_ENV, bwd_key_block(p, mid))
@@ -89,7 +90,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
             BKP = BK if rounded else BKP
-            NKB = triton.cdiv(K, BKP)
+            NKB = cdiv(K, BKP)
             BC = p.sub_chunk
             launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
                    q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []), cu_seqlens,

@@ -13,17 +13,18 @@ the pair products and the solve multiply in TF32 (chunk_precision.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
-import triton
 
 from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
 from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
-from la_compiler.kernels.chunk_launch import FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, key_block, launch, launch_config
+from la_compiler.kernels.chunk_launch import (FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config,
+                                            next_power_of_2)
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs, pairs_need_all_keys
 
 
@@ -49,7 +50,7 @@ def needs_int64_index(B: int, T: int, C: int, heads: int, K: int, V: int, chunks
 
 def chunk_layout(B: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     if cu_seqlens is None:
-        return ChunkLayout(B, T, B, B * triton.cdiv(T, C), None, None)
+        return ChunkLayout(B, T, B, B * cdiv(T, C), None, None)
     if B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -69,11 +70,17 @@ def check_inputs(p: ChunkParams, q, k, v, g, beta, initial_state, cu_seqlens):
                                   max_k=max_k, max_v=256, why_max=f" ({why})")
 
 
-def scratch(shape, dtype, device) -> torch.Tensor:
-    """An output/intermediate buffer: NaN-filled under the interpreter (tests see every unwritten
-    element) or with LAQAT_NAN_FILL=1; uninitialised otherwise (a fill costs a full write of it)."""
+def nan_fill() -> bool:
+    """Whether ``scratch`` buffers are NaN-filled: under the interpreter (tests see every unwritten element)
+    or with LAQAT_NAN_FILL=1; otherwise they are uninitialised (a fill costs a full write of them)."""
     default = "1" if os.environ.get("TRITON_INTERPRET") == "1" else "0"
-    if os.environ.get("LAQAT_NAN_FILL", default) == "1":
+    return os.environ.get("LAQAT_NAN_FILL", default) == "1"
+
+
+def scratch(shape, dtype, device, fill: bool | None = None) -> torch.Tensor:
+    """An output/intermediate buffer, NaN-filled where ``fill`` (default: ``nan_fill()``; a launcher reads
+    it once for all its buffers)."""
+    if nan_fill() if fill is None else fill:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -91,7 +98,7 @@ def output_value_block(V: int, rounds_operands: bool) -> int:
     computes Q ⊙ exp(G) and reads Q, G, A_qk once for a whole V = 128 head (H200, [8, 4096, 16, 128] bf16, per
     call: KDA 0.34 -> 0.30 ms, GDN 0.21 -> 0.20; eight warps at 128: 0.46). Rounded operands keep 64 (fp32
     [K x BV] state tiles; unmeasured wider)."""
-    return min(64 if rounds_operands else 128, max(16, triton.next_power_of_2(V)))
+    return min(64 if rounds_operands else 128, max(16, next_power_of_2(V)))
 
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
@@ -112,37 +119,38 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     module = chunk_fwd_module(p)
     kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o")}
     w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
-    BK = max(w_block, triton.next_power_of_2(K))
-    BV_io = min(64, max(16, triton.next_power_of_2(V)))
+    BK = max(w_block, next_power_of_2(K))
+    BV_io = min(64, max(16, next_power_of_2(V)))
     BV_h = p.state_block_v or min(32, BV_io)  # no state tile to honour: more programs for the serial stage
     if p.h_full_v:  # NVFP4 state_read / state_update operands: one tile over all of V (and whole state tiles)
-        BV_h = max(16, triton.next_power_of_2(V), p.state_block_v or 16)
+        BV_h = max(16, next_power_of_2(V), p.state_block_v or 16)
     dev, f32 = q.device, torch.float32
     gemm = gemm_precision(p, q.dtype)
     mid = intermediate_dtype(gemm, q.dtype)  # of W, U, h, V_new: the input dtype for 16-bit GEMMs
-    g_cum = scratch(g.shape, f32, dev)
-    w = scratch((B, T, HV, K), mid, dev)
-    u = scratch((B, T, HV, V), mid, dev)
-    A_qk = scratch((B, T, HV, C), f32, dev)
-    h = scratch((max(lay.NT, 1), HV, K, V), mid, dev)
-    v_new = scratch((B, T, HV, V), mid, dev)
-    kd = scratch((B, T, HV, K), mid, dev) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
-    o = scratch((B, T, HV, V), q.dtype, dev) if need_output else None
-    t_solved = scratch((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
-    p_pairs = scratch((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
-    chunks_per_row = lay.NT if cu_seqlens is not None else triton.cdiv(T, C)
+    buffer = functools.partial(scratch, fill=nan_fill())
+    g_cum = buffer(g.shape, f32, dev)
+    w = buffer((B, T, HV, K), mid, dev)
+    u = buffer((B, T, HV, V), mid, dev)
+    A_qk = buffer((B, T, HV, C), f32, dev)
+    h = buffer((max(lay.NT, 1), HV, K, V), mid, dev)
+    v_new = buffer((B, T, HV, V), mid, dev)
+    kd = buffer((B, T, HV, K), mid, dev) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
+    o = buffer((B, T, HV, V), q.dtype, dev) if need_output else None
+    t_solved = buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
+    p_pairs = buffer((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
+    chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
     BC = p.sub_chunk
     # NVFP4 pairwise operands: the chunk-wide amaxes (pk, pq, |K|, |Q|)
-    pair_amax = scratch((chunks_per_row, heads, 4), f32, dev) if kda_pairs_nvfp4(p) else None
-    ht = scratch(state_shape, f32, dev)
+    pair_amax = buffer((chunks_per_row, heads, 4), f32, dev) if kda_pairs_nvfp4(p) else None
+    ht = buffer(state_shape, f32, dev)
     index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
-        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, triton.cdiv(K, BKG)),
+        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
                g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
                IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_cumsum", BKG, C))
         rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
@@ -163,12 +171,12 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK_intra, C),
                INDEX_64=index_64, **dict(common, BK=BK_intra))
-    launch(kernels["h"], (triton.cdiv(V, BV_h), N * HV),
+    launch(kernels["h"], (cdiv(V, BV_h), N * HV),
            k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
            BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C, rounds), **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
-        launch(kernels["o"], (triton.cdiv(V, BV_o), chunks_per_row, heads),
+        launch(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, rounds), **common)
     if intermediates is not None:

@@ -7,19 +7,26 @@ selection table then moves on).
 """
 from __future__ import annotations
 
+import functools
+
 from la_compiler.kernels.chunk_bwd import chunk_bwd
 from la_compiler.kernels.chunk_codegen import ChunkParams
 from la_compiler.kernels.chunk_fwd import chunk_fwd
 from la_compiler.kernels.registry import register_variant, spec_of
 
 
+@functools.lru_cache(maxsize=256)
+def _params(spec) -> ChunkParams:
+    """ChunkParams of a spec, once per spec (8 us of host time per call otherwise)."""
+    return ChunkParams.from_spec(spec)
+
+
 def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
-    return chunk_fwd(ChunkParams.from_spec(spec_of(spec)), q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    return chunk_fwd(_params(spec_of(spec)), q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 
 def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):
-    return chunk_bwd(ChunkParams.from_spec(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state,
-                     cu_seqlens)
+    return chunk_bwd(_params(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens)
 
 
 register_variant(

@@ -166,3 +166,14 @@ def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch)
     intra = seen[f"chunk_{kind}_bwd_kernel_intra"]
     assert intra.keep_warps == (kind == "gdn")
     assert not any(c.keep_warps for name, c in seen.items() if not name.endswith("_intra"))
+
+
+def test_host_integer_helpers_match_tritons():
+    import triton
+
+    from la_compiler.kernels.chunk_launch import cdiv, next_power_of_2
+
+    for n in [0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 4095, 4096, 4097]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 16, 32, 64):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -54,6 +54,8 @@
 #             FP8 state, FP8 all sites, kernels split (FLA's too)
 #   final10   GDN's backward with dA before its key loop: GDN exactness cases 0,1,4,8, FLA equality (GDN; laqat's
 #             gradients against the fp64 reference), then the gdn10 table
+#   last10    GDN exactness cases 4 (FP8 state + W, varlen) and 8 (K = 256, varlen), then both kinds at [1,4096,16,128]
+#             (exact, FP8 state; host-bound: the launchers' host time)
 #   kda10     KDA [8,4096,16,128]: the INT8-state and NVFP4 rows with the ninth session's kernels, kernels split
 #   gdn9      GDN's h stage with the chunk decay on V_new's rows: GDN exactness cases 0,1,4, FLA equality (GDN),
 #             GDN exact / FP8 state at [8,4096,16,128], kernels split
@@ -241,6 +243,9 @@ for stage in $stages; do
     final10)   OUT=$OUT/ieee timeout 170 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,1,4,8
                OUT=$OUT/equality timeout 100 python3 $B/chunk_bench.py --fla-equality gdn:1x4096x16x128
                bash "$0" gdn10 ;;
+    last10)    OUT=$OUT/ieee timeout 220 python3 $B/chunk_bench.py --exactness-only --exact-cases 4,8
+               OUT=$OUT/small timeout 120 python3 $B/chunk_bench.py --skip-exactness --shapes 1x4096x16x128 \
+                 --policies "laqat exact,laqat FP8 state" --no-emulation-above 0 --lift-fla-gdn-guard ;;
     kda10)     OUT=$OUT/kda timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --policies "laqat INT8 state,laqat NVFP4 operands" --no-emulation-above 0 \
                  --profile "laqat INT8 state,laqat NVFP4 operands" ;;

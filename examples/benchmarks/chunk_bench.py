@@ -12,7 +12,8 @@ First use of every spec compiles its Triton kernels (seconds each); split long r
 2. at [B, T, H, D] in (1,1024,4,64), (1,4096,16,128), (8,4096,16,128), bf16 inputs as in
    BASELINES.md: triton.testing.do_bench medians of forward and forward+backward (backward of
    o.float().sum()) and peak extra MiB above the pre-run allocation, for
-     FLA exact (chunk_kda fwd / fwd+bwd; chunk_gated_delta_rule fwd, its backward where FLA allows it),
+     FLA exact (chunk_kda fwd / fwd+bwd; chunk_gated_delta_rule fwd, its backward where FLA allows it, or
+       with --lift-fla-gdn-guard past FLA's Hopper guard, timing only),
      laqat exact / FP8 state / INT8 state / FP8 state + W  (torch.ops.laqat.delta_rule, kernel=chunk),
      laqat FP8 all sites (+ state + W) / NVFP4 operands (all eight sites + W),
      laqat FP16 accumulators (block 16) at every GEMM site (the seeds' accumulator study),

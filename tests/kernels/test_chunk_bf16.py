@@ -37,6 +37,18 @@ def _inputs(kind, varlen):
     return xs, cu
 
 
+def _assert_gradients(p, xs, x64, outputs64, scale, cu, tol):
+    """chunk_bwd on the bf16 inputs ``xs`` against fp64 autograd of the reference's ``outputs64`` (from ``x64``),
+    for fresh random cotangents: every gradient in its input's shape and dtype, within ``tol``."""
+    o64, ht64 = outputs64
+    do, dht = torch.randn_like(o64), torch.randn_like(ht64)
+    want = grads_of([o64, ht64], [do, dht], x64)
+    got = chunk_bwd(p, *xs[:5], scale, do.to(torch.bfloat16), dht.float(), xs[5], cu)
+    for name, a, b, x in zip(GRAD_NAMES, got, want, xs):
+        assert a.shape == x.shape and a.dtype == x.dtype, name
+        assert rel_l2(a, b) <= tol[name], (name, rel_l2(a, b))
+
+
 def _state_flips(a, b):
     return float(((a.double() - b).abs() > b.abs() / 16 + 1e-3 * b.abs().max()).double().mean())
 
@@ -58,12 +70,7 @@ def test_bf16_inputs_forward_and_backward(kind, varlen, quant):
         assert _state_flips(ht, ht64) <= MAX_STATE_FLIP_FRACTION
     else:
         assert rel_l2(ht, ht64) <= tol["ht"]
-    do, dht = torch.randn_like(o64), torch.randn_like(ht64)
-    want = grads_of([o64, ht64], [do, dht], x64)
-    got = chunk_bwd(p, *xs[:5], 0.4, do.to(torch.bfloat16), dht.float(), xs[5], cu)
-    for name, a, b, x in zip(GRAD_NAMES, got, want, xs):
-        assert a.shape == x.shape and a.dtype == x.dtype, name
-        assert rel_l2(a, b) <= tol[name], (name, rel_l2(a, b))
+    _assert_gradients(p, xs, x64, (o64, ht64), 0.4, cu, tol)
 
 
 def test_gemm_precision_choice(monkeypatch):
@@ -160,9 +167,4 @@ def test_gdn_bf16_backward_by_key_blocks(monkeypatch, key_block):
     assert bwd_intra_by_key_blocks(p) and bwd_key_block(p, torch.bfloat16) == 128
     x64 = [x.double().requires_grad_() for x in xs]
     o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.3, initial_state=x64[5], cu_seqlens=cu)
-    do, dht = torch.randn_like(o64), torch.randn_like(ht64)
-    want = grads_of([o64, ht64], [do, dht], x64)
-    got = chunk_bwd(p, *xs[:5], 0.3, do.to(torch.bfloat16), dht.float(), xs[5], cu)
-    for name, a, b, x in zip(GRAD_NAMES, got, want, xs):
-        assert a.shape == x.shape and a.dtype == x.dtype, name
-        assert rel_l2(a, b) <= FLA_TOL[name], (name, rel_l2(a, b))
+    _assert_gradients(p, xs, x64, (o64, ht64), 0.3, cu, FLA_TOL)

@@ -71,7 +71,8 @@ GDN_STATE_SIDE_DT = lines(
 GDN_DT_DONE = "# dT is complete (GDN_STATE_SIDE_DT): dBk below is this key block's only W-side gradient"
 
 # GEMM_PRECISION, not DOT_PRECISION: with 16-bit GEMMs dP ⊙ Γ is multiplied in the input dtype, as FLA's
-# chunk_bwd_dqkwg does (its ds in bf16): 0.24 ms of 2.39 at [8,4096,16,128] on the H200 (docs/kernels-chunk.md)
+# chunk_bwd_dqkwg does (its ds in bf16): this stage 2.39 -> 2.16 ms at [8,4096,16,128] on the H200
+# (docs/kernels-chunk.md, "Key blocks")
 GDN_KEY_BLOCK_DONE = (
     "# the pair products' gradients: this key block's dq, dk are complete\n"
     "b_dk += _gemm(b_dKK, b_k, GEMM_PRECISION) + _gemm(tl.trans(b_dKK), b_k, GEMM_PRECISION) \\\n"

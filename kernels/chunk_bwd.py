@@ -78,9 +78,10 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split
         BKP = key_block(BK, BWD_KEY_BLOCK_ENV, bwd_key_block(p, mid))
-        BK_intra = BKP if bwd_intra_by_key_blocks(p) else BK
+        by_key_blocks = bwd_intra_by_key_blocks(p)
+        BK_intra = BKP if by_key_blocks else BK
         config = launch_config("bwd_intra", BK_intra, C)
-        if p.kind == "gdn" and bwd_intra_by_key_blocks(p):
+        if p.kind == "gdn" and by_key_blocks:
             # four warps made this form fault (illegal memory access) on the H200 with Triton 3.6 at key blocks of
             # 32, at one and three stages; eight never did (docs/kernels-chunk.md, "Key blocks")
             config = dataclasses.replace(config, keep_warps=True)

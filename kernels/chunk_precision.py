@@ -3,8 +3,10 @@
 Two precisions per launch:
 
 * ``DOT_PRECISION``, of the pair products, the solve and their gradients (fp32 operands): IEEE for fp32
-  inputs (the exact-numerics contract), TF32 for 16-bit inputs (except GDN's key-blocked backward, whose
-  four products of the pair gradients with K and Q take ``GEMM_PRECISION``, as FLA's backward does);
+  inputs (the exact-numerics contract), TF32 for 16-bit inputs. GDN's pair products take ``GEMM_PRECISION``
+  (their operands are raw inputs, 16-bit numbers that TF32 holds exactly, so bf16 operands form the same
+  products), and so do the four products of its key-blocked backward's pair gradients with K and Q (as FLA's
+  backward does);
 * ``GEMM_PRECISION``, of the GEMMs over values and states (W and U from T, W h, K^T V_new, Q h, A_qk V_new,
   the state gradient's and the input gradients' products with h, dh, V_new, dO): for 16-bit inputs and
   specs that round no GEMM operand, operands in the input dtype with fp32 accumulation, FLA's own

@@ -258,11 +258,14 @@ def _gdn_pair_operands(p: ChunkParams) -> str:
 
 
 def gdn_pair_block(p: ChunkParams) -> str:
-    """One key block's share of K_l K_r^T and Q_l K_r2^T, added to b_P, b_Pqk (Γ after the last block)."""
+    """One key block's share of K_l K_r^T and Q_l K_r2^T, added to b_P, b_Pqk (Γ after the last block).
+    GEMM_PRECISION: GDN's pair operands are the raw inputs (Γ comes after the sum), so with 16-bit GEMMs
+    they are 16-bit numbers, which TF32 holds exactly: bf16 operands form the same products at twice the
+    tensor-core rate. Where GEMM_PRECISION is not 16-bit (rounded operands, fp32 inputs) it is DOT_PRECISION."""
     return lines(
         _gdn_pair_operands(p),
-        acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK", "DOT_PRECISION"),
-        acc_dot(p, "output_score", "b_Pqkb", "b_ql", "tl.trans(b_kr2)", "BK", "DOT_PRECISION"),
+        acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK", "GEMM_PRECISION"),
+        acc_dot(p, "output_score", "b_Pqkb", "b_ql", "tl.trans(b_kr2)", "BK", "GEMM_PRECISION"),
         "b_P += b_Pb",
         "b_Pqk += b_Pqkb")
 

@@ -114,6 +114,24 @@ def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None,
     return f"{out} = {qdq_fn}({var}, {scale_fn}(tl.max(amax_abs({var}), axis={axis})){bcast})  # q.{site}={fmt}"
 
 
+def _ops(p: ChunkParams, *calls: tuple) -> str:
+    """``_op`` for each call (its positional arguments); a call that rounds the same tile with the same format
+    and axis as an earlier one (sites sharing an operand: K for key_interaction and output_score, T for
+    wy_key and wy_value) reuses that result instead of rounding again (a reduction is never merged by
+    Triton's common-subexpression pass)."""
+    done, parts = {}, []
+    for site, var, axis, out, *rest in calls:
+        fmt = dict(p.operands).get(site)
+        key = (fmt, var, axis, *rest)
+        if fmt is not None and key in done:
+            parts.append(f"{out} = {done[key]}  # q.{site}: the same rows, the same rounding")
+            continue
+        parts.append(_op(p, site, var, axis, out, *rest))
+        if fmt is not None:
+            done[key] = out or var
+    return lines(*parts)
+
+
 def _nvfp4(p: ChunkParams, site: str) -> bool:
     fmt = dict(p.operands).get(site)
     return fmt is not None and fmt.startswith("nvfp4")
@@ -222,7 +240,7 @@ def lines(*parts: str) -> str:
 def operand_values(p: ChunkParams) -> dict[str, str]:
     """Template values of the GEMM operand sites (empty or plain renames when no site is on)."""
     CC, CK, CV, KV = ("C", "C"), ("C", "BK"), ("C", "BV"), ("BK", "BV")
-    t_ops = lines(_op(p, "wy_key.lhs", "b_T", 1, "b_Tw", CC), _op(p, "wy_value.lhs", "b_T", 1, "b_Tu", CC))
+    t_ops = _ops(p, ("wy_key.lhs", "b_T", 1, "b_Tw", CC), ("wy_value.lhs", "b_T", 1, "b_Tu", CC))
     wv_rhs = _op(p, "wy_value.rhs", "b_bv", 0, None, CV, "b_gam_wv")
     return {
         "T_OPERANDS": t_ops,
@@ -240,9 +258,9 @@ def operand_values(p: ChunkParams) -> dict[str, str]:
                                   _op(p, "state_update.lhs", "b_kd", 0, None, CK)),
         "OUTPUT_STATE_LHS": _op(p, "output_state.lhs", "b_qg", 1, None, CK),
         "BWD_V_OPERANDS_VALUE": _op(p, "output_value.rhs", "b_vn", 0, "b_vn_ov", CV, "b_gam_vn"),
-        "BWD_V_OPERANDS_KEY": lines(_op(p, "state_read.rhs", "b_hn", 0, "b_hn_sr", KV, "b_gam_h"),
-                                     _op(p, "output_state.rhs", "b_hn", 0, "b_hn_os", KV, "b_gam_h"),
-                                     _op(p, "state_update.rhs", "b_vn", 0, "b_vn_su", CV, "b_gam_vn")),
+        "BWD_V_OPERANDS_KEY": _ops(p, ("state_read.rhs", "b_hn", 0, "b_hn_sr", KV, "b_gam_h"),
+                                   ("output_state.rhs", "b_hn", 0, "b_hn_os", KV, "b_gam_h"),
+                                   ("state_update.rhs", "b_vn", 0, "b_vn_su", CV, "b_gam_vn")),
         "FWD_INTRA_AMAX": whole_operand_amax(p, "fwd_intra"),
         "FWD_O_AMAX": whole_operand_amax(p, "fwd_o"),
         "BWD_INTRA_AMAX": whole_operand_amax(p, "bwd_intra"),
@@ -250,11 +268,10 @@ def operand_values(p: ChunkParams) -> dict[str, str]:
 
 
 def _gdn_pair_operands(p: ChunkParams) -> str:
-    return lines(
-        _op(p, "key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
-        _op(p, "key_interaction.rhs", "b_k", 1, "b_kr", ("C", "BK")),
-        _op(p, "output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
-        _op(p, "output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")))
+    return _ops(p, ("key_interaction.lhs", "b_k", 1, "b_kl", ("C", "BK")),
+                ("key_interaction.rhs", "b_k", 1, "b_kr", ("C", "BK")),
+                ("output_score.lhs", "b_q", 1, "b_ql", ("C", "BK")),
+                ("output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")))
 
 
 def gdn_pair_block(p: ChunkParams) -> str:

@@ -10,8 +10,9 @@ They round bit-identically to ``la_compiler.quant.formats`` (the torch reference
 through the GPU's conversion instruction where it has one (``hardware_fp8_cast``), else through
 the exponent read from the fp32 bits (step 2^(e-3), e >= -6), never through the interpreter's
 cast to tl.float8e4nv (wrong at binade edges, triton-lang/triton#8322);
-every quotient uses ``tl.div_rn`` (``/`` is not correctly rounded on NVIDIA GPUs); clamps
-are written with ``tl.where`` so NaN passes through on every backend.
+every quotient x / scale is correctly rounded (``quotient``: ``tl.div_rn``, or by default FMAs that
+give the same bits; ``/`` is not correctly rounded on NVIDIA GPUs); clamps are written with ``tl.where``
+so NaN passes through on every backend.
 """
 from __future__ import annotations
 
@@ -50,7 +51,23 @@ def hardware_fp8_cast() -> bool:
 
 FP8_CAST = tl.constexpr(hardware_fp8_cast())  # read when this module is imported (by the first kernel load)
 
-FORMAT_IDS = {"fp8_e4m3": 0, "int8": 1, "e2m1": 2, "log_grid": 3, "int8_h32": 4}
+DIVISION_ENV = "LAQAT_QDQ_DIVISION"
+
+
+def fma_division() -> bool:
+    """Divide by a scale through its reciprocal and two FMA corrections (``quotient``), the default, or with
+    LAQAT_QDQ_DIVISION=rn through ``tl.div_rn`` (IEEE division: a reciprocal on the special-function unit
+    and a Newton step per element). Both give RN(x / scale) bit for bit (tests/kernels/test_qdq_triton.py
+    runs both); docs/numerics.md gives the argument."""
+    choice = os.environ.get(DIVISION_ENV, "fma")
+    if choice not in ("fma", "rn"):
+        raise ValueError(f"{DIVISION_ENV} must be 'fma' or 'rn', got {choice!r}")
+    return choice == "fma"
+
+
+FMA_DIVISION = tl.constexpr(fma_division())
+
+FORMAT_IDS = {"fp8_e4m3": 0, "int8": 1, "e2m1": 2, "log_grid": 3, "int8_h32": 4, "quotient": 5}
 
 
 # ---- building blocks -------------------------------------------------------------------
@@ -128,6 +145,38 @@ def round_e2m1(v):
     return tl.where(v == v, copy_sign(b_q, v), v)
 
 
+@triton.jit
+def quotient(x, scale):
+    """RN(x / scale) for scale > 0, in the form LAQAT_QDQ_DIVISION picks (``quotient_in``)."""
+    return quotient_in(x, scale, FMA_DIVISION)
+
+
+@triton.jit
+def quotient_in(x, scale, FMA: tl.constexpr):
+    """RN(x / scale) for scale > 0 (NaN, Inf and zero x and an infinite scale as IEEE division gives them).
+
+    With FMA: q0 = x * RN(1 / scale) is within two ulps of x / scale; each step
+    q <- q + (x - q scale) RN(1 / scale) (the residual exact in an FMA) brings it closer, and the second
+    step rounds correctly (Markstein's theorem: q within one ulp, the reciprocal within half an ulp). The
+    reciprocal is one division per scale (a broadcast row scale is the same register for a whole row).
+    Scales outside [2^-60, 2^100] are first multiplied, with x, by a power of two (exact), so that the
+    reciprocal and the residuals stay normal wherever the quotient is large enough to matter; a quotient
+    beyond 2^100 (every format saturates far below) or a zero x is q0 itself."""
+    if FMA:
+        b_m = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19,  # 2^-60, 2^64
+                       tl.where(scale > 1.2676506002282294e30, 5.421010862427522e-20, 1.0))  # 2^100, 2^-64
+        b_s = scale * b_m
+        b_r = tl.div_rn(1.0, b_s)
+        b_x = x * b_m
+        b_q0 = b_x * b_r
+        b_q1 = tl.fma(tl.fma(-b_q0, b_s, b_x), b_r, b_q0)
+        b_q2 = tl.fma(tl.fma(-b_q1, b_s, b_x), b_r, b_q1)
+        b_ok = (tl.abs(b_q0) <= 1.2676506002282294e30) & (b_x != 0)
+        return tl.where(b_r > 0, tl.where(b_ok, b_q2, b_q0), b_q0)  # (a scalar scale's test apart: the interpreter)
+    else:
+        return tl.div_rn(x, scale)
+
+
 # ---- scales (zero guard: a scale of 0 becomes 1) ---------------------------------------
 @triton.jit
 def fp8_scale(amax):
@@ -166,19 +215,19 @@ def h32_scale(amax):
 # ---- QDQ with a given scale (broadcastable to x) ---------------------------------------
 @triton.jit
 def qdq_fp8_e4m3(x, scale):
-    b_v = tl.div_rn(x, scale)
+    b_v = quotient(x, scale)
     return round_e4m3(clamp_keep_nan(b_v, -FP8_MAX, FP8_MAX)) * scale
 
 
 @triton.jit
 def qdq_int8(x, scale):
-    b_v = tl.div_rn(x, scale)
+    b_v = quotient(x, scale)
     return round_half_even(clamp_keep_nan(b_v, -INT8_MAX, INT8_MAX)) * scale
 
 
 @triton.jit
 def qdq_e2m1(x, scale):
-    return round_e2m1(tl.div_rn(x, scale)) * scale
+    return round_e2m1(quotient(x, scale)) * scale
 
 
 @triton.jit
@@ -205,13 +254,14 @@ def qdq_int8_h32(x):
     from zero, clamp ±127, dequantize, rotate back."""
     b_y = hadamard32(x)
     b_s = h32_scale(tl.max(amax_abs(b_y), axis=1))[:, None]
-    b_q = round_half_away(clamp_keep_nan(tl.div_rn(b_y, b_s), -INT8_MAX, INT8_MAX))
+    b_q = round_half_away(clamp_keep_nan(quotient(b_y, b_s), -INT8_MAX, INT8_MAX))
     return hadamard32(b_q * b_s)
 
 
 # ---- standalone test kernels -----------------------------------------------------------
 @triton.jit
-def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, BLOCK: tl.constexpr):
+def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
+                           FMA: tl.constexpr):
     o_i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m_i = o_i < n
     b_x = tl.load(x_ptr + o_i, mask=m_i, other=0.0)
@@ -223,13 +273,18 @@ def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, B
             b_y = qdq_fp8_e4m3(b_x, b_s)
         elif FORMAT == 1:
             b_y = qdq_int8(b_x, b_s)
-        else:
+        elif FORMAT == 2:
             b_y = qdq_e2m1(b_x, b_s)
+        else:  # the bare quotient x / s
+            b_y = quotient_in(b_x, b_s, FMA)
     tl.store(y_ptr + o_i, b_y, mask=m_i)
 
 
-def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0, block: int | None = None):
-    """Elementwise QDQ of fp32 x with a per-element scale (fmt fp8_e4m3 / int8 / e2m1) or a grid step (log_grid).
+def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0, block: int | None = None,
+                    fma: bool | None = None):
+    """Elementwise QDQ of fp32 x with a per-element scale (fmt fp8_e4m3 / int8 / e2m1) or a grid step (log_grid);
+    fmt "quotient" returns x / scale as ``quotient_in`` computes it (``fma``: its form, default
+    LAQAT_QDQ_DIVISION's).
 
     The default block is one huge program in the interpreter (fast there) and 1024 on a GPU."""
     if block is None:
@@ -238,7 +293,8 @@ def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, st
     y = torch.full_like(x, float("nan"))
     s = x if scale is None else scale.to(torch.float32).expand(x.shape).contiguous()
     grid = (triton.cdiv(x.numel(), block),)
-    qdq_elementwise_kernel[grid](x, s, y, x.numel(), step, FORMAT=FORMAT_IDS[fmt], BLOCK=block)
+    qdq_elementwise_kernel[grid](x, s, y, x.numel(), step, FORMAT=FORMAT_IDS[fmt], BLOCK=block,
+                                 FMA=fma_division() if fma is None else fma)
     return y
 
 

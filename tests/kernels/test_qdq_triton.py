@@ -106,6 +106,37 @@ def test_nvfp4_kernel_matches_fake_quant(block_rows, block_cols):
     assert torch.isnan(got).all() and mismatches(got, fake_quant(x, "nvfp4/block16")) == 0
 
 
+def _quotient_inputs(gen, n: int):
+    """x over every binade and class; scales over every binade, at the edges of ``quotient``'s rescaling
+    (2^-60, 2^100), subnormal, huge, infinite."""
+    x = torch.cat([random_near(n, -40, 40, gen), random_finite(n // 4, gen), _with_nonfinite(special_values())])
+    s = torch.cat([random_near(n, -126, 127, gen).abs(), random_finite(x.numel() - n, gen).abs()])
+    edges = torch.tensor([2.0**-60, 2.0**100, 1e-40, 1e-45, INF, 1.0, 3.0e38])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.zeros_like(edges)), torch.nextafter(edges, edges * 2)])
+    pick = torch.randint(0, s.numel(), (s.numel() // 10,), generator=gen)
+    s[pick] = edges[torch.randint(0, edges.numel(), pick.shape, generator=gen)]
+    return x, s
+
+
+@pytest.mark.parametrize("division", ["fma", "rn"])
+def test_quotient_is_correctly_rounded(monkeypatch, division):
+    """x / scale bit for bit against IEEE division wherever a format can see it (2^-40 <= |x / s| <= 2^100,
+    zeros, Inf, NaN); beyond 2^100 and below 2^-40 (the FMA form's q0, or a residual that underflowed) on the
+    same side of every format's clamp and rounding-to-zero threshold, with the sign of x / s."""
+    monkeypatch.setenv(K.DIVISION_ENV, division)
+    gen = torch.Generator().manual_seed(16)
+    x, s = _quotient_inputs(gen, 400_000)
+    got = K.qdq_elementwise(x.to(DEVICE), s.to(DEVICE), "quotient", fma=K.fma_division()).cpu()
+    ref = x / s
+    a = ref.abs()
+    seen = ((a >= 2.0**-40) & (a <= 2.0**100)) | (a == 0) | torch.isinf(ref) | torch.isnan(ref)
+    assert mismatches(got[seen], ref[seen]) == 0
+    far = ~seen
+    assert far.sum() > 100  # both tails are exercised
+    assert (torch.sign(got[far]) == torch.sign(ref[far])).all()
+    assert ((a[far] > 1) == (got[far].abs() > 2.0**99)).all() and (got[far & (a < 1)].abs() < 2.0**-30).all()
+
+
 def test_launchers_reject_bad_shapes():
     with pytest.raises(ValueError, match="multiples of 32"):
         K.qdq_tile(torch.randn(2, 4, 48, device=DEVICE), "int8_h32", 64)
@@ -122,3 +153,13 @@ def test_hardware_fp8_cast_choice(monkeypatch):
     monkeypatch.setenv(K.FP8_CAST_ENV, "yes")
     with pytest.raises(ValueError, match="LAQAT_QDQ_FP8_CAST"):
         K.hardware_fp8_cast()
+
+
+def test_division_choice(monkeypatch):
+    monkeypatch.delenv(K.DIVISION_ENV, raising=False)
+    assert K.fma_division() is True
+    monkeypatch.setenv(K.DIVISION_ENV, "rn")
+    assert K.fma_division() is False
+    monkeypatch.setenv(K.DIVISION_ENV, "exact")
+    with pytest.raises(ValueError, match="LAQAT_QDQ_DIVISION"):
+        K.fma_division()

@@ -60,6 +60,10 @@
 #   gdn9      GDN's h stage with the chunk decay on V_new's rows: GDN exactness cases 0,1,4, FLA equality (GDN),
 #             GDN exact / FP8 state at [8,4096,16,128], kernels split
 #   rounded9  KDA's FP8 all-sites row at [8,4096,16,128] with the ninth session's kernels (FLA in the same run)
+#   div11     QDQ quotients by FMAs: the QDQ tests in both division forms, exactness cases 4 and 9, FP8 all sites of
+#             both kinds at [8,4096,16,128] in both forms (kernels split), GDN exact / FP8 state
+#   fp8h11    kd / A_qk rounded once in the intra stage: exactness cases 11, 12 (all FP8 sites), both kinds at
+#             [8,4096,16,128] (exact, FP8 state, FP8 all sites; kernels split)
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -249,6 +253,32 @@ for stage in $stages; do
     kda10)     OUT=$OUT/kda timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --policies "laqat INT8 state,laqat NVFP4 operands" --no-emulation-above 0 \
                  --profile "laqat INT8 state,laqat NVFP4 operands" ;;
+    div11)     # the QDQ quotient by FMAs: QDQ device functions in both division forms (and without the E4M3
+               # conversion), exactness cases with rounding (background), then FP8 all sites of both kinds at
+               # [8,4096,16,128] (kernels split) and again with LAQAT_QDQ_DIVISION=rn; GDN exact / FP8 state
+               OUT=$OUT/ieee timeout 300 python3 $B/chunk_bench.py --exactness-only --exact-cases 4,9 \
+                 >"$OUT/exact_ieee.log" 2>&1 &
+               timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py
+               LAQAT_QDQ_DIVISION=rn timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py
+               LAQAT_QDQ_FP8_CAST=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py
+               wait; cat "$OUT/exact_ieee.log"
+               OUT=$OUT/gdn timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --lift-fla-gdn-guard --no-emulation-above 0 \
+                 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites" \
+                 --profile "laqat exact,laqat FP8 all sites"
+               OUT=$OUT/kda timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --no-emulation-above 0 --policies "laqat FP8 all sites" --profile "laqat FP8 all sites"
+               OUT=$OUT/rn LAQAT_QDQ_DIVISION=rn timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds gdn,kda \
+                 --shapes 8x4096x16x128 --no-fla --no-emulation-above 0 --policies "laqat FP8 all sites" ;;
+    fp8h11)    # kd and A_qk rounded once in the intra stage: exactness cases 11, 12 (all FP8 sites), then
+               # both kinds at [8,4096,16,128]: exact, FP8 state, FP8 all sites (kernels split)
+               OUT=$OUT/ieee timeout 250 python3 $B/chunk_bench.py --exactness-only --exact-cases 11,12
+               OUT=$OUT/gdn timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --lift-fla-gdn-guard --no-emulation-above 0 \
+                 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites" --profile "laqat FP8 all sites"
+               OUT=$OUT/kda timeout 250 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --no-emulation-above 0 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites" \
+                 --profile "laqat FP8 all sites" ;;
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

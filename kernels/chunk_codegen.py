@@ -22,7 +22,7 @@ from la_compiler.kernels.chunk_bwd_snippets import (DT_FROM_W, GDN_DT_DONE, GDN_
                                                    STORE_INPUT_GRADS, da_from_dt, gdn_pair_grads_before_key_loop)
 from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
-    GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs, kd_from_intra,
+    GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs,
     acc_dot, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs,
     operand_values,
     lines, parse_acc, load_solved, solve, solve_form, state_qdq, w_amax_pass, w_qdq)
@@ -228,8 +228,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": fwd["LOAD_DECAY"],
         "PAIRS": pairs, "SOLVE": solve(p), "T_OPERANDS": ops["T_OPERANDS"],
         "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block, "ON_W": w_qdq(p),
-        "DECAYED_KEYS": render(fwd["DECAYED_KEYS"], {"KD_OPERAND": ops["KD_OPERAND"]}, where="decayed keys")
-        if kd_from_intra(p) else "", "AQK_OPERAND": ops["AQK_OPERAND"],
+        "DECAYED_KEYS": fwd["DECAYED_KEYS"],
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
     on_values = gdn_decays_values(p)
@@ -321,8 +320,7 @@ def chunk_bwd_source(p: ChunkParams) -> str:
     ops = operand_values(p)
     state_offsets = _state_offsets(p.state)
     dh = render(template("chunk_bwd_dh"), {
-        "OP": p.kind, "STATE_OFFSETS": state_offsets,
-        "KEY_TO_END": bwd["KEY_TO_END_FROM_INTRA" if p.kind == "gdn" and kd_from_intra(p) else "KEY_TO_END"],
+        "OP": p.kind, "STATE_OFFSETS": state_offsets, "KEY_TO_END": bwd["KEY_TO_END"],
         "QUERY_DECAY": fwd["QUERY_DECAY"], "BWD_DH_OPERANDS": ops["BWD_DH_OPERANDS"],
         "OUTPUT_STATE_LHS": ops["OUTPUT_STATE_LHS"]}, where="chunk_bwd_dh")
     # q, k, G: per key block in the key loop (split), else whole rows with the pair products, before the

@@ -25,7 +25,7 @@ from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_launch import (FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config,
                                             next_power_of_2)
-from la_compiler.kernels.chunk_snippets import kd_from_intra, kda_rounds_pairs, pairs_need_all_keys
+from la_compiler.kernels.chunk_snippets import kda_rounds_pairs, pairs_need_all_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     A_qk = buffer((B, T, HV, C), f32, dev)
     h = buffer((max(lay.NT, 1), HV, K, V), mid, dev)
     v_new = buffer((B, T, HV, V), mid, dev)
-    kd = buffer((B, T, HV, K), mid, dev) if kd_from_intra(p) else None  # K ⊙ exp(G_C - G), intra -> h, dh
+    kd = buffer((B, T, HV, K), mid, dev) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
     o = buffer((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
     p_pairs = buffer((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None

@@ -132,26 +132,6 @@ def _ops(p: ChunkParams, *calls: tuple) -> str:
     return lines(*parts)
 
 
-def kd_from_intra(p: ChunkParams) -> bool:
-    """The h and dh stages load K ⊙ exp(G_C - G) (state_update's lhs) from the intra stage's ``kd``: always for
-    KDA (its decay is per key channel), for GDN where its h stage does not decay V_new instead
-    (gdn_decays_values: a state_update operand rounded or its accumulator emulated)."""
-    return p.kind == "kda" or not gdn_decays_values(p)
-
-
-def kd_rounded_in_intra(p: ChunkParams) -> bool:
-    """state_update.lhs is rounded by the intra stage, once per chunk, and ``kd`` holds it rounded: a per-row
-    format (one scale per key column over the chunk's rows, which every key block of the intra stage holds).
-    NVFP4 takes its global amax over all key columns: the h / dh stages round it, as before."""
-    fmt = dict(p.operands).get("state_update.lhs")
-    return fmt is not None and not fmt.startswith("nvfp4")
-
-
-def _kd_op(p: ChunkParams) -> str:
-    """state_update.lhs in the h / dh stages: nothing where ``kd`` comes rounded from the intra stage."""
-    return "" if kd_rounded_in_intra(p) else _op(p, "state_update.lhs", "b_kd", 0, None, ("C", "BK"))
-
-
 def _nvfp4(p: ChunkParams, site: str) -> bool:
     fmt = dict(p.operands).get(site)
     return fmt is not None and fmt.startswith("nvfp4")
@@ -268,15 +248,14 @@ def operand_values(p: ChunkParams) -> dict[str, str]:
         "WY_VALUE_RHS": wv_rhs,
         # the h stage holds all of V in one tile when an NVFP4 operand needs it (ChunkParams.h_full_v)
         "STATE_READ_RHS": _op(p, "state_read.rhs", "b_h", 0, "b_hr", KV),
-        # state_update.lhs (K ⊙ exp(G_C - G)) and output_value.lhs (A_qk) do not depend on the state: the intra
-        # stage rounds them once and stores them rounded (kd_rounded_in_intra; AQK_OPERAND)
-        "KD_OPERAND": _op(p, "state_update.lhs", "b_kd", 0, None, CK) if kd_rounded_in_intra(p) else "",
-        "AQK_OPERAND": _op(p, "output_value.lhs", "b_Aqk", 1, None, CC),
-        "STATE_UPDATE_OPERANDS": lines(_kd_op(p), _op(p, "state_update.rhs", "b_v", 0, "b_vu", CV)),
+        "STATE_UPDATE_OPERANDS": lines(_op(p, "state_update.lhs", "b_kd", 0, None, CK),
+                                        _op(p, "state_update.rhs", "b_v", 0, "b_vu", CV)),
         "OUTPUT_STATE_OPERANDS": lines(_op(p, "output_state.lhs", "b_qg", 1, None, CK),
                                         _op(p, "output_state.rhs", "b_h", 0, None, KV, "b_gam_h")),
-        "OUTPUT_VALUE_OPERANDS": _op(p, "output_value.rhs", "b_v", 0, None, CV, "b_gam_vn"),
-        "BWD_DH_OPERANDS": _kd_op(p),
+        "OUTPUT_VALUE_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1, None, CC),
+                                        _op(p, "output_value.rhs", "b_v", 0, None, CV, "b_gam_vn")),
+        "BWD_DH_OPERANDS": lines(_op(p, "output_value.lhs", "b_A", 1, None, CC),
+                                  _op(p, "state_update.lhs", "b_kd", 0, None, CK)),
         "OUTPUT_STATE_LHS": _op(p, "output_state.lhs", "b_qg", 1, None, CK),
         "BWD_V_OPERANDS_VALUE": _op(p, "output_value.rhs", "b_vn", 0, "b_vn_ov", CV, "b_gam_vn"),
         "BWD_V_OPERANDS_KEY": _ops(p, ("state_read.rhs", "b_hn", 0, "b_hn_sr", KV, "b_gam_h"),
@@ -599,15 +578,12 @@ GDN_FWD = {
         "tl.store(g_cum + r_hv, b_G, mask=m_c)"),
     "KEY_BLOCK_DECAY": "",
     "KEY_DECAY": "tl.exp(b_G)[:, None]",
-    # K ⊙ exp(G_C - G) with G_C = G of the chunk's last row (rows past the sequence end repeat it), where the
-    # h stage does not decay V_new instead (kd_from_intra)
-    "DECAYED_KEYS": (
-        "b_kd = b_k * tl.where(m_c, tl.exp(tl.sum(tl.where(o_c == C - 1, b_G, 0.0), 0) - b_G), 0.0)[:, None]\n"
-        "${KD_OPERAND}\n"
-        "tl.store(kd + r_hv[:, None] * K + o_k[None, :], _cast_for(b_kd, kd, GEMM_PRECISION), mask=m_ck)"),
+    "DECAYED_KEYS": "",
     "CHUNK_DECAY": (
-        "b_kd = tl.load(kd + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
+        "b_k = tl.load(k + ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)\n"
+        "b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)\n"
         "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
+        "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
         "b_h *= tl.exp(b_glast)"),
     "QUERY_DECAY": (
         "b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)\n"
@@ -616,7 +592,7 @@ GDN_FWD = {
 
 # GDN's state update with no state_update operand rounded: the chunk decay exp(G_C - G) (one number per row)
 # scales V_new's rows instead of K's, K^T loaded as a [BK x C] tile, as FLA's h kernel does; the form above
-# loads K ⊙ decay from the intra stage (state_update.lhs is K ⊙ decay: NUMERICS.md's operand)
+# scales K in fp32 and transposes it in registers (state_update.lhs is K ⊙ decay: NUMERICS.md's operand)
 GDN_CHUNK_DECAY_ON_VALUES = (
     "b_kd = tl.load(k + ((bos + t_c) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_c[None, :], "
     "other=0)  # K^T\n"
@@ -643,7 +619,6 @@ KDA_FWD = {
         "b_glast = tl.load(g_cum + ((bos + tl.minimum(i_t * C + C, seq_len) - 1) * HV + i_hv) * K + o_k, "
         "mask=m_k, other=0)\n"
         "b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_G), 0.0)\n"
-        "${KD_OPERAND}\n"
         "tl.store(kd + r_hv[:, None] * K + o_k[None, :], _cast_for(b_kd, kd, GEMM_PRECISION), mask=m_ck)"),
     "CHUNK_DECAY": (
         "b_kd = tl.load(kd + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
@@ -716,10 +691,6 @@ GDN_BWD = {
         "b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)\n"
         "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
         "b_kd = b_k * tl.where(m_c, tl.exp(b_glast - b_g), 0.0)[:, None]\n"
-        "b_dlast = tl.exp(b_glast)"),
-    "KEY_TO_END_FROM_INTRA": (  # kd_from_intra: K ⊙ exp(G_C - G) from the forward recompute's intra stage
-        "b_kd = tl.load(kd + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)\n"
-        "b_glast = tl.load(g_cum + i_last * HV + i_hv)\n"
         "b_dlast = tl.exp(b_glast)"),
 }
 

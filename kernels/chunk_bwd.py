@@ -20,8 +20,9 @@ from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
 from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, nan_fill, needs_int64_index, scratch
-from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, GDN_BWD_KEY_BLOCK_16BIT, KEY_BLOCK,
-                                            cdiv, key_block, launch, launch_config, next_power_of_2)
+from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, GDN_BWD_KEY_BLOCK_16BIT,
+                                            GDN_WHOLE_ROW_BWD_VALUE_BLOCK, KEY_BLOCK, cdiv, key_block, launch,
+                                            launch_config, next_power_of_2)
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
 
@@ -85,9 +86,11 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             # four warps made this form fault (illegal memory access) on the H200 with Triton 3.6 at key blocks of
             # 32, at one and three stages; eight never did (docs/kernels-chunk.md, "Key blocks")
             config = dataclasses.replace(config, keep_warps=True)
+        BV_intra = min(BV, GDN_WHOLE_ROW_BWD_VALUE_BLOCK) if p.kind == "gdn" and not by_key_blocks else BV
         launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
                q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
-               cu_seqlens, lay.chunk_indices, scale, T, config=config, INDEX_64=index_64, **dict(common, BK=BK_intra))
+               cu_seqlens, lay.chunk_indices, scale, T, config=config, INDEX_64=index_64,
+               **dict(common, BK=BK_intra, BV=BV_intra))
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
             BKP = BK if rounded else BKP

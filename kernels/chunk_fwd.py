@@ -173,7 +173,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                INDEX_64=index_64, **dict(common, BK=BK_intra))
     launch(kernels["h"], (cdiv(V, BV_h), N * HV),
            k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
-           BV=BV_h, USE_INITIAL_STATE=initial_state is not None, config=launch_config("fwd_h", BK, C, rounds), **common)
+           BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
+           config=launch_config("fwd_h", BK, C, rounds, wide_state_tile=BV_h > 64), **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
         launch(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),

@@ -33,10 +33,12 @@ class LaunchConfig:
     keep_warps: bool = False  # LAQAT_AUTOTUNE varies the stages only (chunk_autotune.candidates)
 
 
-def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) -> LaunchConfig:
+def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, wide_state_tile: bool = False
+                  ) -> LaunchConfig:
     """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
     ``rounds_operands``: the spec rounds GEMM operands or emulates accumulators (more live tiles per stage); for
-    the pair stages, that the pair products are rounded (chunk_snippets.kda_rounds_pairs)."""
+    the pair stages, that the pair products are rounded (chunk_snippets.kda_rounds_pairs); ``wide_state_tile``:
+    the h stage holds more than 64 state columns (NVFP4 state_read / state_update operands: all of V)."""
     if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
                      "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
@@ -53,12 +55,14 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False) ->
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
-    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not rounds_operands:
+    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not wide_state_tile:
         # LAQAT_AUTOTUNE on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
         # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills).
-        # Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh) per thread on sm_90;
-        # nor with rounded operands (KDA, all FP8 sites: four warps spill 632 B (h), 336 B (o), 3.5 KB (dh);
-        # eight: 72 B, none, 1.2 KB)
+        # With rounded operands too, although four warps spill there on sm_90 (all FP8 sites: 632 B (h), 336 B
+        # (o), 3.5 KB (dh)): on the H200 at [8, 4096, 16, 128] bf16 (eleventh session) the h stage took 1.50 ms
+        # per call at four warps against 2.09 at eight (GDN; KDA 1.33 / 1.98), dh 1.79 / 2.09 (KDA 2.06 / 2.27),
+        # o 0.96 / 1.02. Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh) per
+        # thread on sm_90; nor for an h stage over all of V (NVFP4 operands: a [K x V] fp32 state tile)
         warps, stages = 4, 2 if stage == "fwd_o" else 1
     if stage == "bwd_intra" and C * BK >= 2048:
         warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (H200, autotuned)
@@ -98,6 +102,11 @@ BWD_KEY_BLOCK_16BIT = 64
 # beat blocks of 64 and 32 on the H200 at [8, 4096, 16, 128] bf16 (2.39 / 2.54 / 2.94 ms; docs/gpu-results.md,
 # tenth session).
 GDN_BWD_KEY_BLOCK_16BIT = 128
+# GDN's backward intra stage over whole key rows (a rounded pair product or key-side operand: one key block)
+# steps through V in blocks of 32: 8.42 ms against 8.74 at 64 on the H200 (all FP8 sites, [8, 4096, 16, 128]
+# bf16, eleventh session). The key-blocked form keeps 64 (2.11 ms against 2.40 at 32 there, exact), and so
+# does KDA's (7.03 against 7.18 at 32, all FP8 sites).
+GDN_WHOLE_ROW_BWD_VALUE_BLOCK = 32
 
 
 def key_block(BK: int, env: str, block: int = KEY_BLOCK) -> int:

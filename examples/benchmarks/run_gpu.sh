@@ -64,6 +64,8 @@
 #             both kinds at [8,4096,16,128] in both forms (kernels split), GDN exact / FP8 state
 #   fp8h11    kd / A_qk rounded once in the intra stage: exactness cases 11, 12 (all FP8 sites), both kinds at
 #             [8,4096,16,128] (exact, FP8 state, FP8 all sites; kernels split)
+#   final11   the eleventh session's launch table: exactness cases 0, 4, 11, 12, both kinds at [8,4096,16,128] (exact,
+#             FP8 state, FP8 all sites, NVFP4 operands; the rounded rows' kernels split)
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -279,6 +281,17 @@ for stage in $stages; do
                OUT=$OUT/kda timeout 250 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --no-emulation-above 0 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites" \
                  --profile "laqat FP8 all sites" ;;
+    final11)   # the eleventh session's launch table (four warps in h / o / dh with rounded operands, GDN's whole-row
+               # backward by value blocks of 32): exactness cases 0, 4, 11, 12, then both kinds at [8,4096,16,128]
+               # (exact, FP8 state, FP8 all sites, NVFP4 operands; the rounded rows' kernels split)
+               OUT=$OUT/ieee timeout 250 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,4,11,12
+               OUT=$OUT/gdn timeout 220 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+                 --lift-fla-gdn-guard --no-emulation-above 0 \
+                 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands" \
+                 --profile "laqat FP8 all sites,laqat NVFP4 operands"
+               OUT=$OUT/kda timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+                 --no-emulation-above 0 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands" \
+                 --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

@@ -219,6 +219,20 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 
+def test_gdn_whole_row_backward_by_value_blocks_of_32():
+    """GDN's backward intra stage over whole key rows (a key-side operand site rounds: one key block) steps
+    through V in blocks of 32 (chunk_launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a
+    masked partial one. Every gradient against fp64 autograd of the rounding reference, packed sequences."""
+    from la_compiler.kernels.chunk_codegen import bwd_intra_by_key_blocks
+    from la_compiler.kernels.chunk_launch import GDN_WHOLE_ROW_BWD_VALUE_BLOCK
+
+    cu = torch.tensor([0, 9, 25])
+    inputs = make_inputs("gdn", B=1, T=25, H=1, HV=2, K=16, V=80, N=2, dtype=torch.float32)
+    spec = RecurrenceSpec(kind="gdn", chunk=8).replace(quant={"state_read.rhs": "fp8_e4m3/row"})
+    assert not bwd_intra_by_key_blocks(ChunkParams.from_spec(spec)) and GDN_WHOLE_ROW_BWD_VALUE_BLOCK == 32
+    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+
+
 @pytest.mark.parametrize("kind,varlen,quant", [
     ("gdn", True, {}),
     ("kda", False, {}),

@@ -44,7 +44,11 @@ def test_refusal_at_one_stage_and_other_errors_propagate():
 def test_launch_table():
     assert launch_config("fwd_h", 128, 64) == LaunchConfig(4, 1)
     assert launch_config("fwd_h", 256, 64) == LaunchConfig(8, 1)  # four warps measured at K = 128 only
-    assert launch_config("bwd_dh", 128, 64, rounds_operands=True) == LaunchConfig(8, 1)  # four spill 3.5 KB
+    # rounded operands: four warps measured faster on the H200 although they spill (3.5 KB in dh on sm_90)
+    assert launch_config("bwd_dh", 128, 64, rounds_operands=True) == LaunchConfig(4, 1)
+    assert launch_config("fwd_h", 128, 64, rounds_operands=True) == LaunchConfig(4, 1)
+    assert launch_config("fwd_o", 128, 64, rounds_operands=True) == LaunchConfig(4, 2)
+    assert launch_config("fwd_h", 128, 64, rounds_operands=True, wide_state_tile=True) == LaunchConfig(8, 1)
     assert launch_config("fwd_pairs", 128, 64) == LaunchConfig(8, 1)  # KDA's rounded pairs: whole key rows
     assert launch_config("fwd_o", 128, 64) == LaunchConfig(4, 2)
     assert launch_config("bwd_intra", 32, 64) == LaunchConfig(8, 3)

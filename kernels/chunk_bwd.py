@@ -24,7 +24,7 @@ from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK
                                             GDN_WHOLE_ROW_BWD_VALUE_BLOCK, KEY_BLOCK, cdiv, key_block, launch,
                                             launch_config, next_power_of_2)
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
-from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
+from la_compiler.kernels.chunk_snippets import has_nvfp4_operands, kda_rounds_pairs
 
 
 def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
@@ -66,7 +66,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
            q, k, parts["kd"], parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens,
            lay.chunk_offsets, scale, T, USE_INITIAL_STATE=initial_state is not None,
            USE_FINAL_STATE_GRADIENT=dht is not None,
-           config=launch_config("bwd_dh", BK, C, rounds), **common)
+           config=launch_config("bwd_dh", BK, C, rounds, has_nvfp4_operands(p)), **common)
     if lay.NT:
         chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
         heads = HV * (1 if cu_seqlens is not None else B)

@@ -33,12 +33,12 @@ class LaunchConfig:
     keep_warps: bool = False  # LAQAT_AUTOTUNE varies the stages only (chunk_autotune.candidates)
 
 
-def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, wide_state_tile: bool = False
+def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nvfp4_operands: bool = False
                   ) -> LaunchConfig:
     """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
     ``rounds_operands``: the spec rounds GEMM operands or emulates accumulators (more live tiles per stage); for
-    the pair stages, that the pair products are rounded (chunk_snippets.kda_rounds_pairs); ``wide_state_tile``:
-    the h stage holds more than 64 state columns (NVFP4 state_read / state_update operands: all of V)."""
+    the pair stages, that the pair products are rounded (chunk_snippets.kda_rounds_pairs); ``nvfp4_operands``:
+    a GEMM operand site rounds to NVFP4 (its blocks of 16 add live tiles; the h stage holds all of V)."""
     if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
                      "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
@@ -55,14 +55,15 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, wi
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
-    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not wide_state_tile:
+    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not nvfp4_operands:
         # LAQAT_AUTOTUNE on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
         # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills).
         # With rounded operands too, although four warps spill there on sm_90 (all FP8 sites: 632 B (h), 336 B
         # (o), 3.5 KB (dh)): on the H200 at [8, 4096, 16, 128] bf16 (eleventh session) the h stage took 1.50 ms
         # per call at four warps against 2.09 at eight (GDN; KDA 1.33 / 1.98), dh 1.79 / 2.09 (KDA 2.06 / 2.27),
         # o 0.96 / 1.02. Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh) per
-        # thread on sm_90; nor for an h stage over all of V (NVFP4 operands: a [K x V] fp32 state tile)
+        # thread on sm_90; nor with NVFP4 operands (KDA, all NVFP4 sites, H200: dh 3.66 ms at eight warps against
+        # 5.10 at four, o 3.56 / 3.66; their h stage holds all of V)
         warps, stages = 4, 2 if stage == "fwd_o" else 1
     if stage == "bwd_intra" and C * BK >= 2048:
         warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (H200, autotuned)

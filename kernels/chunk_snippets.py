@@ -132,6 +132,11 @@ def _ops(p: ChunkParams, *calls: tuple) -> str:
     return lines(*parts)
 
 
+def has_nvfp4_operands(p: ChunkParams) -> bool:
+    """A GEMM operand site rounds to NVFP4 (the launch table keeps eight warps in the h, o and dh stages)."""
+    return any(fmt.startswith("nvfp4") for _, fmt in p.operands)
+
+
 def _nvfp4(p: ChunkParams, site: str) -> bool:
     fmt = dict(p.operands).get(site)
     return fmt is not None and fmt.startswith("nvfp4")

@@ -209,6 +209,23 @@ def _kda_pairs_kernels(p: ChunkParams, program: str) -> list[str]:
         "OP": p.kind, "PROGRAM": program, **chunk_pair_rounding.fwd_values(p)}, where="chunk_fwd_pairs_rounded")]
 
 
+INTRA_DOC = '''"""Everything of one chunk that does not depend on the state (one program per chunk x value head):
+G = cumsum(g); A = strict_tril(diag(beta)(K K^T ⊙ Γ)); T = (I + A)^-1; W = T diag(beta)(exp(G) ⊙ K);
+U = T diag(beta) V; A_qk = scale tril(Q K^T ⊙ Γ); T itself when STORE_T; KDA: kd = K ⊙ exp(G_C - G) for the
+h and dh stages.
+Keys are read in blocks of BK columns (the pair products are sums over key columns; W's columns are
+independent), so no program holds a full-width [C x K] tile; BK >= K where a rounded pair operand or
+the W quantizer's tile needs all columns at once (chunk_fwd.intra_key_block). KDA's exact pair
+products come from chunk_kda_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""'''
+SOLVE_DOC = '''"""The intra stage's first half as a kernel of its own (LAQAT_CHUNK_INTRA_SPLIT=1): G = cumsum(g) (GDN), A,
+A_qk, T = (I + A)^-1 (or Neumann), T stored in t_out for chunk_<op>_fwd_kernel_wu (STORE_T is always set)."""'''
+WU_DOC = '''"""The intra stage's second half (LAQAT_CHUNK_INTRA_SPLIT=1): W = T diag(beta)(exp(G) ⊙ K) (+ W quantizer),
+U = T diag(beta) V, KDA's decayed keys, from the T and G that chunk_<op>_fwd_kernel_solve stored."""'''
+# T from chunk_<op>_fwd_kernel_solve (rows past the sequence end: the identity's, as its solve gives them)
+LOAD_T = ("b_T = tl.load(t_out + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
+          "b_T = tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))")
+
+
 def chunk_fwd_source(p: ChunkParams) -> str:
     fwd = GDN_FWD if p.kind == "gdn" else KDA_FWD
     if p.kind == "gdn":
@@ -224,13 +241,20 @@ def chunk_fwd_source(p: ChunkParams) -> str:
     w_key_block = render(_W_KEY_BLOCK, {
         "KEY_BLOCK_DECAY": fwd["KEY_BLOCK_DECAY"], "KEY_DECAY": fwd["KEY_DECAY"],
         "WY_KEY_RHS": ops["WY_KEY_RHS"], "WY_KEY_DOT": dots["WY_KEY_DOT"]}, where="chunk_fwd_intra W block")
-    intra = render(template("chunk_fwd_intra"), {
-        "OP": p.kind, "PROGRAM": program, "LOAD_DECAY": fwd["LOAD_DECAY"],
-        "PAIRS": pairs, "SOLVE": solve(p), "T_OPERANDS": ops["T_OPERANDS"],
-        "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block, "ON_W": w_qdq(p),
-        "DECAYED_KEYS": fwd["DECAYED_KEYS"],
+    solve_half = render(template("chunk_fwd_intra_solve"), {
+        "LOAD_DECAY": fwd["LOAD_DECAY"], "PAIRS": pairs, "SOLVE": solve(p)}, where="chunk_fwd_intra_solve")
+    wu_half = render(template("chunk_fwd_intra_wu"), {
+        "T_OPERANDS": ops["T_OPERANDS"], "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block,
+        "ON_W": w_qdq(p), "DECAYED_KEYS": fwd["DECAYED_KEYS"],
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
-        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra")
+        "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra_wu")
+    # the intra stage as one kernel, or as two (LAQAT_CHUNK_INTRA_SPLIT: chunk_fwd.intra_split)
+    intra, intra_solve, intra_wu = (
+        render(template("chunk_fwd_intra"), {"OP": p.kind, "NAME": name, "DOC": doc, "PROGRAM": program, "BODY": body},
+               where=f"chunk_fwd_{name}")
+        for name, doc, body in (("intra", INTRA_DOC, solve_half + "\n\n" + wu_half),
+                                ("solve", SOLVE_DOC, solve_half),
+                                ("wu", WU_DOC, lines(fwd["LOAD_CUMSUM"], LOAD_T, wu_half))))
     on_values = gdn_decays_values(p)
     h = render(template("chunk_fwd_h"), {
         "OP": p.kind, "STATE_OFFSETS": state_offsets,
@@ -245,7 +269,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"],
         "OUTPUT_STATE_DOT": dots["OUTPUT_STATE_DOT"], "OUTPUT_VALUE_DOT": dots["OUTPUT_VALUE_DOT"],
         "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")
-    kernels = [intra, h, o]
+    kernels = [intra, h, o, intra_solve, intra_wu]
     if kda_pairs_kernel(p):
         kernels[:0] = _kda_pairs_kernels(p, program)
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: " + (

@@ -117,7 +117,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)
     module = chunk_fwd_module(p)
-    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o")}
+    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o", "solve", "wu")}
     w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
     BK = max(w_block, next_power_of_2(K))
     BV_io = min(64, max(16, next_power_of_2(V)))
@@ -168,10 +168,18 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)
-        launch(kernels["intra"], (chunks_per_row, heads),
-               q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_io, STORE_T=t_solved is not None, config=launch_config("fwd_intra", BK_intra, C),
-               INDEX_64=index_64, **dict(common, BK=BK_intra))
+        intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
+                     **dict(common, BK=BK_intra))
+        if intra_split():  # A, A_qk and T, then W and U from the stored T: two lighter programs per chunk
+            t_split = t_solved if t_solved is not None else buffer((B, T, HV, C), f32, dev)
+            for stage, store_t in (("solve", True), ("wu", False)):
+                launch(kernels[stage], (chunks_per_row, heads),
+                       q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_split, p_pairs, cu_seqlens, lay.chunk_indices, scale,
+                       T, STORE_T=store_t, **intra)
+        else:
+            launch(kernels["intra"], (chunks_per_row, heads),
+                   q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
+                   STORE_T=t_solved is not None, **intra)
     launch(kernels["h"], (cdiv(V, BV_h), N * HV),
            k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
            BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
@@ -185,6 +193,19 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         intermediates.update(g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)
     return o, ht
+
+
+INTRA_SPLIT_ENV = "LAQAT_CHUNK_INTRA_SPLIT"
+
+
+def intra_split() -> bool:
+    """LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels (chunk_<op>_fwd_kernel_solve: A, A_qk, T;
+    chunk_<op>_fwd_kernel_wu: W, U from the stored T), FLA's split (its kkt_solve and recompute_w_u); the same
+    values, T through memory. Default 0 (one kernel): the split is unmeasured on a GPU (benchmarks compare both)."""
+    text = os.environ.get(INTRA_SPLIT_ENV, "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"{INTRA_SPLIT_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def _cfg(text):

@@ -577,6 +577,7 @@ def kda_pair_grads(p: ChunkParams) -> str:
 
 
 GDN_FWD = {
+    "LOAD_CUMSUM": "b_G = tl.load(g_cum + r_hv, mask=m_c, other=0)",  # the split intra stage's second kernel
     "LOAD_DECAY": (
         "b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"
@@ -614,6 +615,7 @@ def gdn_decays_values(p: ChunkParams) -> bool:
 
 
 KDA_FWD = {
+    "LOAD_CUMSUM": "",  # G comes per key block from g_cum (KEY_BLOCK_DECAY)
     "LOAD_DECAY": "",
     "KEY_BLOCK_DECAY": "b_G = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)",
     "KEY_DECAY": "tl.exp(b_G)",

@@ -70,6 +70,9 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (bwd key block 64)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=64
     "laqat exact (TF32 GEMMs)": {},  # LAQAT_CHUNK_GEMM=tf32: fp32 operands and intermediates (before session 7)
     "laqat FP8 state (TF32 GEMMs)": {"state": "fp8_e4m3/tile64"},
+    "laqat exact (split intra)": {},  # LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels
+    "laqat FP8 state (split intra)": {"state": "fp8_e4m3/tile64"},
+    "laqat FP8 all sites (split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -85,6 +88,9 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (bwd key block 64)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "64"},
     "laqat exact (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
     "laqat FP8 state (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
+    "laqat exact (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
+    "laqat FP8 state (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
+    "laqat FP8 all sites (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 

@@ -219,6 +219,45 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 
+ALL_FP8 = {**{site: "fp8_e4m3/row" for site in OPERAND_SITES if site != "state_read.lhs"},
+           "state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"}
+
+
+@pytest.mark.parametrize("kind,varlen,quant,extra", [
+    ("gdn", True, {}, {}),
+    ("kda", False, {}, {}),
+    ("gdn", False, ALL_FP8, {}),
+    ("kda", True, {"state": "int8/tile16", "w": "nvfp4/block16"}, {}),
+    ("gdn", True, {}, dict(solve="neumann", degree=2)),
+])
+def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extra):
+    """LAQAT_CHUNK_INTRA_SPLIT=1 runs the intra stage as two kernels (A, A_qk, T; then W, U from the stored T):
+    the same outputs, final state, intermediates and gradients as the one-kernel stage, bit for bit, forward and
+    the backward's recompute; the two-kernel form against fp64 autograd too. A bad value is refused by name."""
+    from la_compiler.kernels.chunk_fwd import INTRA_SPLIT_ENV, intra_split
+
+    inputs, cu = _case(kind, varlen, "kv", K=16, V=16)
+    spec = RecurrenceSpec(kind=kind, chunk=8, **extra).replace(quant=quant)
+    p = ChunkParams.from_spec(spec)
+    do = torch.randn(inputs[2].shape)
+    dht = torch.randn(inputs[5].shape)
+    runs = {}
+    for split in ("0", "1"):
+        monkeypatch.setenv(INTRA_SPLIT_ENV, split)
+        assert intra_split() == (split == "1")
+        parts = {}
+        o, ht = chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, intermediates=parts)
+        grads = chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)
+        runs[split] = [o, ht, *(parts[n] for n in ("w", "u", "A_qk", "h", "v_new", "g_cum")), *grads]
+    for a, b in zip(runs["0"], runs["1"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(runs["1"][0]).all()
+    _assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL if quant is ALL_FP8 else QDQ_TOL if quant else EXACT_TOL)
+    monkeypatch.setenv(INTRA_SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match=INTRA_SPLIT_ENV):
+        intra_split()
+
+
 def test_gdn_whole_row_backward_by_value_blocks_of_32():
     """GDN's backward intra stage over whole key rows (a key-side operand site rounds: one key block) steps
     through V in blocks of 32 (chunk_launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a

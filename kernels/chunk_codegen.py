@@ -217,10 +217,12 @@ Keys are read in blocks of BK columns (the pair products are sums over key colum
 independent), so no program holds a full-width [C x K] tile; BK >= K where a rounded pair operand or
 the W quantizer's tile needs all columns at once (chunk_fwd.intra_key_block). KDA's exact pair
 products come from chunk_kda_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""'''
-SOLVE_DOC = '''"""The intra stage's first half as a kernel of its own (LAQAT_CHUNK_INTRA_SPLIT=1): G = cumsum(g) (GDN), A,
-A_qk, T = (I + A)^-1 (or Neumann), T stored in t_out for chunk_<op>_fwd_kernel_wu (STORE_T is always set)."""'''
-WU_DOC = '''"""The intra stage's second half (LAQAT_CHUNK_INTRA_SPLIT=1): W = T diag(beta)(exp(G) ⊙ K) (+ W quantizer),
-U = T diag(beta) V, KDA's decayed keys, from the T and G that chunk_<op>_fwd_kernel_solve stored."""'''
+SOLVE_DOC = '''"""The intra stage's first half as a kernel of its own (LAQAT_CHUNK_INTRA_SPLIT=1):
+G = cumsum(g) (GDN), A, A_qk, T = (I + A)^-1 (or Neumann), T stored in t_out for chunk_<op>_fwd_kernel_wu
+(STORE_T is always set)."""'''
+WU_DOC = '''"""The intra stage's second half (LAQAT_CHUNK_INTRA_SPLIT=1): W = T diag(beta)(exp(G) ⊙ K)
+(+ W quantizer), U = T diag(beta) V, KDA's decayed keys, from the T and G that chunk_<op>_fwd_kernel_solve
+stored."""'''
 # T from chunk_<op>_fwd_kernel_solve (rows past the sequence end: the identity's, as its solve gives them)
 LOAD_T = ("b_T = tl.load(t_out + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
           "b_T = tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))")

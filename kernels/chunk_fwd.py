@@ -117,7 +117,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)
     module = chunk_fwd_module(p)
-    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o", "solve", "wu")}
+    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}")
+               for stage in ("intra", "h", "o", "solve", "wu")}
     w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
     BK = max(w_block, next_power_of_2(K))
     BV_io = min(64, max(16, next_power_of_2(V)))

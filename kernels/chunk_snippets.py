@@ -117,8 +117,8 @@ def _op(p: ChunkParams, site: str, var: str, axis: int, out: str | None = None,
 def _ops(p: ChunkParams, *calls: tuple) -> str:
     """``_op`` for each call (its positional arguments); a call that rounds the same tile with the same format
     and axis as an earlier one (sites sharing an operand: K for key_interaction and output_score, T for
-    wy_key and wy_value) reuses that result instead of rounding again (a reduction is never merged by
-    Triton's common-subexpression pass)."""
+    wy_key and wy_value) reuses that result instead of rounding again (Triton's common-subexpression pass
+    does not merge the amax reductions, operations with a region)."""
     done, parts = {}, []
     for site, var, axis, out, *rest in calls:
         fmt = dict(p.operands).get(site)

@@ -158,7 +158,7 @@ def quotient_in(x, scale, FMA: tl.constexpr):
     With FMA: q0 = x * RN(1 / scale) is within two ulps of x / scale; each step
     q <- q + (x - q scale) RN(1 / scale) (the residual exact in an FMA) brings it closer, and the second
     step rounds correctly (Markstein's theorem: q within one ulp, the reciprocal within half an ulp). The
-    reciprocal is one division per scale (a broadcast row scale is the same register for a whole row).
+    reciprocal is one division per scale where the compiler keeps a broadcast row scale in one register.
     Scales outside [2^-60, 2^100] are first multiplied, with x, by a power of two (exact), so that the
     reciprocal and the residuals stay normal wherever the quotient is large enough to matter; a quotient
     beyond 2^100 (every format saturates far below) or a zero x is q0 itself."""
@@ -280,8 +280,8 @@ def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, B
     tl.store(y_ptr + o_i, b_y, mask=m_i)
 
 
-def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0, block: int | None = None,
-                    fma: bool | None = None):
+def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0,
+                    block: int | None = None, fma: bool | None = None):
     """Elementwise QDQ of fp32 x with a per-element scale (fmt fp8_e4m3 / int8 / e2m1) or a grid step (log_grid);
     fmt "quotient" returns x / scale as ``quotient_in`` computes it (``fma``: its form, default
     LAQAT_QDQ_DIVISION's).

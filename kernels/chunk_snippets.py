@@ -132,6 +132,57 @@ def _ops(p: ChunkParams, *calls: tuple) -> str:
     return lines(*parts)
 
 
+FACTORED_ENV = "LAQAT_CHUNK_FACTORED_SCALES"
+_GRID = {"fp8_e4m3": "quant_fp8_e4m3", "int8": "quant_int8"}  # grid values of the per-row formats
+
+
+def factored_scales() -> bool:
+    """LAQAT_CHUNK_FACTORED_SCALES=1: the forward intra stage multiplies products whose two operands are rounded
+    per row (FP8 / INT8) as grid values with the scales applied to the result (``factored``); default 0."""
+    text = os.environ.get(FACTORED_ENV, "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"{FACTORED_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def _row_format(p: ChunkParams, site: str) -> str | None:
+    fmt = dict(p.operands).get(site)
+    return None if fmt is None else parse_quant(fmt).format if parse_quant(fmt).format in _GRID else None
+
+
+def factored(p: ChunkParams, gemm: str) -> bool:
+    """``gemm``'s product runs on grid values, its operands' row scales applied to the result
+    (docs/kernels-chunk.md, "Rounded operands in 16-bit GEMMs"): LAQAT_CHUNK_FACTORED_SCALES=1, both sides rounded
+    per row to FP8 / INT8, no accumulator emulation (which rounds running sums of the scaled product)."""
+    return (factored_scales() and _row_format(p, f"{gemm}.lhs") is not None
+            and _row_format(p, f"{gemm}.rhs") is not None and gemm not in dict(p.acc))
+
+
+def _grid_ops(p: ChunkParams, *calls: tuple) -> str:
+    """For each (site, var, axis, name): b_s_<name>, the row scales of ``var`` (axis: the reduction axis of the
+    register tile), and b_q_<name>, its grid values; a call rounding the same tile the same way as an earlier
+    one reuses its names (``_ops``)."""
+    done, parts = {}, []
+    for site, var, axis, name in calls:
+        fmt = _row_format(p, site)
+        if (fmt, var, axis) in done:
+            prev = done[(fmt, var, axis)]
+            parts.append(f"b_s_{name}, b_q_{name} = b_s_{prev}, b_q_{prev}  # q.{site}: the same rows, the same rounding")
+            continue
+        done[(fmt, var, axis)] = name
+        scale_fn = _QDQ[fmt][0]
+        bcast = "[:, None]" if axis == 1 else "[None, :]"
+        parts.append(lines(f"b_s_{name} = {scale_fn}(tl.max(amax_abs({var}), axis={axis}))",
+                           f"b_q_{name} = {_GRID[fmt]}({var}, b_s_{name}{bcast})  # q.{site}={dict(p.operands)[site]}: "
+                           "grid values, the scale apart"))
+    return lines(*parts)
+
+
+def grid_gemm(out: str, lhs: str, rhs: str, lhs_scale: str, rhs_scale: str, precision: str) -> str:
+    """``out = Q(lhs) @ Q(rhs)`` from grid values: one scale per row of the result and one per column."""
+    return f"{out} = grid_dot({lhs}, {rhs}, {precision}) * {lhs_scale}[:, None] * {rhs_scale}[None, :]"
+
+
 def has_nvfp4_operands(p: ChunkParams) -> bool:
     """A GEMM operand site rounds to NVFP4 (the launch table keeps eight warps in the h, o and dh stages)."""
     return any(fmt.startswith("nvfp4") for _, fmt in p.operands)
@@ -242,6 +293,20 @@ def lines(*parts: str) -> str:
     return "\n".join(x for x in parts if x)
 
 
+def factored_wy_values(p: ChunkParams) -> dict[str, str] | None:
+    """The forward intra stage's W = Q(T) Q(beta e^G K) and U = Q(T) Q(beta V) on grid values (``factored``),
+    or None where they keep the dequantized operands."""
+    if not (factored(p, "wy_key") and factored(p, "wy_value")):
+        return None
+    return {
+        "T_OPERANDS": _grid_ops(p, ("wy_key.lhs", "b_T", 1, "Tw"), ("wy_value.lhs", "b_T", 1, "Tu")),
+        "WY_KEY_RHS": _grid_ops(p, ("wy_key.rhs", "b_bk", 0, "bk")),
+        "WY_KEY_DOT": grid_gemm("b_w", "b_q_Tw", "b_q_bk", "b_s_Tw", "b_s_bk", "GEMM_PRECISION"),
+        "WY_VALUE_RHS": _grid_ops(p, ("wy_value.rhs", "b_bv", 0, "bv")),
+        "WY_VALUE_DOT": grid_gemm("b_u", "b_q_Tu", "b_q_bv", "b_s_Tu", "b_s_bv", "GEMM_PRECISION"),
+    }
+
+
 def operand_values(p: ChunkParams) -> dict[str, str]:
     """Template values of the GEMM operand sites (empty or plain renames when no site is on)."""
     CC, CK, CV, KV = ("C", "C"), ("C", "BK"), ("C", "BV"), ("BK", "BV")
@@ -279,11 +344,20 @@ def _gdn_pair_operands(p: ChunkParams) -> str:
                 ("output_score.rhs", "b_k", 1, "b_kr2", ("C", "BK")))
 
 
-def gdn_pair_block(p: ChunkParams) -> str:
+def gdn_pair_block(p: ChunkParams, forward: bool = False) -> str:
     """One key block's share of K_l K_r^T and Q_l K_r2^T, added to b_P, b_Pqk (Γ after the last block).
     GEMM_PRECISION: GDN's pair operands are the raw inputs (Γ comes after the sum), so with 16-bit GEMMs
     they are 16-bit numbers, which TF32 holds exactly: bf16 operands form the same products at twice the
-    tensor-core rate. Where GEMM_PRECISION is not 16-bit (rounded operands, fp32 inputs) it is DOT_PRECISION."""
+    tensor-core rate. Where GEMM_PRECISION is not 16-bit (rounded operands, fp32 inputs) it is DOT_PRECISION.
+    ``forward``: the forward intra stage, where both products may run on grid values (``factored``)."""
+    if forward and factored(p, "key_interaction") and factored(p, "output_score"):
+        return lines(
+            _grid_ops(p, ("key_interaction.lhs", "b_k", 1, "kl"), ("key_interaction.rhs", "b_k", 1, "kr"),
+                      ("output_score.lhs", "b_q", 1, "ql"), ("output_score.rhs", "b_k", 1, "kr2")),
+            grid_gemm("b_Pb", "b_q_kl", "tl.trans(b_q_kr)", "b_s_kl", "b_s_kr", "GEMM_PRECISION"),
+            grid_gemm("b_Pqkb", "b_q_ql", "tl.trans(b_q_kr2)", "b_s_ql", "b_s_kr2", "GEMM_PRECISION"),
+            "b_P += b_Pb",
+            "b_Pqk += b_Pqkb")
     return lines(
         _gdn_pair_operands(p),
         acc_dot(p, "key_interaction", "b_Pb", "b_kl", "tl.trans(b_kr)", "BK", "GEMM_PRECISION"),
@@ -636,8 +710,9 @@ KDA_FWD = {
         "b_qg = b_q * tl.exp(b_g)"),
 }
 
-QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, int8_scale, nvfp4_block_scale,  # noqa: F401\n"
-              "    nvfp4_global_scale, qdq_e2m1, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32)")
+QDQ_IMPORT = ("from la_compiler.kernels.qdq import (amax_abs, fp8_scale, grid_dot, int8_scale,  # noqa: F401\n"
+              "    nvfp4_block_scale, nvfp4_global_scale, qdq_e2m1, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32, quant_fp8_e4m3,\n"
+              "    quant_int8)")
 
 
 

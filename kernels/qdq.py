@@ -214,15 +214,41 @@ def h32_scale(amax):
 
 # ---- QDQ with a given scale (broadcastable to x) ---------------------------------------
 @triton.jit
+def quant_fp8_e4m3(x, scale):
+    """The E4M3 grid value of x / scale (what qdq_fp8_e4m3 multiplies by the scale): exact in bf16."""
+    return round_e4m3(clamp_keep_nan(quotient(x, scale), -FP8_MAX, FP8_MAX))
+
+
+@triton.jit
+def quant_int8(x, scale):
+    """The INT8 grid value (an integer, |q| <= 127) of x / scale: exact in bf16."""
+    return round_half_even(clamp_keep_nan(quotient(x, scale), -INT8_MAX, INT8_MAX))
+
+
+@triton.jit
 def qdq_fp8_e4m3(x, scale):
-    b_v = quotient(x, scale)
-    return round_e4m3(clamp_keep_nan(b_v, -FP8_MAX, FP8_MAX)) * scale
+    return quant_fp8_e4m3(x, scale) * scale
 
 
 @triton.jit
 def qdq_int8(x, scale):
-    b_v = quotient(x, scale)
-    return round_half_even(clamp_keep_nan(b_v, -INT8_MAX, INT8_MAX)) * scale
+    return quant_int8(x, scale) * scale
+
+
+BF16_GRID_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # the interpreter's bf16 tl.dot is wrong
+
+
+@triton.jit
+def grid_dot(a, b, PRECISION: tl.constexpr):
+    """a @ b of FP8 / INT8 grid values (exact in bf16; each product exact in fp32), fp32 accumulation: bf16
+    operands for 16-bit inputs (PRECISION "tf32") on a GPU, else fp32 operands (IEEE under the interpreter, whose
+    tl.dot of bf16 operands returns garbage in Triton 3.9)."""
+    if PRECISION == "tf32" and BF16_GRID_DOT:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PRECISION == "tf32":
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit

@@ -73,6 +73,9 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (split intra)": {},  # LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels
     "laqat FP8 state (split intra)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    # LAQAT_CHUNK_FACTORED_SCALES=1: the forward intra stage's rounded products on grid values, scales apart
+    "laqat FP8 all sites (factored scales)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    "laqat FP8 all sites (factored, split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -91,6 +94,8 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
     "laqat FP8 state (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
     "laqat FP8 all sites (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
+    "laqat FP8 all sites (factored scales)": {"LAQAT_CHUNK_FACTORED_SCALES": "1"},
+    "laqat FP8 all sites (factored, split intra)": {"LAQAT_CHUNK_FACTORED_SCALES": "1", "LAQAT_CHUNK_INTRA_SPLIT": "1"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 

@@ -66,8 +66,9 @@
 #             [8,4096,16,128] (exact, FP8 state, FP8 all sites; kernels split)
 #   final11   the eleventh session's launch table: exactness cases 0, 4, 11, 12, both kinds at [8,4096,16,128] (exact,
 #             FP8 state, FP8 all sites, NVFP4 operands; the rounded rows' kernels split)
-#   split12   (unmeasured) the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1), both kinds at
-#             [8,4096,16,128]: exact, FP8 state (GDN), FP8 all sites; kernels split
+#   next12    (unmeasured settings) the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward
+#             intra stage on grid values (LAQAT_CHUNK_FACTORED_SCALES=1): exactness case 11 under both, both kinds at
+#             [8,4096,16,128] (exact, FP8 state, FP8 all sites under each setting; kernels split)
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -294,15 +295,21 @@ for stage in $stages; do
                OUT=$OUT/kda timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --no-emulation-above 0 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands" \
                  --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;
-    split12)   # for the next session: the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1), both kinds
-               # at [8,4096,16,128], exact / FP8 state / FP8 all sites, kernels split
-               OUT=$OUT/gdn timeout 250 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+    next12)    # for the next session: the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward
+               # intra stage's rounded products on grid values (LAQAT_CHUNK_FACTORED_SCALES=1), both kinds at
+               # [8,4096,16,128], kernels split; exactness case 11 (GDN, all FP8 sites) under both settings first
+               OUT=$OUT/ieee LAQAT_CHUNK_FACTORED_SCALES=1 LAQAT_CHUNK_INTRA_SPLIT=1 timeout 150 python3 $B/chunk_bench.py \
+                 --exactness-only --exact-cases 11
+               OUT=$OUT/gdn timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
                  --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),\
-laqat FP8 state,laqat FP8 state (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra)" \
-                 --profile "laqat exact,laqat exact (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra)"
+laqat FP8 state,laqat FP8 state (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
+laqat FP8 all sites (factored scales),laqat FP8 all sites (factored, split intra)" \
+                 --profile "laqat exact (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
+laqat FP8 all sites (factored scales),laqat FP8 all sites (factored, split intra)"
                OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),laqat FP8 all sites,\
-laqat FP8 all sites (split intra)" --profile "laqat exact (split intra),laqat FP8 all sites (split intra)" ;;
+laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)" \
+                 --profile "laqat exact (split intra),laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)" ;;
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

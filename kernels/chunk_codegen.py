@@ -24,7 +24,7 @@ from la_compiler.kernels.chunk_snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
     GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs,
     acc_dot, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs,
-    factored_scales, factored_wy_values, operand_values,
+    factored_scales, factored_values, operand_values,
     lines, parse_acc, load_solved, solve, solve_form, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.chunk_precision import GEMM_HELPER
 from la_compiler.kernels.codegen import CodegenError, module_source, render, template
@@ -237,21 +237,20 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         pairs = _PAIRS_FROM_KERNEL
     ops = operand_values(p)
     dots = acc_values(p)
-    grid = factored_wy_values(p)  # W, U on grid values (LAQAT_CHUNK_FACTORED_SCALES), for this stage only
-    intra_ops = dict(ops, **grid) if grid else ops
-    intra_dots = dict(dots, **grid) if grid else dots
+    grid = factored_values(p)  # products on grid values (LAQAT_CHUNK_FACTORED_SCALES): the forward stages only
+    ops, dots = dict(ops, **grid), dict(dots, **grid)
     program = template("chunk_fwd_program")
     state_hook = state_qdq(p)
     state_offsets = _state_offsets(p.state)
     w_key_block = render(_W_KEY_BLOCK, {
         "KEY_BLOCK_DECAY": fwd["KEY_BLOCK_DECAY"], "KEY_DECAY": fwd["KEY_DECAY"],
-        "WY_KEY_RHS": intra_ops["WY_KEY_RHS"], "WY_KEY_DOT": intra_dots["WY_KEY_DOT"]}, where="chunk_fwd_intra W block")
+        "WY_KEY_RHS": ops["WY_KEY_RHS"], "WY_KEY_DOT": dots["WY_KEY_DOT"]}, where="chunk_fwd_intra W block")
     solve_half = render(template("chunk_fwd_intra_solve"), {
         "LOAD_DECAY": fwd["LOAD_DECAY"], "PAIRS": pairs, "SOLVE": solve(p)}, where="chunk_fwd_intra_solve")
     wu_half = render(template("chunk_fwd_intra_wu"), {
-        "T_OPERANDS": intra_ops["T_OPERANDS"], "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block,
+        "T_OPERANDS": ops["T_OPERANDS"], "W_AMAX": w_amax_pass(p, w_key_block), "W_KEY_BLOCK": w_key_block,
         "ON_W": w_qdq(p), "DECAYED_KEYS": fwd["DECAYED_KEYS"],
-        "WY_VALUE_RHS": intra_ops["WY_VALUE_RHS"], "WY_VALUE_DOT": intra_dots["WY_VALUE_DOT"],
+        "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra_wu")
     # the intra stage as one kernel, or as two (LAQAT_CHUNK_INTRA_SPLIT: chunk_fwd.intra_split)
     intra, intra_solve, intra_wu = (

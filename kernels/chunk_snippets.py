@@ -293,18 +293,34 @@ def lines(*parts: str) -> str:
     return "\n".join(x for x in parts if x)
 
 
-def factored_wy_values(p: ChunkParams) -> dict[str, str] | None:
-    """The forward intra stage's W = Q(T) Q(beta e^G K) and U = Q(T) Q(beta V) on grid values (``factored``),
-    or None where they keep the dequantized operands."""
-    if not (factored(p, "wy_key") and factored(p, "wy_value")):
-        return None
-    return {
-        "T_OPERANDS": _grid_ops(p, ("wy_key.lhs", "b_T", 1, "Tw"), ("wy_value.lhs", "b_T", 1, "Tu")),
-        "WY_KEY_RHS": _grid_ops(p, ("wy_key.rhs", "b_bk", 0, "bk")),
-        "WY_KEY_DOT": grid_gemm("b_w", "b_q_Tw", "b_q_bk", "b_s_Tw", "b_s_bk", "GEMM_PRECISION"),
-        "WY_VALUE_RHS": _grid_ops(p, ("wy_value.rhs", "b_bv", 0, "bv")),
-        "WY_VALUE_DOT": grid_gemm("b_u", "b_q_Tu", "b_q_bv", "b_s_Tu", "b_s_bv", "GEMM_PRECISION"),
-    }
+def factored_values(p: ChunkParams) -> dict[str, str]:
+    """The forward's products on grid values (``factored``), as template values that replace ``operand_values``' and
+    ``acc_values``': W = Q(T) Q(beta e^G K) and U = Q(T) Q(beta V) (intra stage; both or neither, T is shared),
+    Q(K_d)^T Q(V_new) (h stage), Q(Q_g) Q(h_n) and Q(A_qk) Q(V_new) (o stage). Only the forward stages: the
+    backward's products have a gradient operand."""
+    values = {}
+    if factored(p, "wy_key") and factored(p, "wy_value"):
+        values.update({
+            "T_OPERANDS": _grid_ops(p, ("wy_key.lhs", "b_T", 1, "Tw"), ("wy_value.lhs", "b_T", 1, "Tu")),
+            "WY_KEY_RHS": _grid_ops(p, ("wy_key.rhs", "b_bk", 0, "bk")),
+            "WY_KEY_DOT": grid_gemm("b_w", "b_q_Tw", "b_q_bk", "b_s_Tw", "b_s_bk", "GEMM_PRECISION"),
+            "WY_VALUE_RHS": _grid_ops(p, ("wy_value.rhs", "b_bv", 0, "bv")),
+            "WY_VALUE_DOT": grid_gemm("b_u", "b_q_Tu", "b_q_bv", "b_s_Tu", "b_s_bv", "GEMM_PRECISION")})
+    if factored(p, "state_update"):  # K_d [C x BK] and V_new [C x BV], both rounded per column (over the chunk)
+        values.update({
+            "STATE_UPDATE_OPERANDS": _grid_ops(p, ("state_update.lhs", "b_kd", 0, "kd"),
+                                               ("state_update.rhs", "b_v", 0, "vu")),
+            "STATE_UPDATE_DOT": grid_gemm("b_upd", "tl.trans(b_q_kd)", "b_q_vu", "b_s_kd", "b_s_vu", "GEMM_PRECISION")})
+    if factored(p, "output_state"):
+        values.update({
+            "OUTPUT_STATE_OPERANDS": _grid_ops(p, ("output_state.lhs", "b_qg", 1, "qg"),
+                                               ("output_state.rhs", "b_h", 0, "h")),
+            "OUTPUT_STATE_DOT": grid_gemm("b_os", "b_q_qg", "b_q_h", "b_s_qg", "b_s_h", "GEMM_PRECISION")})
+    if factored(p, "output_value"):
+        values.update({
+            "OUTPUT_VALUE_OPERANDS": _grid_ops(p, ("output_value.lhs", "b_A", 1, "A"), ("output_value.rhs", "b_v", 0, "v")),
+            "OUTPUT_VALUE_DOT": grid_gemm("b_ov", "b_q_A", "b_q_v", "b_s_A", "b_s_v", "GEMM_PRECISION")})
+    return values
 
 
 def operand_values(p: ChunkParams) -> dict[str, str]:

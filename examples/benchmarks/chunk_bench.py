@@ -306,6 +306,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
     fla_o = fla_fwd()[0] if fla_fwd else None
 
     # laqat, through the IR op (its registered autograd runs the variant's backward)
+    outputs = {}  # o of each row without an ENVIRONMENTS setting: what a setting's row is compared with
     for name, quant in POLICIES.items():
         if name not in policies:
             continue
@@ -332,6 +333,14 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
                 o.float().sum().backward()
 
         rows[name] = measure(ours_fwd, ours_fwd_bwd)
+        default_row = name.split(" (")[0]  # "laqat FP8 all sites (split intra)" -> "laqat FP8 all sites"
+        try:
+            if env is None:
+                outputs[name] = ours_fwd()[0]
+            elif default_row in outputs:  # the same spec under a code-generation setting: how far its o moved
+                rows[name][f"rel_l2_o_vs_{default_row}"] = rel_l2(ours_fwd()[0], outputs[default_row])
+        except Exception as e:  # noqa: BLE001
+            rows[name][f"rel_l2_o_vs_{default_row}"] = f"{type(e).__name__}: {e}"
         if name in profile:
             try:
                 rows[name]["kernels_ms"] = kernel_times(ours_fwd_bwd)
@@ -388,6 +397,9 @@ def print_table(kind, shape, rows):
             print(f"      {row['note']}")
         if "rel_l2_o_vs_fla" in row:
             print(f"      o vs FLA (bf16) relative L2: {row['rel_l2_o_vs_fla']}")
+        for key in [k for k in row if k.startswith("rel_l2_o_vs_laqat")]:
+            value = f"{row[key]:.2e}" if isinstance(row[key], float) else row[key]
+            print(f"      o vs the row '{key[len('rel_l2_o_vs_'):]}' relative L2: {value}")
         if "kernels_ms" in row:
             print("      kernels (ms per call): " + ", ".join(
                 f"{k.split('(')[0][:48]} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -61,12 +61,11 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
-    rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
     launch(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (cdiv(V, BV), N * HV),
            q, k, parts["kd"], parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens,
            lay.chunk_offsets, scale, T, USE_INITIAL_STATE=initial_state is not None,
            USE_FINAL_STATE_GRADIENT=dht is not None,
-           config=launch_config("bwd_dh", BK, C, rounds, has_nvfp4_operands(p)), **common)
+           config=launch_config("bwd_dh", BK, C, nvfp4_operands=has_nvfp4_operands(p)), **common)
     if lay.NT:
         chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
         heads = HV * (1 if cu_seqlens is not None else B)

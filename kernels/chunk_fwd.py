@@ -148,7 +148,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
-    rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the launch table's choice for heavier stages
+    rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the output stage's value block
     nvfp4 = has_nvfp4_operands(p)
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
@@ -184,12 +184,12 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     launch(kernels["h"], (cdiv(V, BV_h), N * HV),
            k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
            BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
-           config=launch_config("fwd_h", BK, C, rounds, nvfp4), **common)
+           config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4), **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
         launch(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, rounds, nvfp4), **common)
+               BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, nvfp4_operands=nvfp4), **common)
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)

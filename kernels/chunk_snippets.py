@@ -137,8 +137,8 @@ _GRID = {"fp8_e4m3": "quant_fp8_e4m3", "int8": "quant_int8"}  # grid values of t
 
 
 def factored_scales() -> bool:
-    """LAQAT_CHUNK_FACTORED_SCALES=1: the forward intra stage multiplies products whose two operands are rounded
-    per row (FP8 / INT8) as grid values with the scales applied to the result (``factored``); default 0."""
+    """LAQAT_CHUNK_FACTORED_SCALES=1: the forward stages multiply products whose two operands are rounded per row
+    (FP8 / INT8) as grid values with the scales applied to the result (``factored``); default 0."""
     text = os.environ.get(FACTORED_ENV, "0")
     if text not in ("0", "1"):
         raise ValueError(f"{FACTORED_ENV} must be 0 or 1, got {text!r}")
@@ -146,8 +146,10 @@ def factored_scales() -> bool:
 
 
 def _row_format(p: ChunkParams, site: str) -> str | None:
+    """"fp8_e4m3" / "int8" where ``site`` rounds per row to one of them (its grid values exist), else None."""
     fmt = dict(p.operands).get(site)
-    return None if fmt is None else parse_quant(fmt).format if parse_quant(fmt).format in _GRID else None
+    name = None if fmt is None else parse_quant(fmt).format
+    return name if name in _GRID else None
 
 
 def factored(p: ChunkParams, gemm: str) -> bool:

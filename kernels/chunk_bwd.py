@@ -27,8 +27,11 @@ from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, i
 from la_compiler.kernels.chunk_snippets import has_nvfp4_operands, kda_rounds_pairs
 
 
-def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None):
-    """Returns (dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype (dh0 in h0's)."""
+def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None,
+              saved: torch.Tensor | None = None):
+    """Returns (dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype (dh0 in h0's). ``saved``: the
+    residual a training forward of the same inputs filled (chunk_fwd's ``save_to``), so the recompute skips the
+    solve."""
     B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
     if tuple(do.shape) != (B, T, HV, V):
         raise ValueError(f"do must be {(B, T, HV, V)}, got {tuple(do.shape)}")
@@ -37,7 +40,8 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     dht = None if dht is None else dht.contiguous()
     parts: dict = {}
-    chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, intermediates=parts, need_output=False)
+    chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, intermediates=parts, need_output=False,
+              saved=saved)
 
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)

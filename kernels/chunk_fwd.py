@@ -101,8 +101,48 @@ def output_value_block(V: int, rounds_operands: bool) -> int:
     return min(64 if rounds_operands else 128, max(16, next_power_of_2(V)))
 
 
+KEEP_RESIDUAL_ENV = "LAQAT_CHUNK_KEEP_RESIDUAL"
+
+
+def keeps_residual(p: ChunkParams) -> bool:
+    """Whether a training forward keeps a residual for the backward: GDN keeps T = (I + A)^-1, A_qk and G, so the
+    backward's recompute runs the W / U half of the intra stage alone (docs/kernels-chunk.md, "What the backward
+    keeps"). KDA keeps nothing yet (its recompute would still need the pair kernels' P for the backward).
+    LAQAT_CHUNK_KEEP_RESIDUAL=0 keeps nothing (the backward recomputes the whole intra stage: 4 (2C + 1) bytes
+    less per token and value head held between forward and backward)."""
+    text = os.environ.get(KEEP_RESIDUAL_ENV, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{KEEP_RESIDUAL_ENV} must be 0 or 1, got {text!r}")
+    return p.kind == "gdn" and text == "1"
+
+
+def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor) -> int:
+    """Elements of the fp32 buffer a training forward fills for the backward (0: nothing is kept), laid out as
+    ``residual_views``."""
+    if not keeps_residual(p):
+        return 0
+    B, T = q.shape[:2]
+    HV = v.shape[2]
+    return B * T * HV * (2 * p.chunk + 1)
+
+
+def residual_views(p: ChunkParams, residual: torch.Tensor, B: int, T: int, HV: int) -> dict:
+    """t_solved, A_qk [B, T, HV, C] and g_cum [B, T, HV] as views of ``residual`` (each starts 16-element aligned:
+    C is a multiple of 16)."""
+    if not keeps_residual(p):
+        raise ValueError(f"the {p.kind} chunk kernels keep no residual")
+    C = p.chunk
+    n = B * T * HV
+    if residual.dtype != torch.float32 or residual.numel() != n * (2 * C + 1):
+        raise ValueError(f"residual must be fp32 with {n * (2 * C + 1)} elements for {p.kind} [B={B}, T={T}, "
+                         f"HV={HV}] at chunk {C}, got {residual.dtype} with {residual.numel()}")
+    return dict(t_solved=residual[: n * C].view(B, T, HV, C), A_qk=residual[n * C: 2 * n * C].view(B, T, HV, C),
+                g_cum=residual[2 * n * C:].view(B, T, HV))
+
+
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
-              intermediates: dict | None = None, need_output: bool = True):
+              intermediates: dict | None = None, need_output: bool = True, save_to: torch.Tensor | None = None,
+              saved: torch.Tensor | None = None):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
     ``intermediates``, if given, receives the buffers g_cum, w, u, A_qk, v_new, kd (KDA) [B, T, HV, ..] and h, the
@@ -110,7 +150,12 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     V_new in the input dtype for 16-bit GEMMs (chunk_precision.py).
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
-    the backward's input-gradient stage loads it instead of solving again."""
+    the backward's input-gradient stage loads it instead of solving again.
+    ``save_to`` (a buffer of ``residual_size``): the forward also stores T, A_qk and G there for the backward.
+    ``saved`` (such a buffer, filled by a forward of the same inputs): the recompute loads T, A_qk and G from it
+    and runs only the W / U half of the intra stage."""
+    if save_to is not None and saved is not None:
+        raise ValueError("chunk_fwd takes save_to or saved, not both")
     B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -129,15 +174,18 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     gemm = gemm_precision(p, q.dtype)
     mid = intermediate_dtype(gemm, q.dtype)  # of W, U, h, V_new: the input dtype for 16-bit GEMMs
     buffer = functools.partial(scratch, fill=nan_fill())
-    g_cum = buffer(g.shape, f32, dev)
+    residual = saved if saved is not None else save_to
+    kept = residual_views(p, residual, B, T, HV) if residual is not None else {}
+    g_cum = kept["g_cum"] if kept else buffer(g.shape, f32, dev)
     w = buffer((B, T, HV, K), mid, dev)
     u = buffer((B, T, HV, V), mid, dev)
-    A_qk = buffer((B, T, HV, C), f32, dev)
+    A_qk = kept["A_qk"] if kept else buffer((B, T, HV, C), f32, dev)
     h = buffer((max(lay.NT, 1), HV, K, V), mid, dev)
     v_new = buffer((B, T, HV, V), mid, dev)
     kd = buffer((B, T, HV, K), mid, dev) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
     o = buffer((B, T, HV, V), q.dtype, dev) if need_output else None
-    t_solved = buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None
+    t_solved = kept["t_solved"] if kept else (
+        buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None)
     p_pairs = buffer((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
     chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
@@ -171,7 +219,11 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         BK_intra = intra_key_block(p, BK, w_block)
         intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
                      **dict(common, BK=BK_intra))
-        if intra_split():  # A, A_qk and T, then W and U from the stored T: two lighter programs per chunk
+        if saved is not None:  # T, A_qk and G from the training forward: W and U alone
+            launch(kernels["wu"], (chunks_per_row, heads),
+                   q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale,
+                   T, STORE_T=False, **intra)
+        elif intra_split():  # A, A_qk and T, then W and U from the stored T: two lighter programs per chunk
             t_split = t_solved if t_solved is not None else buffer((B, T, HV, C), f32, dev)
             for stage, store_t in (("solve", True), ("wu", False)):
                 launch(kernels[stage], (chunks_per_row, heads),

@@ -11,7 +11,7 @@ import functools
 
 from la_compiler.kernels.chunk_bwd import chunk_bwd
 from la_compiler.kernels.chunk_codegen import ChunkParams
-from la_compiler.kernels.chunk_fwd import chunk_fwd
+from la_compiler.kernels.chunk_fwd import chunk_fwd, residual_size
 from la_compiler.kernels.registry import register_variant, spec_of
 
 
@@ -21,12 +21,16 @@ def _params(spec) -> ChunkParams:
     return ChunkParams.from_spec(spec)
 
 
-def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
-    return chunk_fwd(_params(spec_of(spec)), q, k, v, g, beta, scale, initial_state, cu_seqlens)
+def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None):
+    return chunk_fwd(_params(spec_of(spec)), q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to)
 
 
-def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):
-    return chunk_bwd(_params(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens)
+def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, saved=None):
+    return chunk_bwd(_params(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=saved)
+
+
+def chunk_residual_size(spec, q, v) -> int:
+    return residual_size(_params(spec_of(spec)), q, v)
 
 
 register_variant(
@@ -35,4 +39,5 @@ register_variant(
     chunk_backward,
     "generated chunked (WY) Triton kernels, forward and backward (exact, Neumann solve, state and W QDQ, "
     "FP8/INT8 row and NVFP4 GEMM operand sites, fp16/bf16 accumulator emulation)",
+    residual_size=chunk_residual_size,
 )

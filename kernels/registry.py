@@ -7,6 +7,11 @@ IR's canonical inputs and the parsed spec; the kernel-selection table
     forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale) -> (o, final_state)
     backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht)
         -> (dq, dk, dv, dg, dbeta, dh0 or None)
+
+A variant that keeps work for its backward also gives ``residual_size(spec, q, v) -> int`` (elements
+of an fp32 buffer; 0 where a spec keeps nothing); its forward then takes ``save_to=`` (the buffer to
+fill) and its backward ``saved=`` (the filled buffer). Training graphs call it through
+``laqat::delta_rule_train`` (``ir.py``).
 """
 from __future__ import annotations
 
@@ -22,15 +27,21 @@ class KernelVariant:
     forward: Callable
     backward: Callable
     description: str
+    residual_size: Callable | None = None
+
+    def residual_numel(self, spec, q, v) -> int:
+        """Elements of the fp32 residual its forward keeps for its backward (0: none)."""
+        return 0 if self.residual_size is None else self.residual_size(spec, q, v)
 
 
 _VARIANTS: dict[str, KernelVariant] = {}
 
 
-def register_variant(name: str, forward: Callable, backward: Callable, description: str) -> KernelVariant:
+def register_variant(name: str, forward: Callable, backward: Callable, description: str,
+                     residual_size: Callable | None = None) -> KernelVariant:
     if name in _VARIANTS:
         raise ValueError(f"kernel variant {name!r} is registered twice")
-    variant = KernelVariant(name, forward, backward, description)
+    variant = KernelVariant(name, forward, backward, description, residual_size)
     _VARIANTS[name] = variant
     return variant
 

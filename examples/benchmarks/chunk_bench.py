@@ -41,7 +41,7 @@ from triton.testing import do_bench  # noqa: E402
 import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
 from la_compiler.kernels.chunk_bwd import chunk_bwd  # noqa: E402
 from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported  # noqa: E402
-from la_compiler.kernels.chunk_fwd import chunk_fwd  # noqa: E402
+from la_compiler.kernels.chunk_fwd import chunk_fwd, residual_size  # noqa: E402
 from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference  # noqa: E402
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
 
@@ -75,7 +75,11 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 all sites (split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     # LAQAT_CHUNK_FACTORED_SCALES=1: the forward intra stage's rounded products on grid values, scales apart
     "laqat FP8 all sites (factored scales)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    "laqat FP8 all sites (factored, split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    "laqat FP8 all sites (factored + split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    # LAQAT_CHUNK_KEEP_RESIDUAL=0: the backward recomputes the whole forward intra stage (before session 12)
+    "laqat exact (no residual)": {},
+    "laqat FP8 state (no residual)": {"state": "fp8_e4m3/tile64"},
+    "laqat FP8 all sites (no residual)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -95,7 +99,10 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat FP8 state (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
     "laqat FP8 all sites (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
     "laqat FP8 all sites (factored scales)": {"LAQAT_CHUNK_FACTORED_SCALES": "1"},
-    "laqat FP8 all sites (factored, split intra)": {"LAQAT_CHUNK_FACTORED_SCALES": "1", "LAQAT_CHUNK_INTRA_SPLIT": "1"},
+    "laqat FP8 all sites (factored + split intra)": {"LAQAT_CHUNK_FACTORED_SCALES": "1", "LAQAT_CHUNK_INTRA_SPLIT": "1"},
+    "laqat exact (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
+    "laqat FP8 state (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
+    "laqat FP8 all sites (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
@@ -140,9 +147,12 @@ def exactness(c, device="cuda") -> dict:
     spec = RecurrenceSpec(kind=c["kind"], chunk=64, state=c["state"], kernel="chunk").replace(quant=c["quant"])
     params = ChunkParams.from_spec(spec)
     scale = c["K"] ** -0.5
-    o, ht = chunk_fwd(params, q, k, v, g, beta, scale, h0, cu)
+    # the training path: what the forward keeps for the backward (GDN's T, A_qk, G), NaN-filled before it runs
+    size = residual_size(params, q, v)
+    kept = torch.full((size,), float("nan"), device=device) if size else None
+    o, ht = chunk_fwd(params, q, k, v, g, beta, scale, h0, cu, save_to=kept)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
-    grads = chunk_bwd(params, q, k, v, g, beta, scale, do, dht, h0, cu)
+    grads = chunk_bwd(params, q, k, v, g, beta, scale, do, dht, h0, cu, saved=kept)
     leaves = [x.double().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
     ro, rht = chunk_delta_rule_reference(*leaves[:5], spec=spec, scale=scale, initial_state=leaves[5], cu_seqlens=cu)
     ref = torch.autograd.grad([ro, rht], leaves, [do.double(), dht.double()])

@@ -66,9 +66,10 @@
 #             [8,4096,16,128] (exact, FP8 state, FP8 all sites; kernels split)
 #   final11   the eleventh session's launch table: exactness cases 0, 4, 11, 12, both kinds at [8,4096,16,128] (exact,
 #             FP8 state, FP8 all sites, NVFP4 operands; the rounded rows' kernels split)
-#   next12    (unmeasured settings) the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward
+#   next12    (next12gdn, next12kda: its halves) (unmeasured settings) the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward
 #             intra stage on grid values (LAQAT_CHUNK_FACTORED_SCALES=1): exactness case 11 under both, both kinds at
 #             [8,4096,16,128] (exact, FP8 state, FP8 all sites under each setting; kernels split)
+#   residual12  GDN's kept residual (exactness cases 0, 1, 11 on that path; rows with and without it), then next12kda
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -112,6 +113,33 @@ kda_final_checks() {
   OUT=$OUT/equality timeout 150 python3 $B/chunk_bench.py --fla-equality kda:1x4096x16x128
   OUT=$OUT/kda timeout 240 python3 $B/chunk_bench.py --skip-exactness --kinds kda \
     --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
+}
+# The intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward stages' rounded products on
+# grid values (LAQAT_CHUNK_FACTORED_SCALES=1) at [8,4096,16,128], kernels split (stages next12, next12gdn, next12kda)
+next12_gdn() {
+  [ -n "${SKIP_EXACT:-}" ] || OUT=$OUT/ieee LAQAT_CHUNK_FACTORED_SCALES=1 LAQAT_CHUNK_INTRA_SPLIT=1 timeout 150 python3 $B/chunk_bench.py \
+    --exactness-only --exact-cases 11
+  OUT=$OUT/gdn timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+    --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),\
+laqat FP8 state,laqat FP8 state (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
+laqat FP8 all sites (factored scales),laqat FP8 all sites (factored + split intra)" \
+    --profile "laqat exact (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
+laqat FP8 all sites (factored scales),laqat FP8 all sites (factored + split intra)"
+}
+next12_kda() {
+  OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+    --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),laqat FP8 all sites,\
+laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)" \
+    --profile "laqat exact (split intra),laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)"
+}
+# GDN's training forward keeps T, A_qk and G for the backward (session 12): exactness cases 0, 1 and 11 on that path,
+# then GDN's rows with and without it (LAQAT_CHUNK_KEEP_RESIDUAL=0), kernels split
+residual12_gdn() {
+  [ -n "${SKIP_EXACT:-}" ] || OUT=$OUT/ieee timeout 150 python3 $B/chunk_bench.py --exactness-only --exact-cases 0,1,11
+  OUT=$OUT/gdn timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+    --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (no residual),\
+laqat FP8 state,laqat FP8 state (no residual),laqat FP8 all sites,laqat FP8 all sites (no residual),\
+laqat FP8 all sites (factored scales)" --profile "laqat exact,laqat FP8 state,laqat FP8 all sites (factored scales)"
 }
 stages=${*:-exact gdn train decode}
 for stage in $stages; do
@@ -295,21 +323,10 @@ for stage in $stages; do
                OUT=$OUT/kda timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
                  --no-emulation-above 0 --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands" \
                  --profile "laqat FP8 all sites,laqat NVFP4 operands" ;;
-    next12)    # for the next session: the intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward
-               # intra stage's rounded products on grid values (LAQAT_CHUNK_FACTORED_SCALES=1), both kinds at
-               # [8,4096,16,128], kernels split; exactness case 11 (GDN, all FP8 sites) under both settings first
-               OUT=$OUT/ieee LAQAT_CHUNK_FACTORED_SCALES=1 LAQAT_CHUNK_INTRA_SPLIT=1 timeout 150 python3 $B/chunk_bench.py \
-                 --exactness-only --exact-cases 11
-               OUT=$OUT/gdn timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
-                 --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),\
-laqat FP8 state,laqat FP8 state (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
-laqat FP8 all sites (factored scales),laqat FP8 all sites (factored, split intra)" \
-                 --profile "laqat exact (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
-laqat FP8 all sites (factored scales),laqat FP8 all sites (factored, split intra)"
-               OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
-                 --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),laqat FP8 all sites,\
-laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)" \
-                 --profile "laqat exact (split intra),laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)" ;;
+    next12)    next12_gdn; next12_kda ;;  # exactness case 11 (GDN, all FP8 sites) under both settings, then both kinds
+    next12gdn) next12_gdn ;;
+    next12kda) next12_kda ;;
+    residual12) residual12_gdn; next12_kda ;;  # the kept residual (GDN), then the KDA half of next12
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

@@ -278,6 +278,56 @@ def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extr
         intra_split()
 
 
+@pytest.mark.parametrize("varlen,quant,extra", [
+    (True, {}, {}),
+    (False, ALL_FP8, {}),
+    (True, {"state": "int8/tile16", "w": "fp8_e4m3/row"}, {}),
+    (False, {}, dict(solve="neumann", degree=2)),
+])
+def test_gdn_backward_from_the_kept_residual(varlen, quant, extra):
+    """A training forward keeps T, A_qk and G (chunk_fwd's save_to) and the backward's recompute loads them and runs
+    only the W / U kernel: the same outputs and every gradient as the forward and backward without it, bit for bit,
+    and against fp64 autograd; the residual is written everywhere (NaN-filled before)."""
+    from la_compiler.kernels.chunk_fwd import residual_size
+
+    inputs, cu = _case("gdn", varlen, "kv", K=16, V=16)
+    spec = RecurrenceSpec(kind="gdn", chunk=8, **extra).replace(quant=quant)
+    p = ChunkParams.from_spec(spec)
+    do, dht = torch.randn(inputs[2].shape), torch.randn(inputs[5].shape)
+    residual = torch.full((residual_size(p, inputs[0], inputs[2]),), float("nan"))
+    assert residual.numel() == inputs[0].shape[0] * inputs[0].shape[1] * inputs[2].shape[2] * (2 * 8 + 1)
+    kept = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, save_to=residual),
+            *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual)]
+    assert torch.isfinite(residual).all()
+    plain = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu), *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)]
+    for a, b in zip(kept, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    x64 = [x.double().requires_grad_() for x in inputs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
+    tol = ALL_SITES_TOL if quant is ALL_FP8 else QDQ_TOL if quant else EXACT_TOL
+    assert rel_l2(kept[0], o64) <= tol
+    for name, a, b in zip(GRAD_NAMES, kept[2:], want):
+        assert rel_l2(a, b) <= tol, name
+
+
+def test_kept_residual_is_checked():
+    """A residual of the wrong size or dtype, or one for KDA (which keeps none), is refused by name."""
+    from la_compiler.kernels.chunk_fwd import residual_size
+
+    inputs, _ = _case("gdn", False, "kv")
+    p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8))
+    n = residual_size(p, inputs[0], inputs[2])
+    for bad in (torch.zeros(n - 1), torch.zeros(n, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="residual"):
+            chunk_fwd(p, *inputs[:5], 0.4, inputs[5], save_to=bad)
+    kda = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=8))
+    kda_inputs, _ = _case("kda", False, "kv")
+    assert residual_size(kda, kda_inputs[0], kda_inputs[2]) == 0
+    with pytest.raises(ValueError, match="keep no residual"):
+        chunk_bwd(kda, *kda_inputs[:5], 0.4, torch.randn(kda_inputs[2].shape), None, kda_inputs[5], saved=torch.zeros(n))
+
+
 def test_gdn_whole_row_backward_by_value_blocks_of_32():
     """GDN's backward intra stage over whole key rows (a key-side operand site rounds: one key block) steps
     through V in blocks of 32 (chunk_launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a

@@ -105,3 +105,33 @@ def test_explain_counts_graph_breaks():
         report = la_compiler.explain(fn, torch.randn(3))
     assert report.graph_breaks == 1 and len(report.graphs) == 2
     assert "1 graph break(s)" in str(report)
+
+
+@pytest.mark.parametrize("kind,kept", [("gdn", True), ("kda", False)])
+def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, kept):
+    """laqat::delta_rule resolves to delta_rule_train (o, final state and the residual the kernel variant keeps for
+    its backward: the chunk kernels' T, A_qk and G for GDN, nothing for KDA) where an input needs a gradient, to
+    delta_rule_eval under no_grad; traced for autograd, the backward op takes the residual the forward kept."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from la_compiler.kernels.chunk_codegen import ChunkParams
+    from la_compiler.kernels.chunk_fwd import residual_size
+
+    (q, k, v, g, beta, h0), _ = random_inputs(kind, T=5, H=1, HV=2, K=8, V=8, initial_state=True)
+    spec = RecurrenceSpec(kind=kind, kernel="chunk", chunk=8)
+    o, ht, residual = torch.ops.laqat.delta_rule_train(q, k, v, g, beta, h0, None, 0.5, spec.to_string())
+    assert residual.dtype == torch.float32 and residual.numel() == residual_size(ChunkParams.from_spec(spec), q, v)
+    assert (residual.numel() > 0) == kept and torch.isfinite(residual).all()
+    call = _call(kind, kernel="chunk")
+
+    def step(q, k, v, g, beta, h0):
+        o, ht = call(q, k, v, g, beta, h0, None)
+        return torch.autograd.grad((o, ht), (q, k, v, g, beta, h0), (torch.ones_like(o), torch.ones_like(ht)))
+
+    ops = {n.target.name() for n in make_fx(step, tracing_mode="fake")(q, k, v, g, beta, h0).graph.nodes
+           if n.op == "call_function" and hasattr(n.target, "name")}
+    assert {"laqat::delta_rule_train", "laqat::delta_rule_backward"} <= ops and "laqat::delta_rule_eval" not in ops
+    with torch.no_grad():
+        ops = {n.target.name() for n in make_fx(call, tracing_mode="fake")(q, k, v, g, beta, h0, None).graph.nodes
+               if n.op == "call_function" and hasattr(n.target, "name")}
+    assert "laqat::delta_rule_eval" in ops and "laqat::delta_rule_train" not in ops

@@ -73,9 +73,8 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (split intra)": {},  # LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels
     "laqat FP8 state (split intra)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    # LAQAT_CHUNK_FACTORED_SCALES=1: the forward intra stage's rounded products on grid values, scales apart
-    "laqat FP8 all sites (factored scales)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    "laqat FP8 all sites (factored + split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    # LAQAT_CHUNK_FACTORED_SCALES=0: the forward stages multiply dequantized operands (before session 12)
+    "laqat FP8 all sites (unfactored scales)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     # LAQAT_CHUNK_KEEP_RESIDUAL=0: the backward recomputes the whole forward intra stage (before session 12)
     "laqat exact (no residual)": {},
     "laqat FP8 state (no residual)": {"state": "fp8_e4m3/tile64"},
@@ -98,8 +97,7 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
     "laqat FP8 state (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
     "laqat FP8 all sites (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
-    "laqat FP8 all sites (factored scales)": {"LAQAT_CHUNK_FACTORED_SCALES": "1"},
-    "laqat FP8 all sites (factored + split intra)": {"LAQAT_CHUNK_FACTORED_SCALES": "1", "LAQAT_CHUNK_INTRA_SPLIT": "1"},
+    "laqat FP8 all sites (unfactored scales)": {"LAQAT_CHUNK_FACTORED_SCALES": "0"},
     "laqat exact (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
     "laqat FP8 state (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
     "laqat FP8 all sites (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},

@@ -115,22 +115,23 @@ kda_final_checks() {
     --policies "laqat exact,laqat FP8 state,laqat INT8 state" --no-emulation-above 0 --profile "laqat exact"
 }
 # The intra stage as one kernel against two (LAQAT_CHUNK_INTRA_SPLIT=1) and the forward stages' rounded products on
-# grid values (LAQAT_CHUNK_FACTORED_SCALES=1) at [8,4096,16,128], kernels split (stages next12, next12gdn, next12kda)
+# grid values (the default since session 12; the "unfactored scales" row sets LAQAT_CHUNK_FACTORED_SCALES=0) at
+# [8,4096,16,128], kernels split (stages next12, next12gdn, next12kda)
 next12_gdn() {
-  [ -n "${SKIP_EXACT:-}" ] || OUT=$OUT/ieee LAQAT_CHUNK_FACTORED_SCALES=1 LAQAT_CHUNK_INTRA_SPLIT=1 timeout 150 python3 $B/chunk_bench.py \
+  [ -n "${SKIP_EXACT:-}" ] || OUT=$OUT/ieee LAQAT_CHUNK_INTRA_SPLIT=1 timeout 150 python3 $B/chunk_bench.py \
     --exactness-only --exact-cases 11
   OUT=$OUT/gdn timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
     --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),\
 laqat FP8 state,laqat FP8 state (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
-laqat FP8 all sites (factored scales),laqat FP8 all sites (factored + split intra)" \
+laqat FP8 all sites (unfactored scales)" \
     --profile "laqat exact (split intra),laqat FP8 all sites,laqat FP8 all sites (split intra),\
-laqat FP8 all sites (factored scales),laqat FP8 all sites (factored + split intra)"
+laqat FP8 all sites (unfactored scales)"
 }
 next12_kda() {
   OUT=$OUT/kda timeout 300 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
     --no-emulation-above 0 --policies "laqat exact,laqat exact (split intra),laqat FP8 all sites,\
-laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)" \
-    --profile "laqat exact (split intra),laqat FP8 all sites (split intra),laqat FP8 all sites (factored scales)"
+laqat FP8 all sites (split intra),laqat FP8 all sites (unfactored scales)" \
+    --profile "laqat exact (split intra),laqat FP8 all sites (split intra),laqat FP8 all sites (unfactored scales)"
 }
 # GDN's training forward keeps T, A_qk and G for the backward (session 12): exactness cases 0, 1 and 11 on that path,
 # then GDN's rows with and without it (LAQAT_CHUNK_KEEP_RESIDUAL=0), kernels split
@@ -139,7 +140,7 @@ residual12_gdn() {
   OUT=$OUT/gdn timeout 280 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
     --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (no residual),\
 laqat FP8 state,laqat FP8 state (no residual),laqat FP8 all sites,laqat FP8 all sites (no residual),\
-laqat FP8 all sites (factored scales)" --profile "laqat exact,laqat FP8 state,laqat FP8 all sites (factored scales)"
+laqat FP8 all sites (unfactored scales)" --profile "laqat exact,laqat FP8 state,laqat FP8 all sites"
 }
 stages=${*:-exact gdn train decode}
 for stage in $stages; do

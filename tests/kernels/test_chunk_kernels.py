@@ -169,19 +169,22 @@ def test_operand_sites_forward_and_backward(kind, fmt, C):
 
 
 @pytest.mark.parametrize("kind,fmt", [("gdn", "fp8_e4m3/row"), ("kda", "fp8_e4m3/row"), ("gdn", "int8/row")])
-def test_factored_scales_forward(monkeypatch, kind, fmt):
-    """LAQAT_CHUNK_FACTORED_SCALES=1: the forward stages multiply the rounded pair products (GDN), W, U, the state
-    update and both output products on grid values with the row scales applied to the result; the all-sites
-    test's checks hold (W, state, A_qk element for element, flips counted; outputs and every gradient)."""
+def test_unfactored_scales_forward(monkeypatch, kind, fmt):
+    """The forward stages multiply the rounded pair products (GDN), W, U, the state update and both output
+    products on grid values with the row scales applied to the result (the default); LAQAT_CHUNK_FACTORED_SCALES=0
+    multiplies the dequantized operands, and the all-sites test's checks hold there too (W, state, A_qk element
+    for element, flips counted; outputs and every gradient)."""
     from la_compiler.kernels.chunk_codegen import chunk_fwd_source
     from la_compiler.kernels.chunk_snippets import FACTORED_ENV, factored_scales
 
-    monkeypatch.setenv(FACTORED_ENV, "1")
-    assert factored_scales()
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
-    source = chunk_fwd_source(ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant)))
-    # really on: pairs (GDN), W (amax pass and W loop), U, the state update, both output products
-    assert source.count("grid_dot(") >= (8 if kind == "gdn" else 6)
+    params = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant))
+    monkeypatch.delenv(FACTORED_ENV, raising=False)
+    assert factored_scales()
+    # on by default: pairs (GDN), W (amax pass and W loop), U, the state update, both output products
+    assert chunk_fwd_source(params).count("grid_dot(") >= (8 if kind == "gdn" else 6)
+    monkeypatch.setenv(FACTORED_ENV, "0")
+    assert not factored_scales() and "grid_dot(" not in chunk_fwd_source(params)
     test_operand_sites_forward_and_backward(kind, fmt, 8)
     monkeypatch.setenv(FACTORED_ENV, "yes")
     with pytest.raises(ValueError, match=FACTORED_ENV):

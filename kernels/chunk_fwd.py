@@ -105,15 +105,21 @@ KEEP_RESIDUAL_ENV = "LAQAT_CHUNK_KEEP_RESIDUAL"
 
 
 def keeps_residual(p: ChunkParams) -> bool:
-    """Whether a training forward keeps a residual for the backward: GDN keeps T = (I + A)^-1, A_qk and G, so the
-    backward's recompute runs the W / U half of the intra stage alone (docs/kernels-chunk.md, "What the backward
-    keeps"). KDA keeps nothing yet (its recompute would still need the pair kernels' P for the backward).
-    LAQAT_CHUNK_KEEP_RESIDUAL=0 keeps nothing (the backward recomputes the whole intra stage: 4 (2C + 1) bytes
-    less per token and value head held between forward and backward)."""
+    """Whether a training forward keeps a residual for the backward (docs/kernels-chunk.md, "What the backward
+    recomputes and what it keeps"): T = (I + A)^-1 and A_qk, with G for GDN and KDA's pair products P (its
+    cumsum is recomputed), so the backward's recompute runs only the W / U half of the intra stage (KDA: after
+    the cumsum, and the NVFP4 pair amaxes) and the h stage. LAQAT_CHUNK_KEEP_RESIDUAL=0 keeps nothing (the backward
+    recomputes the pairs and the whole intra stage): 4 (2C + 1) bytes less per token and value head held between
+    forward and backward for GDN, 12 C for KDA."""
     text = os.environ.get(KEEP_RESIDUAL_ENV, "1")
     if text not in ("0", "1"):
         raise ValueError(f"{KEEP_RESIDUAL_ENV} must be 0 or 1, got {text!r}")
-    return p.kind == "gdn" and text == "1"
+    return text == "1"
+
+
+def _residual_rows(p: ChunkParams) -> int:
+    """fp32 elements kept per token and value head."""
+    return 2 * p.chunk + 1 if p.kind == "gdn" else 3 * p.chunk
 
 
 def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor) -> int:
@@ -123,21 +129,23 @@ def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor) -> int:
         return 0
     B, T = q.shape[:2]
     HV = v.shape[2]
-    return B * T * HV * (2 * p.chunk + 1)
+    return B * T * HV * _residual_rows(p)
 
 
 def residual_views(p: ChunkParams, residual: torch.Tensor, B: int, T: int, HV: int) -> dict:
-    """t_solved, A_qk [B, T, HV, C] and g_cum [B, T, HV] as views of ``residual`` (each starts 16-element aligned:
-    C is a multiple of 16)."""
+    """t_solved and A_qk [B, T, HV, C], then g_cum [B, T, HV] (GDN) or p_pairs [B, T, HV, C] (KDA), as views of
+    ``residual`` (each starts 16-element aligned: C is a multiple of 16)."""
     if not keeps_residual(p):
-        raise ValueError(f"the {p.kind} chunk kernels keep no residual")
+        raise ValueError(f"the chunk kernels keep no residual with {KEEP_RESIDUAL_ENV}=0")
     C = p.chunk
     n = B * T * HV
-    if residual.dtype != torch.float32 or residual.numel() != n * (2 * C + 1):
-        raise ValueError(f"residual must be fp32 with {n * (2 * C + 1)} elements for {p.kind} [B={B}, T={T}, "
+    if residual.dtype != torch.float32 or residual.numel() != n * _residual_rows(p):
+        raise ValueError(f"residual must be fp32 with {n * _residual_rows(p)} elements for {p.kind} [B={B}, T={T}, "
                          f"HV={HV}] at chunk {C}, got {residual.dtype} with {residual.numel()}")
-    return dict(t_solved=residual[: n * C].view(B, T, HV, C), A_qk=residual[n * C: 2 * n * C].view(B, T, HV, C),
-                g_cum=residual[2 * n * C:].view(B, T, HV))
+    views = dict(t_solved=residual[: n * C].view(B, T, HV, C), A_qk=residual[n * C: 2 * n * C].view(B, T, HV, C))
+    if p.kind == "gdn":
+        return dict(views, g_cum=residual[2 * n * C:].view(B, T, HV))
+    return dict(views, p_pairs=residual[2 * n * C:].view(B, T, HV, C))
 
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
@@ -151,9 +159,9 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
     the backward's input-gradient stage loads it instead of solving again.
-    ``save_to`` (a buffer of ``residual_size``): the forward also stores T, A_qk and G there for the backward.
-    ``saved`` (such a buffer, filled by a forward of the same inputs): the recompute loads T, A_qk and G from it
-    and runs only the W / U half of the intra stage."""
+    ``save_to`` (a buffer of ``residual_size``): the forward also stores T, A_qk and G (GDN) or P (KDA) there for
+    the backward. ``saved`` (such a buffer, filled by a forward of the same inputs): the recompute loads them and
+    runs only the W / U half of the intra stage (KDA: after its cumsum, and the NVFP4 pair amaxes)."""
     if save_to is not None and saved is not None:
         raise ValueError("chunk_fwd takes save_to or saved, not both")
     B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
@@ -176,7 +184,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     buffer = functools.partial(scratch, fill=nan_fill())
     residual = saved if saved is not None else save_to
     kept = residual_views(p, residual, B, T, HV) if residual is not None else {}
-    g_cum = kept["g_cum"] if kept else buffer(g.shape, f32, dev)
+    g_cum = kept["g_cum"] if "g_cum" in kept else buffer(g.shape, f32, dev)
     w = buffer((B, T, HV, K), mid, dev)
     u = buffer((B, T, HV, V), mid, dev)
     A_qk = kept["A_qk"] if kept else buffer((B, T, HV, C), f32, dev)
@@ -186,7 +194,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     o = buffer((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = kept["t_solved"] if kept else (
         buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None)
-    p_pairs = buffer((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
+    p_pairs = kept["p_pairs"] if "p_pairs" in kept else buffer((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
     chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
     BC = p.sub_chunk
@@ -210,16 +218,17 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
             launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
                    q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
                    IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_pair_amax", BKP, C))
-        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
-               q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
-               H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
-               DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
-               **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
+        if saved is None:  # else P and P_qk (in A_qk, finished by the intra stage) are the forward's
+            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
+                   q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
+                   H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
+                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
+                   **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
     if lay.NT:
         BK_intra = intra_key_block(p, BK, w_block)
         intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
                      **dict(common, BK=BK_intra))
-        if saved is not None:  # T, A_qk and G from the training forward: W and U alone
+        if saved is not None:  # T, A_qk (GDN: and G) from the training forward: W and U alone
             launch(kernels["wu"], (chunks_per_row, heads),
                    q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale,
                    T, STORE_T=False, **intra)

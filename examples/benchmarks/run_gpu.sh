@@ -70,6 +70,7 @@
 #             intra stage on grid values (LAQAT_CHUNK_FACTORED_SCALES=1): exactness case 11 under both, both kinds at
 #             [8,4096,16,128] (exact, FP8 state, FP8 all sites under each setting; kernels split)
 #   residual12  GDN's kept residual (exactness cases 0, 1, 11 on that path; rows with and without it), then next12kda
+#   final12   KDA's kept residual (exactness cases 2, 3, 12; rows with and without it), then the GDN table
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -141,6 +142,17 @@ residual12_gdn() {
     --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (no residual),\
 laqat FP8 state,laqat FP8 state (no residual),laqat FP8 all sites,laqat FP8 all sites (no residual),\
 laqat FP8 all sites (unfactored scales)" --profile "laqat exact,laqat FP8 state,laqat FP8 all sites"
+}
+# KDA's kept residual (T, A_qk, P): exactness cases 2, 3, 12 on that path and KDA's rows with and without it; then
+# the GDN table (session 12's last call)
+final12() {
+  [ -n "${SKIP_EXACT:-}" ] || OUT=$OUT/ieee timeout 120 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3,12
+  OUT=$OUT/kda timeout 250 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+    --no-emulation-above 0 --policies "laqat exact,laqat exact (no residual),laqat FP8 state,laqat FP8 all sites,\
+laqat FP8 all sites (no residual),laqat NVFP4 operands" --profile "laqat exact,laqat FP8 all sites"
+  OUT=$OUT/gdn timeout 180 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+    --lift-fla-gdn-guard --no-emulation-above 0 \
+    --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands" --profile "laqat FP8 state"
 }
 stages=${*:-exact gdn train decode}
 for stage in $stages; do
@@ -327,7 +339,8 @@ for stage in $stages; do
     next12)    next12_gdn; next12_kda ;;  # exactness case 11 (GDN, all FP8 sites) under both settings, then both kinds
     next12gdn) next12_gdn ;;
     next12kda) next12_kda ;;
-    residual12) residual12_gdn; next12_kda ;;  # the kept residual (GDN), then the KDA half of next12
+    residual12) residual12_gdn; next12_kda ;;
+    final12)   final12 ;;  # the kept residual (GDN), then the KDA half of next12
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

@@ -281,30 +281,42 @@ def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extr
         intra_split()
 
 
-@pytest.mark.parametrize("varlen,quant,extra", [
-    (True, {}, {}),
-    (False, ALL_FP8, {}),
-    (True, {"state": "int8/tile16", "w": "fp8_e4m3/row"}, {}),
-    (False, {}, dict(solve="neumann", degree=2)),
+@pytest.mark.parametrize("kind,varlen,quant,extra", [
+    ("gdn", True, {}, {}),
+    ("gdn", False, ALL_FP8, {}),
+    ("gdn", True, {"state": "int8/tile16", "w": "fp8_e4m3/row"}, {}),
+    ("gdn", False, {}, dict(solve="neumann", degree=2)),
+    ("kda", True, {}, {}),
+    ("kda", False, ALL_FP8, {}),
+    ("kda", False, {"key_interaction.lhs": "nvfp4/block16", "key_interaction.rhs": "nvfp4/block16",
+                    "output_score.lhs": "nvfp4/block16", "output_score.rhs": "nvfp4/block16"}, dict(chunk=16)),
 ])
-def test_gdn_backward_from_the_kept_residual(varlen, quant, extra):
-    """A training forward keeps T, A_qk and G (chunk_fwd's save_to) and the backward's recompute loads them and runs
-    only the W / U kernel: the same outputs and every gradient as the forward and backward without it, bit for bit,
-    and against fp64 autograd; the residual is written everywhere (NaN-filled before)."""
-    from la_compiler.kernels.chunk_fwd import residual_size
+def test_backward_from_the_kept_residual(kind, varlen, quant, extra):
+    """A training forward keeps T, A_qk and G (GDN) or P (KDA) (chunk_fwd's save_to) and the backward's recompute
+    loads them and runs only the W / U kernel (KDA: after its cumsum and pair amaxes): the same outputs and every
+    gradient as the forward and backward without it, bit for bit, and against fp64 autograd; the residual (NaN-filled
+    before) holds what the recompute would have computed, wherever that is written."""
+    from la_compiler.kernels.chunk_fwd import residual_size, residual_views
 
-    inputs, cu = _case("gdn", varlen, "kv", K=16, V=16)
-    spec = RecurrenceSpec(kind="gdn", chunk=8, **extra).replace(quant=quant)
+    inputs, cu = _case(kind, varlen, "kv", K=16, V=16)
+    spec = RecurrenceSpec(kind=kind, **{"chunk": 8, **extra}).replace(quant=quant)
     p = ChunkParams.from_spec(spec)
     do, dht = torch.randn(inputs[2].shape), torch.randn(inputs[5].shape)
     residual = torch.full((residual_size(p, inputs[0], inputs[2]),), float("nan"))
-    assert residual.numel() == inputs[0].shape[0] * inputs[0].shape[1] * inputs[2].shape[2] * (2 * 8 + 1)
+    per_token = 2 * p.chunk + 1 if kind == "gdn" else 3 * p.chunk
+    assert residual.numel() == inputs[0].shape[0] * inputs[0].shape[1] * inputs[2].shape[2] * per_token
     kept = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, save_to=residual),
             *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual)]
-    assert torch.isfinite(residual).all()
-    plain = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu), *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)]
+    parts = {}
+    plain = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, intermediates=parts),
+             *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)]
     for a, b in zip(kept, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    views = residual_views(p, residual, inputs[0].shape[0], inputs[0].shape[1], inputs[2].shape[2])
+    assert torch.isfinite(views["t_solved"]).all() and torch.isfinite(views["A_qk"]).all()
+    for name, view in views.items():  # KDA's P: the sub-chunk blocks above the diagonal are never written
+        if parts[name] is not None:  # (the Neumann solve's recompute keeps no T)
+            torch.testing.assert_close(view, parts[name], rtol=0, atol=0, equal_nan=True)
     x64 = [x.double().requires_grad_() for x in inputs]
     o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
     want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
@@ -314,9 +326,10 @@ def test_gdn_backward_from_the_kept_residual(varlen, quant, extra):
         assert rel_l2(a, b) <= tol, name
 
 
-def test_kept_residual_is_checked():
-    """A residual of the wrong size or dtype, or one for KDA (which keeps none), is refused by name."""
-    from la_compiler.kernels.chunk_fwd import residual_size
+def test_kept_residual_is_checked(monkeypatch):
+    """A residual of the wrong size or dtype, or one passed with LAQAT_CHUNK_KEEP_RESIDUAL=0 (which keeps none), is
+    refused by name; so is a bad value of the variable."""
+    from la_compiler.kernels.chunk_fwd import KEEP_RESIDUAL_ENV, residual_size
 
     inputs, _ = _case("gdn", False, "kv")
     p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8))
@@ -324,11 +337,13 @@ def test_kept_residual_is_checked():
     for bad in (torch.zeros(n - 1), torch.zeros(n, dtype=torch.float64)):
         with pytest.raises(ValueError, match="residual"):
             chunk_fwd(p, *inputs[:5], 0.4, inputs[5], save_to=bad)
-    kda = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=8))
-    kda_inputs, _ = _case("kda", False, "kv")
-    assert residual_size(kda, kda_inputs[0], kda_inputs[2]) == 0
-    with pytest.raises(ValueError, match="keep no residual"):
-        chunk_bwd(kda, *kda_inputs[:5], 0.4, torch.randn(kda_inputs[2].shape), None, kda_inputs[5], saved=torch.zeros(n))
+    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "0")
+    assert residual_size(p, inputs[0], inputs[2]) == 0
+    with pytest.raises(ValueError, match=KEEP_RESIDUAL_ENV):
+        chunk_bwd(p, *inputs[:5], 0.4, torch.randn(inputs[2].shape), None, inputs[5], saved=torch.zeros(n))
+    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "no")
+    with pytest.raises(ValueError, match=KEEP_RESIDUAL_ENV):
+        residual_size(p, inputs[0], inputs[2])
 
 
 def test_gdn_whole_row_backward_by_value_blocks_of_32():

@@ -107,22 +107,25 @@ def test_explain_counts_graph_breaks():
     assert "1 graph break(s)" in str(report)
 
 
-@pytest.mark.parametrize("kind,kept", [("gdn", True), ("kda", False)])
-def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, kept):
+@pytest.mark.parametrize("kind,kernel,kept", [("gdn", "chunk", True), ("kda", "chunk", True),
+                                              ("gdn", "fused_recurrent", False)])
+def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, kernel, kept):
     """laqat::delta_rule resolves to delta_rule_train (o, final state and the residual the kernel variant keeps for
-    its backward: the chunk kernels' T, A_qk and G for GDN, nothing for KDA) where an input needs a gradient, to
-    delta_rule_eval under no_grad; traced for autograd, the backward op takes the residual the forward kept."""
+    its backward: the chunk kernels' T, A_qk and G or P; nothing for the fused recurrent kernels) where an input
+    needs a gradient, to delta_rule_eval under no_grad; traced for autograd, the backward op takes the residual."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from la_compiler.kernels.chunk_codegen import ChunkParams
     from la_compiler.kernels.chunk_fwd import residual_size
 
     (q, k, v, g, beta, h0), _ = random_inputs(kind, T=5, H=1, HV=2, K=8, V=8, initial_state=True)
-    spec = RecurrenceSpec(kind=kind, kernel="chunk", chunk=8)
+    spec = RecurrenceSpec(kind=kind, kernel=kernel, chunk=8)
     o, ht, residual = torch.ops.laqat.delta_rule_train(q, k, v, g, beta, h0, None, 0.5, spec.to_string())
-    assert residual.dtype == torch.float32 and residual.numel() == residual_size(ChunkParams.from_spec(spec), q, v)
-    assert (residual.numel() > 0) == kept and torch.isfinite(residual).all()
-    call = _call(kind, kernel="chunk")
+    assert residual.dtype == torch.float32 and (residual.numel() > 0) == kept
+    assert kind == "kda" or torch.isfinite(residual).all()  # (KDA's P: blocks above the diagonal are not written)
+    if kept:
+        assert residual.numel() == residual_size(ChunkParams.from_spec(spec), q, v)
+    call = _call(kind, kernel=kernel)
 
     def step(q, k, v, g, beta, h0):
         o, ht = call(q, k, v, g, beta, h0, None)

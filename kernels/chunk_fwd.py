@@ -263,7 +263,8 @@ INTRA_SPLIT_ENV = "LAQAT_CHUNK_INTRA_SPLIT"
 def intra_split() -> bool:
     """LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels (chunk_<op>_fwd_kernel_solve: A, A_qk, T;
     chunk_<op>_fwd_kernel_wu: W, U from the stored T), FLA's split (its kkt_solve and recompute_w_u); the same
-    values, T through memory. Default 0 (one kernel): the split is unmeasured on a GPU (benchmarks compare both)."""
+    values, T through memory. Default 0 (one kernel): on the H200 the split was slower for GDN's exact and
+    FP8-state steps (4.76 -> 4.86 ms) and with factored scales (18.22 -> 18.46; docs/env-vars.md)."""
     text = os.environ.get(INTRA_SPLIT_ENV, "0")
     if text not in ("0", "1"):
         raise ValueError(f"{INTRA_SPLIT_ENV} must be 0 or 1, got {text!r}")

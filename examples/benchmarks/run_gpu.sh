@@ -340,7 +340,12 @@ for stage in $stages; do
     next12gdn) next12_gdn ;;
     next12kda) next12_kda ;;
     residual12) residual12_gdn; next12_kda ;;
-    final12)   final12 ;;  # the kept residual (GDN), then the KDA half of next12
+    final12)   final12 ;;
+    exact12)   # the all-FP8-sites exactness cases (GDN 11, KDA 12) on the default path (kept residual, factored
+               # scales), in parallel: each takes minutes of fp64 reference
+               OUT=$OUT/ieee11 timeout 420 python3 $B/chunk_bench.py --exactness-only --exact-cases 11 >"$OUT/e11.log" 2>&1 &
+               OUT=$OUT/ieee12 timeout 420 python3 $B/chunk_bench.py --exactness-only --exact-cases 12 >"$OUT/e12.log" 2>&1 &
+               wait; cat "$OUT/e11.log" "$OUT/e12.log" ;;  # the kept residual (GDN), then the KDA half of next12
     setup)     ;;
     final8)    OUT=$OUT/ieee timeout 200 python3 $B/chunk_bench.py --exactness-only --exact-cases 2,3 \
                  >"$OUT/exact_ieee.log" 2>&1 &

@@ -20,6 +20,7 @@ from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
                                              kda_splits_pair_grads)
 from la_compiler.kernels.chunk_fwd import check_inputs, chunk_fwd, chunk_layout, nan_fill, needs_int64_index, scratch
+from la_compiler.kernels.chunk_residual import keeps_everything
 from la_compiler.kernels.chunk_launch import (BWD_KEY_BLOCK_16BIT, BWD_KEY_BLOCK_ENV, GDN_BWD_KEY_BLOCK_16BIT,
                                             GDN_WHOLE_ROW_BWD_VALUE_BLOCK, KEY_BLOCK, cdiv, key_block, launch,
                                             launch_config, next_power_of_2)
@@ -77,7 +78,10 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
         split = kda_splits_pair_grads(p)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
             # dq's share goes into W's buffer (same shape), which nothing reads after the dh stage, where it is fp32
-            rest = [_fp32_or_new(parts["w"])] + [buffer((B, T, HV, K), f32, dev) for _ in range(2)]
+            # and not the forward's kept W (a second backward of the same graph reads that again)
+            own_w = saved is None or not keeps_everything()
+            rest = [_fp32_or_new(parts["w"]) if own_w else buffer((B, T, HV, K), f32, dev)] + [
+                buffer((B, T, HV, K), f32, dev) for _ in range(2)]
             dpair = buffer((B, T, HV, 2 * C), f32, dev)
         intra_out = (*rest[:2], dv, dbeta, rest[2], dpair) if split else (dq, dk, dv, dbeta, dg, dq)
         p_pairs = parts["p_pairs"] if split else t_solved  # unread unless split

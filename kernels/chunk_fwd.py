@@ -22,6 +22,7 @@ from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
 from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
+from la_compiler.kernels.chunk_residual import keeps_everything, residual_views
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_launch import (FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config,
                                             next_power_of_2)
@@ -101,53 +102,6 @@ def output_value_block(V: int, rounds_operands: bool) -> int:
     return min(64 if rounds_operands else 128, max(16, next_power_of_2(V)))
 
 
-KEEP_RESIDUAL_ENV = "LAQAT_CHUNK_KEEP_RESIDUAL"
-
-
-def keeps_residual(p: ChunkParams) -> bool:
-    """Whether a training forward keeps a residual for the backward (docs/kernels-chunk.md, "What the backward
-    recomputes and what it keeps"): T = (I + A)^-1 and A_qk, with G for GDN and KDA's pair products P (its
-    cumsum is recomputed), so the backward's recompute runs only the W / U half of the intra stage (KDA: after
-    the cumsum, and the NVFP4 pair amaxes) and the h stage. LAQAT_CHUNK_KEEP_RESIDUAL=0 keeps nothing (the backward
-    recomputes the pairs and the whole intra stage): 4 (2C + 1) bytes less per token and value head held between
-    forward and backward for GDN, 12 C for KDA."""
-    text = os.environ.get(KEEP_RESIDUAL_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{KEEP_RESIDUAL_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
-
-
-def _residual_rows(p: ChunkParams) -> int:
-    """fp32 elements kept per token and value head."""
-    return 2 * p.chunk + 1 if p.kind == "gdn" else 3 * p.chunk
-
-
-def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor) -> int:
-    """Elements of the fp32 buffer a training forward fills for the backward (0: nothing is kept), laid out as
-    ``residual_views``."""
-    if not keeps_residual(p):
-        return 0
-    B, T = q.shape[:2]
-    HV = v.shape[2]
-    return B * T * HV * _residual_rows(p)
-
-
-def residual_views(p: ChunkParams, residual: torch.Tensor, B: int, T: int, HV: int) -> dict:
-    """t_solved and A_qk [B, T, HV, C], then g_cum [B, T, HV] (GDN) or p_pairs [B, T, HV, C] (KDA), as views of
-    ``residual`` (each starts 16-element aligned: C is a multiple of 16)."""
-    if not keeps_residual(p):
-        raise ValueError(f"the chunk kernels keep no residual with {KEEP_RESIDUAL_ENV}=0")
-    C = p.chunk
-    n = B * T * HV
-    if residual.dtype != torch.float32 or residual.numel() != n * _residual_rows(p):
-        raise ValueError(f"residual must be fp32 with {n * _residual_rows(p)} elements for {p.kind} [B={B}, T={T}, "
-                         f"HV={HV}] at chunk {C}, got {residual.dtype} with {residual.numel()}")
-    views = dict(t_solved=residual[: n * C].view(B, T, HV, C), A_qk=residual[n * C: 2 * n * C].view(B, T, HV, C))
-    if p.kind == "gdn":
-        return dict(views, g_cum=residual[2 * n * C:].view(B, T, HV))
-    return dict(views, p_pairs=residual[2 * n * C:].view(B, T, HV, C))
-
-
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
               intermediates: dict | None = None, need_output: bool = True, save_to: torch.Tensor | None = None,
               saved: torch.Tensor | None = None):
@@ -159,11 +113,14 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
     the backward's input-gradient stage loads it instead of solving again.
-    ``save_to`` (a buffer of ``residual_size``): the forward also stores T, A_qk and G (GDN) or P (KDA) there for
-    the backward. ``saved`` (such a buffer, filled by a forward of the same inputs): the recompute loads them and
-    runs only the W / U half of the intra stage (KDA: after its cumsum, and the NVFP4 pair amaxes)."""
+    ``save_to`` (a buffer of ``chunk_residual.residual_size``): the forward also stores there what the backward
+    keeps (T, A_qk and G or P; with LAQAT_CHUNK_KEEP_RESIDUAL=all W, U, h, V_new too). ``saved`` (such a buffer,
+    filled by a forward of the same inputs): the recompute loads them and runs only the W / U half of the intra
+    stage and the h stage (KDA: after its cumsum), or (all) no kernel but KDA's NVFP4 pair amaxes."""
     if save_to is not None and saved is not None:
         raise ValueError("chunk_fwd takes save_to or saved, not both")
+    if saved is not None and need_output:
+        raise ValueError("chunk_fwd's saved is for the backward's recompute (need_output=False)")
     B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -183,14 +140,16 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     mid = intermediate_dtype(gemm, q.dtype)  # of W, U, h, V_new: the input dtype for 16-bit GEMMs
     buffer = functools.partial(scratch, fill=nan_fill())
     residual = saved if saved is not None else save_to
-    kept = residual_views(p, residual, B, T, HV) if residual is not None else {}
+    kept = residual_views(p, residual, q, v, cu_seqlens) if residual is not None else {}
+    rerun = saved is None or not keeps_everything()  # whether the intra (or W / U) and h stages run
     g_cum = kept["g_cum"] if "g_cum" in kept else buffer(g.shape, f32, dev)
-    w = buffer((B, T, HV, K), mid, dev)
-    u = buffer((B, T, HV, V), mid, dev)
+    w = kept["w"] if "w" in kept else buffer((B, T, HV, K), mid, dev)
+    u = kept["u"] if "u" in kept else buffer((B, T, HV, V), mid, dev)
     A_qk = kept["A_qk"] if kept else buffer((B, T, HV, C), f32, dev)
-    h = buffer((max(lay.NT, 1), HV, K, V), mid, dev)
-    v_new = buffer((B, T, HV, V), mid, dev)
-    kd = buffer((B, T, HV, K), mid, dev) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
+    h = kept["h"] if "h" in kept else buffer((max(lay.NT, 1), HV, K, V), mid, dev)
+    v_new = kept["v_new"] if "v_new" in kept else buffer((B, T, HV, V), mid, dev)
+    # K ⊙ exp(G_C - G), intra -> h
+    kd = (kept["kd"] if "kd" in kept else buffer((B, T, HV, K), mid, dev)) if p.kind == "kda" else None
     o = buffer((B, T, HV, V), q.dtype, dev) if need_output else None
     t_solved = kept["t_solved"] if kept else (
         buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None)
@@ -208,9 +167,10 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     nvfp4 = has_nvfp4_operands(p)
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
-        launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
-               g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
-               IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_cumsum", BKG, C))
+        if rerun:
+            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
+                   g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
+                   IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_cumsum", BKG, C))
         rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
         BKP = BK if rounded else BKG
         sub_grid = (chunks_per_row * (C // BC), heads)
@@ -224,7 +184,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                    H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                    DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
                    **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
-    if lay.NT:
+    if lay.NT and rerun:
         BK_intra = intra_key_block(p, BK, w_block)
         intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
                      **dict(common, BK=BK_intra))
@@ -242,10 +202,11 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
             launch(kernels["intra"], (chunks_per_row, heads),
                    q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
                    STORE_T=t_solved is not None, **intra)
-    launch(kernels["h"], (cdiv(V, BV_h), N * HV),
-           k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
-           BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
-           config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4), **common)
+    if rerun:
+        launch(kernels["h"], (cdiv(V, BV_h), N * HV),
+               k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
+               BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
+               config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4), **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
         launch(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
@@ -254,7 +215,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)
-    return o, ht
+    return o, (ht if rerun else None)
 
 
 INTRA_SPLIT_ENV = "LAQAT_CHUNK_INTRA_SPLIT"

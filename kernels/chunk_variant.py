@@ -11,7 +11,8 @@ import functools
 
 from la_compiler.kernels.chunk_bwd import chunk_bwd
 from la_compiler.kernels.chunk_codegen import ChunkParams
-from la_compiler.kernels.chunk_fwd import chunk_fwd, residual_size
+from la_compiler.kernels.chunk_fwd import chunk_fwd
+from la_compiler.kernels.chunk_residual import residual_size
 from la_compiler.kernels.registry import register_variant, spec_of
 
 
@@ -29,8 +30,8 @@ def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do,
     return chunk_bwd(_params(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=saved)
 
 
-def chunk_residual_size(spec, q, v) -> int:
-    return residual_size(_params(spec_of(spec)), q, v)
+def chunk_residual_size(spec, q, v, cu_seqlens) -> int:
+    return residual_size(_params(spec_of(spec)), q, v, cu_seqlens)
 
 
 register_variant(

@@ -8,7 +8,7 @@ IR's canonical inputs and the parsed spec; the kernel-selection table
     backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht)
         -> (dq, dk, dv, dg, dbeta, dh0 or None)
 
-A variant that keeps work for its backward also gives ``residual_size(spec, q, v) -> int`` (elements
+A variant that keeps work for its backward also gives ``residual_size(spec, q, v, cu_seqlens) -> int`` (elements
 of an fp32 buffer; 0 where a spec keeps nothing); its forward then takes ``save_to=`` (the buffer to
 fill) and its backward ``saved=`` (the filled buffer). Training graphs call it through
 ``laqat::delta_rule_train`` (``ir.py``).
@@ -29,9 +29,9 @@ class KernelVariant:
     description: str
     residual_size: Callable | None = None
 
-    def residual_numel(self, spec, q, v) -> int:
+    def residual_numel(self, spec, q, v, cu_seqlens) -> int:
         """Elements of the fp32 residual its forward keeps for its backward (0: none)."""
-        return 0 if self.residual_size is None else self.residual_size(spec, q, v)
+        return 0 if self.residual_size is None else self.residual_size(spec, q, v, cu_seqlens)
 
 
 _VARIANTS: dict[str, KernelVariant] = {}

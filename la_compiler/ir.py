@@ -115,7 +115,7 @@ def delta_rule_train(
     it keeps nothing; kernels/registry.py)."""
     parsed = RecurrenceSpec.parse(spec)
     variant = _variant_for(parsed, q, v)
-    size = variant.residual_numel(parsed, q, v)
+    size = variant.residual_numel(parsed, q, v, cu_seqlens)
     if not size:
         o, ht = variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale)
         return o, ht, _no_residual(q)
@@ -163,7 +163,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
 @delta_rule_train.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
     parsed = RecurrenceSpec.parse(spec)
-    size = _variant_for(parsed, q, v).residual_numel(parsed, q, v)
+    size = _variant_for(parsed, q, v).residual_numel(parsed, q, v, cu_seqlens)
     return (*empty_outputs(q, v, cu_seqlens, spec), q.new_empty((size,), dtype=torch.float32))
 
 

@@ -41,7 +41,8 @@ from triton.testing import do_bench  # noqa: E402
 import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
 from la_compiler.kernels.chunk_bwd import chunk_bwd  # noqa: E402
 from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported  # noqa: E402
-from la_compiler.kernels.chunk_fwd import chunk_fwd, residual_size  # noqa: E402
+from la_compiler.kernels.chunk_fwd import chunk_fwd  # noqa: E402
+from la_compiler.kernels.chunk_residual import residual_size  # noqa: E402
 from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference  # noqa: E402
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
 
@@ -79,6 +80,10 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat exact (no residual)": {},
     "laqat FP8 state (no residual)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (no residual)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
+    # LAQAT_CHUNK_KEEP_RESIDUAL=all: the forward keeps W, U, h, V_new too; the backward runs no forward kernel
+    "laqat exact (keep all)": {},
+    "laqat FP8 state (keep all)": {"state": "fp8_e4m3/tile64"},
+    "laqat FP8 all sites (keep all)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
 }
 ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
     "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
@@ -101,6 +106,9 @@ ENVIRONMENTS = {  # rows that time the same spec under another code-generation /
     "laqat exact (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
     "laqat FP8 state (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
     "laqat FP8 all sites (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
+    "laqat exact (keep all)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "all"},
+    "laqat FP8 state (keep all)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "all"},
+    "laqat FP8 all sites (keep all)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "all"},
 }
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
@@ -146,7 +154,7 @@ def exactness(c, device="cuda") -> dict:
     params = ChunkParams.from_spec(spec)
     scale = c["K"] ** -0.5
     # the training path: what the forward keeps for the backward (GDN's T, A_qk, G), NaN-filled before it runs
-    size = residual_size(params, q, v)
+    size = residual_size(params, q, v, cu)
     kept = torch.full((size,), float("nan"), device=device) if size else None
     o, ht = chunk_fwd(params, q, k, v, g, beta, scale, h0, cu, save_to=kept)
     do, dht = torch.randn_like(o), torch.randn_like(ht)

@@ -71,6 +71,7 @@
 #             [8,4096,16,128] (exact, FP8 state, FP8 all sites under each setting; kernels split)
 #   residual12  GDN's kept residual (exactness cases 0, 1, 11 on that path; rows with and without it), then next12kda
 #   final12   KDA's kept residual (exactness cases 2, 3, 12; rows with and without it), then the GDN table
+#   next13    LAQAT_CHUNK_KEEP_RESIDUAL=all against the default residual (exactness cases 1, 3; both kinds' rows)
 #   setup     nothing but the set-up above (wheels, caches, laqat installed): for scratch scripts run after it
 #   allsites  KDA's FP8 all-sites / NVFP4 rows at the two large shapes (kernels split, autotuned row; E4M3 arithmetic row)
 #   rounded   KDA's FP8 all-sites / NVFP4 rows at the two large shapes, kernels split
@@ -153,6 +154,19 @@ laqat FP8 all sites (no residual),laqat NVFP4 operands" --profile "laqat exact,l
   OUT=$OUT/gdn timeout 180 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
     --lift-fla-gdn-guard --no-emulation-above 0 \
     --policies "laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands" --profile "laqat FP8 state"
+}
+# For the next session: LAQAT_CHUNK_KEEP_RESIDUAL=all (the backward runs no forward kernel) against the default
+# residual, both kinds at [8,4096,16,128], with exactness cases 1 and 3 under it; then `gdn kda` (every shape and
+# policy, the emulation where it fits) is the table the issue asks for
+next13() {
+  [ -n "${SKIP_EXACT:-}" ] || OUT=$OUT/ieee LAQAT_CHUNK_KEEP_RESIDUAL=all timeout 150 python3 $B/chunk_bench.py \
+    --exactness-only --exact-cases 1,3
+  OUT=$OUT/gdn13 timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds gdn --shapes 8x4096x16x128 \
+    --lift-fla-gdn-guard --no-emulation-above 0 --policies "laqat exact,laqat exact (keep all),laqat FP8 state,\
+laqat FP8 state (keep all),laqat FP8 all sites,laqat FP8 all sites (keep all)" --profile "laqat exact (keep all)"
+  OUT=$OUT/kda13 timeout 200 python3 $B/chunk_bench.py --skip-exactness --kinds kda --shapes 8x4096x16x128 \
+    --no-emulation-above 0 --policies "laqat exact,laqat exact (keep all),laqat FP8 all sites,\
+laqat FP8 all sites (keep all)" --profile "laqat exact (keep all)"
 }
 stages=${*:-exact gdn train decode}
 for stage in $stages; do
@@ -341,6 +355,7 @@ for stage in $stages; do
     next12kda) next12_kda ;;
     residual12) residual12_gdn; next12_kda ;;
     final12)   final12 ;;
+    next13)    next13 ;;
     exact12)   # the all-FP8-sites exactness cases (GDN 11, KDA 12) on the default path (kept residual, factored
                # scales), in parallel: each takes minutes of fp64 reference
                OUT=$OUT/ieee11 timeout 420 python3 $B/chunk_bench.py --exactness-only --exact-cases 11 >"$OUT/e11.log" 2>&1 &

@@ -116,7 +116,7 @@ def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, ker
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from la_compiler.kernels.chunk_codegen import ChunkParams
-    from la_compiler.kernels.chunk_fwd import residual_size
+    from la_compiler.kernels.chunk_residual import residual_size
 
     (q, k, v, g, beta, h0), _ = random_inputs(kind, T=5, H=1, HV=2, K=8, V=8, initial_state=True)
     spec = RecurrenceSpec(kind=kind, kernel=kernel, chunk=8)
@@ -124,7 +124,7 @@ def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, ker
     assert residual.dtype == torch.float32 and (residual.numel() > 0) == kept
     assert kind == "kda" or torch.isfinite(residual).all()  # (KDA's P: blocks above the diagonal are not written)
     if kept:
-        assert residual.numel() == residual_size(ChunkParams.from_spec(spec), q, v)
+        assert residual.numel() == residual_size(ChunkParams.from_spec(spec), q, v, None)
     call = _call(kind, kernel=kernel)
 
     def step(q, k, v, g, beta, h0):
@@ -158,3 +158,28 @@ def test_activation_checkpointing_recomputes_the_residual(kind):
     for run in (lambda *xs: checkpoint(loss, *xs, use_reentrant=False), compiled):
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), torch.autograd.grad(run(*xs), xs), want):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_keeping_everything_through_the_compiled_op(monkeypatch, kind):
+    """LAQAT_CHUNK_KEEP_RESIDUAL=all through the op compiled by laqat (Inductor checks every output's size against
+    the fake's), varlen: the residual's varlen bound is the same at trace and run time, and every gradient equals
+    the compiled default's, bit for bit."""
+    from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV
+
+    xs, cu = random_inputs(kind, T=13, H=1, HV=2, K=8, V=8, initial_state=True, cu_seqlens=[0, 5, 13])
+    call = _call(kind, kernel="chunk")
+
+    def loss(*xs):
+        o, ht = call(*xs, cu)
+        return (o * o).sum() + ht.sum()
+
+    def compiled_grads():
+        torch._dynamo.reset()  # the setting is read when the op is traced: a fresh compilation for each
+        return torch.autograd.grad(torch.compile(loss, backend="laqat", fullgraph=True)(*xs), xs)
+
+    want = compiled_grads()
+    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "all")
+    got = compiled_grads()
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -1,0 +1,115 @@
+"""What a training forward of the chunk kernels keeps for its backward (kernels/chunk_residual.py): the backward
+from the kept residual computes what the backward that recomputes everything computes, bit for bit (interpreter)."""
+import pytest
+import torch
+
+from la_compiler.kernels.chunk_bwd import chunk_bwd
+from la_compiler.kernels.chunk_codegen import ChunkParams
+from la_compiler.kernels.chunk_fwd import chunk_fwd
+from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
+from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV, residual_layout, residual_size, residual_views
+from la_compiler.spec import RecurrenceSpec
+from tests.helpers import rel_l2
+from tests.kernels.chunk_inputs import grads_of
+from tests.kernels.test_chunk_kernels import ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, QDQ_TOL, _case
+
+NVFP4_PAIRS = {f"{site}.{side}": "nvfp4/block16" for site in ("key_interaction", "output_score")
+               for side in ("lhs", "rhs")}
+
+
+@pytest.mark.parametrize("mode", ["1", "all"])
+@pytest.mark.parametrize("kind,varlen,quant,extra", [
+    ("gdn", True, {}, {}),
+    ("gdn", False, ALL_FP8, {}),
+    ("gdn", True, {"state": "int8/tile16", "w": "fp8_e4m3/row"}, {}),
+    ("gdn", False, {}, dict(solve="neumann", degree=2)),
+    ("kda", True, {}, {}),
+    ("kda", False, ALL_FP8, {}),
+    ("kda", False, NVFP4_PAIRS, dict(chunk=16)),
+])
+def test_backward_from_the_kept_residual(monkeypatch, mode, kind, varlen, quant, extra):
+    """A training forward keeps T, A_qk and G (GDN) or P (KDA), with LAQAT_CHUNK_KEEP_RESIDUAL=all also W, U, h,
+    V_new (KDA: G, kd) (chunk_fwd's save_to); the backward's recompute loads them and runs only the W / U and h
+    kernels, or none: the same outputs and every gradient as the forward and backward without it, bit for bit,
+    a second backward from the same residual too (retain_graph), and against fp64 autograd; every kept part (NaN-filled before) holds what the recompute computes, wherever
+    that is written."""
+    monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
+    inputs, cu = _case(kind, varlen, "kv", K=16, V=16)
+    spec = RecurrenceSpec(kind=kind, **{"chunk": 8, **extra}).replace(quant=quant)
+    p = ChunkParams.from_spec(spec)
+    q, v = inputs[0], inputs[2]
+    do, dht = torch.randn(v.shape), torch.randn(inputs[5].shape)
+    residual = torch.full((residual_size(p, q, v, cu),), float("nan"))
+    names = {part.name for part in residual_layout(p, q, v, cu)[0]}
+    assert names >= {"t_solved", "A_qk", "g_cum" if kind == "gdn" else "p_pairs"}
+    assert (mode == "all") == (names >= {"w", "u", "h", "v_new"})
+    kept = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, save_to=residual),
+            *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual)]
+    parts = {}
+    plain = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, intermediates=parts),
+             *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)]
+    again = chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual)  # the backward leaves it as it was
+    for a, b in zip(kept + list(again), plain + plain[2:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    views = residual_views(p, residual, q, v, cu)
+    assert torch.isfinite(views["t_solved"]).all() and torch.isfinite(views["A_qk"]).all()
+    for name, view in views.items():  # KDA's P: the sub-chunk blocks above the diagonal are never written
+        if parts[name] is None:  # (the Neumann solve's recompute keeps no T)
+            continue
+        # h: the recompute's chunk-start states are the first of a varlen batch's bound
+        view = view[: parts[name].shape[0]] if name == "h" else view
+        torch.testing.assert_close(view, parts[name], rtol=0, atol=0, equal_nan=True, msg=name)
+    x64 = [x.double().requires_grad_() for x in inputs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
+    tol = ALL_SITES_TOL if quant is ALL_FP8 else QDQ_TOL if quant else EXACT_TOL
+    assert rel_l2(kept[0], o64) <= tol
+    for name, a, b in zip(GRAD_NAMES, kept[2:], want):
+        assert rel_l2(a, b) <= tol, name
+
+
+def test_bf16_parts_share_the_fp32_buffer(monkeypatch):
+    """With 16-bit GEMMs W, U, h, V_new are kept in the input dtype: views of the fp32 buffer reinterpreted, each
+    starting aligned, none overlapping, the buffer no larger than their sum (aligned)."""
+    p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=16))
+    q = torch.randn(1, 40, 2, 16, dtype=torch.bfloat16)
+    v = torch.randn(1, 40, 4, 32, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 7, 40])
+    parts, size = residual_layout(p, q, v, cu, mode="all")
+    by_name = {part.name: part for part in parts}
+    assert by_name["w"].dtype == torch.bfloat16 and by_name["t_solved"].dtype == torch.float32
+    assert by_name["h"].shape == (5, 4, 16, 32)  # ceil(40 / 16) + 2 sequences: a bound of the chunks (here 1 + 3)
+    ends = 0
+    for part in parts:
+        assert part.offset % 16 == 0 and part.offset >= ends
+        ends = part.offset + part.fp32_elements()
+    assert size - ends < 16
+    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "all")
+    views = residual_views(p, torch.zeros(size), q, v, cu)
+    assert views["w"].dtype == torch.bfloat16 and views["w"].shape == (1, 40, 4, 16)
+
+
+def test_kept_residual_is_checked(monkeypatch):
+    """A residual of the wrong size or dtype, one read under another LAQAT_CHUNK_KEEP_RESIDUAL than it was written
+    with, or one passed with LAQAT_CHUNK_KEEP_RESIDUAL=0, is refused by name; so is a bad value of the variable,
+    and saved with need_output."""
+    inputs, _ = _case("gdn", False, "kv")
+    q, v = inputs[0], inputs[2]
+    p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8))
+    n = residual_size(p, q, v)
+    rows = q.shape[0] * q.shape[1] * v.shape[2]
+    assert n == 2 * (-(-rows * 8 // 16) * 16) + -(-rows // 16) * 16  # T, A_qk, G, each aligned to 16 elements
+    for bad in (torch.zeros(n - 1), torch.zeros(n, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="residual"):
+            chunk_fwd(p, *inputs[:5], 0.4, inputs[5], save_to=bad)
+    with pytest.raises(ValueError, match="need_output"):
+        chunk_fwd(p, *inputs[:5], 0.4, inputs[5], saved=torch.zeros(n))
+    do = torch.randn(v.shape)
+    for mode in ("all", "0"):
+        monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
+        with pytest.raises(ValueError, match=KEEP_RESIDUAL_ENV):
+            chunk_bwd(p, *inputs[:5], 0.4, do, None, inputs[5], saved=torch.zeros(n))
+    assert residual_size(p, q, v) == 0
+    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "no")
+    with pytest.raises(ValueError, match=KEEP_RESIDUAL_ENV):
+        residual_size(p, q, v)

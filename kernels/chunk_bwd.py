@@ -32,7 +32,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
               saved: torch.Tensor | None = None):
     """Returns (dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype (dh0 in h0's). ``saved``: the
     residual a training forward of the same inputs filled (chunk_fwd's ``save_to``), so the recompute skips the
-    solve."""
+    pairs and the solve (LAQAT_CHUNK_KEEP_RESIDUAL=all: every forward kernel)."""
     B, T, H, K, HV, V, N, state_shape = check_inputs(p, q, k, v, g, beta, initial_state, cu_seqlens)
     if tuple(do.shape) != (B, T, HV, V):
         raise ValueError(f"do must be {(B, T, HV, V)}, got {tuple(do.shape)}")

@@ -142,18 +142,21 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     residual = saved if saved is not None else save_to
     kept = residual_views(p, residual, q, v, cu_seqlens) if residual is not None else {}
     rerun = saved is None or not keeps_everything()  # whether the intra (or W / U) and h stages run
-    g_cum = kept["g_cum"] if "g_cum" in kept else buffer(g.shape, f32, dev)
-    w = kept["w"] if "w" in kept else buffer((B, T, HV, K), mid, dev)
-    u = kept["u"] if "u" in kept else buffer((B, T, HV, V), mid, dev)
-    A_qk = kept["A_qk"] if kept else buffer((B, T, HV, C), f32, dev)
-    h = kept["h"] if "h" in kept else buffer((max(lay.NT, 1), HV, K, V), mid, dev)
-    v_new = kept["v_new"] if "v_new" in kept else buffer((B, T, HV, V), mid, dev)
-    # K ⊙ exp(G_C - G), intra -> h
-    kd = (kept["kd"] if "kd" in kept else buffer((B, T, HV, K), mid, dev)) if p.kind == "kda" else None
+
+    def take(name, shape, dtype):  # the kept part of that name, else a scratch buffer
+        return kept[name] if name in kept else buffer(shape, dtype, dev)
+
+    g_cum = take("g_cum", g.shape, f32)
+    w = take("w", (B, T, HV, K), mid)
+    u = take("u", (B, T, HV, V), mid)
+    A_qk = take("A_qk", (B, T, HV, C), f32)
+    h = take("h", (max(lay.NT, 1), HV, K, V), mid)
+    v_new = take("v_new", (B, T, HV, V), mid)
+    kd = take("kd", (B, T, HV, K), mid) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
     o = buffer((B, T, HV, V), q.dtype, dev) if need_output else None
-    t_solved = kept["t_solved"] if kept else (
-        buffer((B, T, HV, C), f32, dev) if intermediates is not None and p.solve == "exact" else None)
-    p_pairs = kept["p_pairs"] if "p_pairs" in kept else buffer((B, T, HV, C), f32, dev) if kda_pairs_kernel(p) else None
+    keep_t = kept or (intermediates is not None and p.solve == "exact")
+    t_solved = take("t_solved", (B, T, HV, C), f32) if keep_t else None
+    p_pairs = take("p_pairs", (B, T, HV, C), f32) if kda_pairs_kernel(p) else None
     chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
     heads = HV * (1 if cu_seqlens is not None else B)
     BC = p.sub_chunk

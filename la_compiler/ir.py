@@ -63,9 +63,11 @@ def _variant_for(spec: RecurrenceSpec, q: Tensor, v: Tensor):
     return get_variant(name)
 
 
+# the arguments of every forward op (one schema: the composite node and the two ops it resolves to)
+_FORWARD_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, Tensor? cu_seqlens, "
+                 "float scale, str spec)")
 _LIB = torch.library.Library("laqat", "FRAGMENT")
-_LIB.define("delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
-            "Tensor? cu_seqlens, float scale, str spec) -> (Tensor, Tensor)")
+_LIB.define(f"delta_rule{_FORWARD_ARGS} -> (Tensor, Tensor)")
 
 
 def delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
@@ -82,43 +84,22 @@ def delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
 _LIB.impl("delta_rule", delta_rule, "CompositeImplicitAutograd")
 
 
-@torch.library.custom_op("laqat::delta_rule_eval", mutates_args=())
-def delta_rule_eval(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    scale: float,
-    spec: str,
-) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("laqat::delta_rule_eval", mutates_args=(), schema=f"{_FORWARD_ARGS} -> (Tensor, Tensor)")
+def delta_rule_eval(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
     parsed = RecurrenceSpec.parse(spec)
-    o, ht = _variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale)
-    return o, ht
+    return tuple(_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale))
 
 
-@torch.library.custom_op("laqat::delta_rule_train", mutates_args=())
-def delta_rule_train(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    scale: float,
-    spec: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op("laqat::delta_rule_train", mutates_args=(),
+                         schema=f"{_FORWARD_ARGS} -> (Tensor, Tensor, Tensor)")
+def delta_rule_train(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
     """(o, final_state, residual): the residual is the fp32 buffer the variant keeps for its backward (empty where
     it keeps nothing; kernels/registry.py)."""
     parsed = RecurrenceSpec.parse(spec)
     variant = _variant_for(parsed, q, v)
     size = variant.residual_numel(parsed, q, v, cu_seqlens)
     if not size:
-        o, ht = variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale)
-        return o, ht, _no_residual(q)
+        return (*variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale), _no_residual(q))
     residual = torch.empty((size,), dtype=torch.float32, device=q.device)
     o, ht = variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=residual)
     return o, ht, residual

@@ -114,6 +114,14 @@ def source_of(obj) -> str:
     return path_of(obj).read_text()
 
 
+def paths_of_spec(spec) -> dict[str, Path]:
+    """The cached file of every generated module a spec runs, by what it holds ("forward", "backward" for
+    the chunk family; one "forward and backward" module for the others): what ``laqat source`` prints."""
+    from la_compiler.kernels.codegen import generated_modules_for_spec
+
+    return {role: Path(module.__file__) for role, module in generated_modules_for_spec(spec).items()}
+
+
 def loaded_modules() -> dict[str, ModuleType]:
     """Every generated module loaded in this process, by cache key."""
     return dict(_LOADED)

@@ -181,9 +181,22 @@ def _chunk_family(spec):
 
 
 def generated_module_for_spec(spec: RecurrenceSpec | str) -> ModuleType:
-    """The generated module that runs ``spec`` (its ``kernel=`` names the family)."""
+    """The generated module that runs ``spec`` (its ``kernel=`` names the family); for the chunk family its
+    forward stages (every module: ``generated_modules_for_spec``)."""
     spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
     if spec.kernel not in FAMILIES:
         raise CodegenError(f"spec kernel={spec.kernel!r} is not a generated kernel family; "
                            f"generated families: {sorted(FAMILIES)}")
     return FAMILIES[spec.kernel](spec)
+
+
+def generated_modules_for_spec(spec: RecurrenceSpec | str) -> dict[str, ModuleType]:
+    """Every generated module that runs ``spec``, by what it holds: the chunk family generates its forward and
+    its backward stages as two modules, the other families one module with both directions."""
+    spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
+    module = generated_module_for_spec(spec)
+    if spec.kernel != "chunk":
+        return {"forward and backward": module}
+    from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_bwd_module
+
+    return {"forward": module, "backward": chunk_bwd_module(ChunkParams.from_spec(spec))}

@@ -1,7 +1,8 @@
-"""The ``laqat`` command line: look at specs, kernel variants and the selection table.
+"""The ``laqat`` command line: look at specs, kernel variants, the selection table and generated kernels.
 
     laqat spec 'gdn[src=fla; state=kv; q.state=fp8_e4m3/tile64]'
     laqat kernels
+    laqat source 'gdn[src=fla; state=kv; kernel=chunk; q.state=fp8_e4m3/tile64]' [--paths]
 """
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def _cmd_kernels(args) -> int:
     return 0
 
 
+def _cmd_source(args) -> int:
+    from la_compiler.kernels.cache import paths_of_spec
+    from la_compiler.kernels.codegen import CodegenError
+
+    try:
+        paths = paths_of_spec(args.spec)
+    except (CodegenError, ValueError) as e:
+        print(f"laqat source: {e}", file=sys.stderr)
+        return 2
+    for role, path in paths.items():
+        if args.paths:
+            print(f"{role}: {path}")
+        else:
+            print(f"# ---- {role}: {path}\n{path.read_text()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laqat", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_spec)
     p = sub.add_parser("kernels", help="list kernel variants and the selection table")
     p.set_defaults(fn=_cmd_kernels)
+    p = sub.add_parser("source", help="generate (or find in the cache) the Triton kernels a spec runs and print them")
+    p.add_argument("spec", help="a spec string whose kernel= names a generated family (chunk, fused_recurrent, "
+                                "decode_fused)")
+    p.add_argument("--paths", action="store_true", help="print only the cached files, one per module")
+    p.set_defaults(fn=_cmd_source)
     args = parser.parse_args(argv)
     return args.fn(args)
 

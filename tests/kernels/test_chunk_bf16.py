@@ -168,3 +168,41 @@ def test_gdn_bf16_backward_by_key_blocks(monkeypatch, key_block):
     x64 = [x.double().requires_grad_() for x in xs]
     o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.3, initial_state=x64[5], cu_seqlens=cu)
     _assert_gradients(p, xs, x64, (o64, ht64), 0.3, cu, FLA_TOL)
+
+
+INT8_STATE = {"state": "int8/tile16"}
+ALL_FP8 = {**{f"{s}.{side}": "fp8_e4m3/row" for s in ("key_interaction", "wy_value", "wy_key", "state_read",
+                                                       "state_update", "output_state", "output_score", "output_value")
+              for side in ("lhs", "rhs") if f"{s}.{side}" != "state_read.lhs"},
+           "state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"}
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("quant", [INT8_STATE, ALL_FP8], ids=["int8_state", "all_fp8_sites"])
+def test_bf16_inputs_with_rounding(kind, quant):
+    """bf16 inputs with an INT8 state (16-bit GEMMs) and with every FP8 site (fp32 GEMM operands, the forward's
+    two-sided products factored into grid values): against the fp64 reference that rounds at the same sites,
+    on a packed batch with an empty sequence and grouped value heads. bf16 noise moves rounded elements
+    across grid boundaries: the final state's flips are counted as in the FP8-state test, and outputs and
+    gradients get twice FLA's bar (INT8 state) or the all-sites bar of the fp32 tests (2e-2, with sixteen
+    sites rounding)."""
+    xs, cu = _inputs(kind, True)
+    spec = RecurrenceSpec(kind=kind, chunk=16).replace(quant=quant)
+    p = ChunkParams.from_spec(spec)
+    o, ht = chunk_fwd(p, *xs[:5], 0.4, xs[5], cu)
+    x64 = [x.double().requires_grad_() for x in xs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    bar = 2e-2 if quant is ALL_FP8 else None
+    tol = {name: max(t * FLIPS_FACTOR, bar or 0) for name, t in FLA_TOL.items()}
+    print(f"{kind} {sorted(quant)[:2]}: o {rel_l2(o, o64):.1e}, state flips {_state_flips(ht, ht64):.3f}")
+    assert o.dtype == torch.bfloat16 and rel_l2(o, o64) <= tol["o"]
+    assert _state_flips(ht, ht64) <= MAX_STATE_FLIP_FRACTION
+    if quant is ALL_FP8:  # closer to the rounding reference than to exact numerics
+        exact, _ = chunk_delta_rule_reference(*[x.double() for x in xs[:5]], spec=RecurrenceSpec(kind=kind, chunk=16),
+                                              scale=0.4, initial_state=xs[5].double(), cu_seqlens=cu)
+        assert rel_l2(o, exact) > 2 * rel_l2(o, o64)
+    else:  # an INT8 step moves o less than bf16 noise does: the final state must sit on its INT8 grid instead
+        tiles = ht.unflatten(-1, (-1, 16))  # [N, HV, K, V / 16, 16]: one scale per [K x 16] tile
+        steps = tiles / (tiles.abs().amax((-3, -1), keepdim=True) / 127)
+        assert (steps - steps.round()).abs().max() < 1e-3
+    _assert_gradients(p, xs, x64, (o64, ht64), 0.4, cu, tol)

@@ -213,6 +213,7 @@ def test_accumulator_emulation_forward_and_backward(kind, acc):
     ("gdn", False, "kv", {}),
     ("kda", True, "vk", {}),
     ("gdn", True, "kv", dict(solve="neumann", degree=2)),
+    ("kda", True, "kv", dict(solve="neumann", degree=2)),  # exact pair products: their gradients in the intra kernel
 ])
 def test_backward_exact(kind, varlen, state, extra):
     """Every gradient (dq, dk, dv, dg, dbeta, dh0) of the Triton backward against fp64 autograd."""
@@ -353,6 +354,38 @@ def test_head_k_256(kind):
         rounded = RecurrenceSpec(kind="gdn", chunk=8).replace(quant={"key_interaction.lhs": "fp8_e4m3/row"})
         with pytest.raises(ValueError, match="GDN's backward with a rounded pair product"):
             chunk_fwd(ChunkParams.from_spec(rounded), q, k, v, g, beta, 0.4)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_head_v_256(kind):
+    """V = 256 (the issue's largest value head): several value blocks per head in every stage (64 columns in
+    the intra, h and dh stages and the backward's value loops, 128 in the o stage); INT8 state tiles of 64
+    along V. Forward and every gradient against fp64."""
+    inputs = make_inputs(kind, B=1, T=11, H=1, HV=2, K=16, V=256, dtype=torch.float32)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "int8/tile64"})
+    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, None)
+    assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    _assert_backward_matches(spec, inputs, None, QDQ_TOL)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_hadamard_state_codec_forward_and_backward(kind):
+    """q.state=int8_h32/tile32 (INT8 after a Hadamard-32 rotation along V, then back): the chunk-start states
+    element for element (flips counted), outputs, final state and every gradient (identity STE through the
+    codec), varlen with an empty sequence, grouped value heads, two 32-wide state tiles."""
+    inputs, cu = _case(kind, True, "kv", K=16, V=64)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "int8_h32/tile32"})
+    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
+    _, h, active = _kernel_chunks(parts, ref, inputs, cu, 8)
+    h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]
+    h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
+    print(f"{kind} int8_h32 state: flips {h_flips}/{h_sel.numel()}")
+    assert h_flips <= MAX_FLIP_FRACTION * h_sel.numel()
+    assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
+    o_exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
+                                            initial_state=inputs[5], cu_seqlens=cu)
+    assert rel_l2(o, o_exact) > 10 * rel_l2(o, o_ref)
+    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
 
 
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])

@@ -98,3 +98,28 @@ def test_params_are_validated():
         FusedRecurrentParams("gla", "kv")
     with pytest.raises(CodegenError, match="state layout"):
         FusedRecurrentParams("gdn", "kk")
+
+
+def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsys):
+    """The chunk family's forward and backward stages are two modules: both reachable from the spec, both
+    printed by ``laqat source``; a spec the kernels cannot run is refused by name."""
+    from la_compiler.cli import main
+    from la_compiler.kernels.codegen import generated_modules_for_spec
+
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    spec = "kda[src=user; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=chunk; " \
+           "q.state=int8/tile32]"
+    modules = generated_modules_for_spec(spec)
+    assert list(modules) == ["forward", "backward"]
+    assert hasattr(modules["forward"], "chunk_kda_fwd_kernel_h") and hasattr(modules["backward"], "chunk_kda_bwd_kernel_dh")
+    paths = cache.paths_of_spec(spec)
+    assert all(path.is_relative_to(tmp_path) for path in paths.values())
+    assert main(["source", spec, "--paths"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{role}: {path}" for role, path in paths.items()]
+    assert main(["source", spec]) == 0
+    out = capsys.readouterr().out
+    assert "def chunk_kda_fwd_kernel_h" in out and "def chunk_kda_bwd_kernel_dh" in out
+    assert all(str(path) in out for path in paths.values())
+    assert list(cache.paths_of_spec(SPEC.format(kind="gdn", state="kv"))) == ["forward and backward"]
+    assert main(["source", spec.replace("q.state=int8/tile32", "q.state=int8/row")]) == 2
+    assert "q.state=int8/row" in capsys.readouterr().err

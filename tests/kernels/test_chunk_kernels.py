@@ -195,6 +195,7 @@ def test_unfactored_scales_forward(monkeypatch, kind, fmt):
     ("gdn", {site: "bf16:4" for site in ("key_interaction", "wy_value", "wy_key", "state_read", "state_update",
                                           "output_state", "output_score", "output_value")}),
     ("kda", {"key_interaction": "fp16:4", "output_value": "fp16:4", "state_update": "fp16:4"}),
+    ("kda", {site: "bf16:4" for site in ("wy_value", "wy_key", "state_read", "output_state", "output_score")}),
 ])
 def test_accumulator_emulation_forward_and_backward(kind, acc):
     """acc.<site>: the products accumulated block by block in fp16/bf16 (rounded after every block's add),

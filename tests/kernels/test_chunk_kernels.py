@@ -131,17 +131,20 @@ OPERAND_SITES = [f"{s}.{side}" for s in ("key_interaction", "wy_value", "wy_key"
                                          "output_state", "output_score", "output_value") for side in ("lhs", "rhs")]
 
 
-@pytest.mark.parametrize("kind,fmt,C", [  # int8/row operands: test_qdq_forward_rounds_like_the_reference
-    ("gdn", "fp8_e4m3/row", 8), ("kda", "fp8_e4m3/row", 8), ("gdn", "nvfp4/block16", 16), ("kda", "nvfp4/block16", 16),
+@pytest.mark.parametrize("kind,fmt,C,varlen", [  # int8/row operands: test_qdq_forward_rounds_like_the_reference
+    ("gdn", "fp8_e4m3/row", 8, True), ("kda", "fp8_e4m3/row", 8, False), ("kda", "fp8_e4m3/row", 8, True),
+    ("gdn", "nvfp4/block16", 16, True), ("kda", "nvfp4/block16", 16, False),
 ])
-def test_operand_sites_forward_and_backward(kind, fmt, C):
+def test_operand_sites_forward_and_backward(kind, fmt, C, varlen):
     """All eight GEMM operand sites (+ state and W; KDA: per-pair rounding of its pairwise operands; NVFP4:
     global amax over each operand tile, all of V for value-spanning operands): QDQ'd W and h and the
     output_score product A_qk element for element (flips counted), outputs, and every gradient (identity STE: the products' other operands are the
     rounded ones)."""
-    if kind == "gdn":  # NVFP4: V = 32 makes the h stage hold two [K x 16] state tiles in its all-V tile
+    if varlen:  # GDN with NVFP4: V = 32 makes the h stage hold two [K x 16] state tiles in its all-V tile
         inputs, cu = _case(kind, True, "kv", K=16, V=32 if fmt.startswith("nvfp4") else 16)
     else:  # KDA's rounded pairwise operands run column by column: a shorter sequence keeps the interpreter quick
+        # (KDA varlen with NVFP4 everywhere is left out: re-rounding on-grid values makes exact ties, one of which
+        # flips a W element and moves o by up to 3.4e-2 on some inputs; docs/kernels-chunk.md, section 5)
         inputs, cu = make_inputs(kind, B=1, T=C - 3, H=1, HV=2, K=16, V=16, dtype=torch.float32), None
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
     spec = RecurrenceSpec(kind=kind, chunk=C).replace(quant={**quant, "state": "fp8_e4m3/tile16", "w": fmt})

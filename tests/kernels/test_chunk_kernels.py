@@ -188,7 +188,7 @@ def test_unfactored_scales_forward(monkeypatch, kind, fmt):
     assert chunk_fwd_source(params).count("grid_dot(") >= (8 if kind == "gdn" else 6)
     monkeypatch.setenv(FACTORED_ENV, "0")
     assert not factored_scales() and "grid_dot(" not in chunk_fwd_source(params)
-    test_operand_sites_forward_and_backward(kind, fmt, 8)
+    test_operand_sites_forward_and_backward(kind, fmt, 8, kind == "gdn")
     monkeypatch.setenv(FACTORED_ENV, "yes")
     with pytest.raises(ValueError, match=FACTORED_ENV):
         factored_scales()

@@ -14,6 +14,7 @@ from la_compiler.kernels.chunk_precision import gemm_precision, intermediate_dty
 from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
+from tests.kernels.chunk_checks import ALL_FP8
 from tests.kernels.chunk_inputs import grads_of, make_inputs
 
 FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dh0": 0.008}
@@ -171,10 +172,6 @@ def test_gdn_bf16_backward_by_key_blocks(monkeypatch, key_block):
 
 
 INT8_STATE = {"state": "int8/tile16"}
-ALL_FP8 = {**{f"{s}.{side}": "fp8_e4m3/row" for s in ("key_interaction", "wy_value", "wy_key", "state_read",
-                                                       "state_update", "output_state", "output_score", "output_value")
-              for side in ("lhs", "rhs") if f"{s}.{side}" != "state_read.lhs"},
-           "state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"}
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

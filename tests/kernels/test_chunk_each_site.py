@@ -8,27 +8,26 @@ for element but for counted, bounded flips. The all-sites tests (test_chunk_kern
 together at a looser bar; this file is what ties each site to its own place in the computation.
 """
 import pytest
-import torch
 
 from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.reference import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
-from tests.kernels.test_chunk_kernels import (MAX_FLIP_FRACTION, OPERAND_SITES, QDQ_TOL, _assert_backward_matches,
-                                              _case, _flips, _kernel_chunks, _run)
+from tests.kernels.chunk_checks import (MAX_FLIP_FRACTION, OPERAND_SITES, QDQ_TOL, assert_backward_matches, chunk_case,
+                                       count_flips, kernel_chunks, run_kernel_and_reference)
 
 SITES = [site for site in OPERAND_SITES if site != "state_read.lhs"]  # state_read.lhs is q.w: its own tests
 FORMATS = ["fp8_e4m3/row", "int8/row", "nvfp4/block16"]
 
 
 def _counted_flips(parts, ref, inputs, cu, C) -> dict:
-    w, h, active = _kernel_chunks(parts, ref, inputs, cu, C)
+    w, h, active = kernel_chunks(parts, ref, inputs, cu, C)
     h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]  # [chunks, HV, K, V]
     B, T = inputs[0].shape[:2]
     A_qk = _to_chunks(parts["A_qk"].double(), sequence_bounds(B, T, cu), ref["A_qk"].shape[2], C)
     flips = {}
     for name, got, want in (("W", w, ref["w"]), ("h", h_sel, h_ref_sel), ("A_qk", A_qk, ref["A_qk"])):
-        flips[name] = (_flips(got, want, want.abs().amax((-2, -1), keepdim=True)), want.numel())
+        flips[name] = (count_flips(got, want, want.abs().amax((-2, -1), keepdim=True)), want.numel())
     return flips
 
 
@@ -39,9 +38,9 @@ def test_each_operand_site_alone(kind, site, fmt):
     """Varlen with an empty sequence and lengths off the chunk grid, grouped value heads (HV = 2 H); NVFP4
     takes chunks of 16 so that its blocks of 16 along a token reduction are whole."""
     C = 16 if fmt.startswith("nvfp4") else 8
-    inputs, cu = _case(kind, True, "kv", K=16, V=16)
+    inputs, cu = chunk_case(kind, True, "kv", K=16, V=16)
     spec = RecurrenceSpec(kind=kind, chunk=C).replace(quant={site: fmt})
-    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
+    (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
     flips = _counted_flips(parts, ref, inputs, cu, C)
     print(f"{kind} {site} {fmt}: o {rel_l2(o, o_ref):.1e}, ht {rel_l2(ht, ht_ref):.1e}, flips {flips}")
     for name, (count, total) in flips.items():
@@ -52,4 +51,4 @@ def test_each_operand_site_alone(kind, site, fmt):
     o_exact, ht_exact = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=C), scale=0.4,
                                                    initial_state=inputs[5], cu_seqlens=cu)
     assert max(rel_l2(o, o_exact), rel_l2(ht, ht_exact)) > max(1e-5, 100 * error)
-    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+    assert_backward_matches(spec, inputs, cu, QDQ_TOL)

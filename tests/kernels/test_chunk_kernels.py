@@ -16,86 +16,25 @@ from la_compiler.kernels.codegen import CodegenError
 from la_compiler.kernels.reference import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
+from tests.kernels.chunk_checks import (ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, MAX_FLIP_FRACTION, OPERAND_SITES,
+                                       QDQ_TOL, assert_backward_matches, chunk_case, count_flips, kernel_chunks,
+                                       run_kernel_and_reference)
 from tests.kernels.chunk_inputs import grads_of, make_inputs
-
-EXACT_TOL = 1e-5  # fp32 kernel vs fp64 reference, no QDQ
-QDQ_TOL = 1e-3  # outputs with QDQ
-MAX_FLIP_FRACTION = 0.02  # of the QDQ'd elements compared
-ALL_SITES_TOL = 2e-2  # outputs and gradients with all sixteen sites rounding (see the test)
-
-
-def _case(kind, varlen, state, K=8, V=16):
-    if varlen:
-        cu = torch.tensor([0, 3, 3, 12, 18])  # an empty sequence; lengths not multiples of the chunk
-        xs = make_inputs(kind, B=1, T=18, H=1, HV=2, K=K, V=V, N=4, dtype=torch.float32)
-    else:
-        cu = None
-        xs = make_inputs(kind, B=2, T=11, H=1, HV=2, K=K, V=V, dtype=torch.float32)
-    q, k, v, g, beta, h0 = xs
-    if state == "vk":
-        h0 = h0.transpose(-1, -2).contiguous()
-    return (q, k, v, g, beta, h0), cu
-
-
-def _run(spec, inputs, cu, scale=0.4):
-    kernel_parts, ref_parts = {}, {}
-    o, ht = chunk_fwd(ChunkParams.from_spec(spec), *inputs[:5], scale, inputs[5], cu, intermediates=kernel_parts)
-    o_ref, ht_ref = chunk_delta_rule_reference(*inputs[:5], spec=spec, scale=scale, initial_state=inputs[5],
-                                               cu_seqlens=cu, record=ref_parts)
-    assert o.dtype == inputs[0].dtype and ht.dtype == torch.float32
-    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
-    return (o, ht, kernel_parts), (o_ref, ht_ref, ref_parts)
-
-
-def _assert_backward_matches(spec, inputs, cu, tol):
-    """Every gradient (dq, dk, dv, dg, dbeta, dh0) of the Triton backward against fp64 autograd of the
-    chunk reference, on fresh random cotangents; each in its input's shape and dtype."""
-    x64 = [x.double().requires_grad_() for x in inputs]
-    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
-    do, dht = torch.randn_like(o64).float(), torch.randn_like(ht64).float()
-    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
-    got = chunk_bwd(ChunkParams.from_spec(spec), *inputs[:5], 0.4, do, dht, inputs[5], cu)
-    for name, a, b, x in zip(GRAD_NAMES, got, want, inputs):
-        assert a.shape == x.shape and a.dtype == x.dtype, name
-        assert rel_l2(a, b) <= tol, name
-
-
-def _kernel_chunks(parts, ref, inputs, cu, C):
-    """The kernel's w and h in the reference's [N, HV, NC, ...] layout."""
-    B, T = inputs[0].shape[:2]
-    seqs = sequence_bounds(B, T, cu)
-    NC = ref["w"].shape[2]
-    w = _to_chunks(parts["w"].double(), seqs, NC, C)
-    h_ref = ref["h"]
-    lengths = [e - s for _, s, e in seqs]
-    counts = [(n + C - 1) // C for n in lengths]
-    h = torch.zeros_like(h_ref)
-    row = 0
-    for n, c in enumerate(counts):  # kernel h rows: every sequence's chunks, in order
-        h[n, :, :c] = parts["h"][row: row + c].transpose(0, 1).double()
-        row += c
-    active = torch.tensor([[i < c for i in range(NC)] for c in counts])
-    return w, h, active
-
-
-def _flips(a, b, tile_amax):
-    """Elements that differ by more than fp32 noise: a rounding boundary was straddled."""
-    return int(((a - b).abs() > 1e-4 * b.abs() + 1e-6 * tile_amax).sum())
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("varlen,state", [(False, "kv"), (True, "vk")])
 def test_exact_forward(kind, varlen, state):
-    inputs, cu = _case(kind, varlen, state)
+    inputs, cu = chunk_case(kind, varlen, state)
     spec = RecurrenceSpec(kind=kind, chunk=4, state=state)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
 
 
 def test_neumann_forward():
-    inputs, cu = _case("kda", False, "kv")
+    inputs, cu = chunk_case("kda", False, "kv")
     spec = RecurrenceSpec(kind="kda", chunk=8, solve="neumann", degree=2)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
     o_exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=spec.replace(solve="exact", degree=None), scale=0.4,
                                             initial_state=inputs[5])
@@ -111,24 +50,19 @@ def test_neumann_forward():
 ])
 def test_qdq_forward_rounds_like_the_reference(kind, varlen, quant):
     V = 32 if "int8_h32" in quant["state"] else 16
-    inputs, cu = _case(kind, varlen, "kv", K=16, V=V)
+    inputs, cu = chunk_case(kind, varlen, "kv", K=16, V=V)
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant)
-    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
-    w, h, active = _kernel_chunks(parts, ref, inputs, cu, 8)
-    w_flips = _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
+    (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
+    w, h, active = kernel_chunks(parts, ref, inputs, cu, 8)
+    w_flips = count_flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
     h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]  # [chunks, HV, K, V]
-    h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
+    h_flips = count_flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
     print(f"{kind} {quant}: W flips {w_flips}/{w.numel()}, state flips {h_flips}/{h_sel.numel()}")
     assert w_flips <= MAX_FLIP_FRACTION * w.numel() and h_flips <= MAX_FLIP_FRACTION * h_sel.numel()
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     o_exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
                                             initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, o_exact) > max(2 * QDQ_TOL, 10 * rel_l2(o, o_ref))  # the rounding is really there
-
-
-GRAD_NAMES = "dq dk dv dg dbeta dh0".split()
-OPERAND_SITES = [f"{s}.{side}" for s in ("key_interaction", "wy_value", "wy_key", "state_read", "state_update",
-                                         "output_state", "output_score", "output_value") for side in ("lhs", "rhs")]
 
 
 @pytest.mark.parametrize("kind,fmt,C,varlen", [  # int8/row operands: test_qdq_forward_rounds_like_the_reference
@@ -141,21 +75,21 @@ def test_operand_sites_forward_and_backward(kind, fmt, C, varlen):
     output_score product A_qk element for element (flips counted), outputs, and every gradient (identity STE: the products' other operands are the
     rounded ones)."""
     if varlen:  # GDN with NVFP4: V = 32 makes the h stage hold two [K x 16] state tiles in its all-V tile
-        inputs, cu = _case(kind, True, "kv", K=16, V=32 if fmt.startswith("nvfp4") else 16)
+        inputs, cu = chunk_case(kind, True, "kv", K=16, V=32 if fmt.startswith("nvfp4") else 16)
     else:  # KDA's rounded pairwise operands run column by column: a shorter sequence keeps the interpreter quick
         # (KDA varlen with NVFP4 everywhere is left out: re-rounding on-grid values makes exact ties, one of which
         # flips a W element and moves o by up to 3.4e-2 on some inputs; docs/kernels-chunk.md, section 5)
         inputs, cu = make_inputs(kind, B=1, T=C - 3, H=1, HV=2, K=16, V=16, dtype=torch.float32), None
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
     spec = RecurrenceSpec(kind=kind, chunk=C).replace(quant={**quant, "state": "fp8_e4m3/tile16", "w": fmt})
-    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
-    w, h, active = _kernel_chunks(parts, ref, inputs, cu, C)
-    w_flips = _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
+    (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
+    w, h, active = kernel_chunks(parts, ref, inputs, cu, C)
+    w_flips = count_flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True))
     h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]
-    h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
+    h_flips = count_flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
     B, T = inputs[0].shape[:2]
     A_qk = _to_chunks(parts["A_qk"].double(), sequence_bounds(B, T, cu), ref["A_qk"].shape[2], C)
-    a_flips = _flips(A_qk, ref["A_qk"], ref["A_qk"].abs().amax((-2, -1), keepdim=True))  # output_score's product
+    a_flips = count_flips(A_qk, ref["A_qk"], ref["A_qk"].abs().amax((-2, -1), keepdim=True))  # output_score's product
     print(f"{kind} all operand sites {fmt}: W flips {w_flips}/{w.numel()}, state flips {h_flips}/{h_sel.numel()}, "
           f"A_qk flips {a_flips}/{A_qk.numel()}")
     assert w_flips <= MAX_FLIP_FRACTION * w.numel() and h_flips <= MAX_FLIP_FRACTION * h_sel.numel()
@@ -168,7 +102,7 @@ def test_operand_sites_forward_and_backward(kind, fmt, C, varlen):
                                           initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, o_ref) <= ALL_SITES_TOL and rel_l2(ht, ht_ref) <= ALL_SITES_TOL
     assert rel_l2(o, exact) > max(2 * QDQ_TOL, 10 * rel_l2(o, o_ref))
-    _assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL)
+    assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL)
 
 
 @pytest.mark.parametrize("kind,fmt", [("gdn", "fp8_e4m3/row"), ("kda", "fp8_e4m3/row"), ("gdn", "int8/row")])
@@ -203,14 +137,14 @@ def test_unfactored_scales_forward(monkeypatch, kind, fmt):
 def test_accumulator_emulation_forward_and_backward(kind, acc):
     """acc.<site>: the products accumulated block by block in fp16/bf16 (rounded after every block's add),
     straight-through gradients; kernel against the reference's emulation, forward and every gradient."""
-    inputs, cu = _case(kind, kind == "gdn", "kv", K=16, V=16)
+    inputs, cu = chunk_case(kind, kind == "gdn", "kv", K=16, V=16)
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(acc=acc)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
                                           initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, exact) > 10 * rel_l2(o, o_ref)  # the emulation is really there
-    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+    assert_backward_matches(spec, inputs, cu, QDQ_TOL)
 
 
 @pytest.mark.parametrize("kind,varlen,state,extra", [
@@ -221,9 +155,9 @@ def test_accumulator_emulation_forward_and_backward(kind, acc):
 ])
 def test_backward_exact(kind, varlen, state, extra):
     """Every gradient (dq, dk, dv, dg, dbeta, dh0) of the Triton backward against fp64 autograd."""
-    inputs, cu = _case(kind, varlen, state)
+    inputs, cu = chunk_case(kind, varlen, state)
     spec = RecurrenceSpec(kind=kind, chunk=8, state=state, **extra)
-    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("kind,varlen,state,HV", [("kda", False, "kv", 1), ("kda", True, "vk", 2),
@@ -244,11 +178,7 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
         h0 = h0.transpose(-1, -2).contiguous()
     spec = RecurrenceSpec(kind=kind, chunk=8, state=state)
     assert bwd_intra_by_key_blocks(ChunkParams.from_spec(spec)) and key_block(128, BWD_KEY_BLOCK_ENV) < 72
-    _assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
-
-
-ALL_FP8 = {**{site: "fp8_e4m3/row" for site in OPERAND_SITES if site != "state_read.lhs"},
-           "state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"}
+    assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("kind,varlen,quant,extra", [
@@ -264,7 +194,7 @@ def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extr
     the backward's recompute; the two-kernel form against fp64 autograd too. A bad value is refused by name."""
     from la_compiler.kernels.chunk_fwd import INTRA_SPLIT_ENV, intra_split
 
-    inputs, cu = _case(kind, varlen, "kv", K=16, V=16)
+    inputs, cu = chunk_case(kind, varlen, "kv", K=16, V=16)
     spec = RecurrenceSpec(kind=kind, chunk=8, **extra).replace(quant=quant)
     p = ChunkParams.from_spec(spec)
     do = torch.randn(inputs[2].shape)
@@ -280,7 +210,7 @@ def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extr
     for a, b in zip(runs["0"], runs["1"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert torch.isfinite(runs["1"][0]).all()
-    _assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL if quant is ALL_FP8 else QDQ_TOL if quant else EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL if quant is ALL_FP8 else QDQ_TOL if quant else EXACT_TOL)
     monkeypatch.setenv(INTRA_SPLIT_ENV, "yes")
     with pytest.raises(ValueError, match=INTRA_SPLIT_ENV):
         intra_split()
@@ -297,7 +227,7 @@ def test_gdn_whole_row_backward_by_value_blocks_of_32():
     inputs = make_inputs("gdn", B=1, T=25, H=1, HV=2, K=16, V=80, N=2, dtype=torch.float32)
     spec = RecurrenceSpec(kind="gdn", chunk=8).replace(quant={"state_read.rhs": "fp8_e4m3/row"})
     assert not bwd_intra_by_key_blocks(ChunkParams.from_spec(spec)) and GDN_WHOLE_ROW_BWD_VALUE_BLOCK == 32
-    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+    assert_backward_matches(spec, inputs, cu, QDQ_TOL)
 
 
 @pytest.mark.parametrize("kind,varlen,quant", [
@@ -313,15 +243,15 @@ def test_forward_intra_by_key_blocks(monkeypatch, kind, varlen, quant):
     from la_compiler.kernels.chunk_fwd import intra_key_block
 
     monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
-    inputs, cu = _case(kind, varlen, "kv", K=40, V=16)
+    inputs, cu = chunk_case(kind, varlen, "kv", K=40, V=16)
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant)
     assert intra_key_block(ChunkParams.from_spec(spec), 64, 16) == 16
-    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
+    (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
     tol = QDQ_TOL if quant else EXACT_TOL
     assert rel_l2(o, o_ref) <= tol and rel_l2(ht, ht_ref) <= tol
-    w, _, _ = _kernel_chunks(parts, ref, inputs, cu, 8)
-    assert _flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True)) == 0
-    _assert_backward_matches(spec, inputs, cu, tol)
+    w, _, _ = kernel_chunks(parts, ref, inputs, cu, 8)
+    assert count_flips(w, ref["w"], ref["w"].abs().amax((-2, -1), keepdim=True)) == 0
+    assert_backward_matches(spec, inputs, cu, tol)
 
 
 def test_intra_key_block_choice(monkeypatch):
@@ -351,9 +281,9 @@ def test_head_k_256(kind):
     # KDA: rounded pair products too (their own kernels hold [4 x 256] rows)
     pairs = {"key_interaction.lhs": "fp8_e4m3/row", "output_score.rhs": "fp8_e4m3/row"} if kind == "kda" else {}
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row", **pairs})
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, (q, k, v, g, beta, h0), None)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, (q, k, v, g, beta, h0), None)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
-    _assert_backward_matches(spec, (q, k, v, g, beta, h0), None, QDQ_TOL)
+    assert_backward_matches(spec, (q, k, v, g, beta, h0), None, QDQ_TOL)
     if kind == "gdn":
         rounded = RecurrenceSpec(kind="gdn", chunk=8).replace(quant={"key_interaction.lhs": "fp8_e4m3/row"})
         with pytest.raises(ValueError, match="GDN's backward with a rounded pair product"):
@@ -367,9 +297,9 @@ def test_head_v_256(kind):
     along V. Forward and every gradient against fp64."""
     inputs = make_inputs(kind, B=1, T=11, H=1, HV=2, K=16, V=256, dtype=torch.float32)
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "int8/tile64"})
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, None)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, None)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
-    _assert_backward_matches(spec, inputs, None, QDQ_TOL)
+    assert_backward_matches(spec, inputs, None, QDQ_TOL)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
@@ -377,19 +307,19 @@ def test_hadamard_state_codec_forward_and_backward(kind):
     """q.state=int8_h32/tile32 (INT8 after a Hadamard-32 rotation along V, then back): the chunk-start states
     element for element (flips counted), outputs, final state and every gradient (identity STE through the
     codec), varlen with an empty sequence, grouped value heads, two 32-wide state tiles."""
-    inputs, cu = _case(kind, True, "kv", K=16, V=64)
+    inputs, cu = chunk_case(kind, True, "kv", K=16, V=64)
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant={"state": "int8_h32/tile32"})
-    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
-    _, h, active = _kernel_chunks(parts, ref, inputs, cu, 8)
+    (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
+    _, h, active = kernel_chunks(parts, ref, inputs, cu, 8)
     h_sel, h_ref_sel = h.transpose(1, 2)[active], ref["h"].transpose(1, 2)[active]
-    h_flips = _flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
+    h_flips = count_flips(h_sel, h_ref_sel, h_ref_sel.abs().amax((-2, -1), keepdim=True))
     print(f"{kind} int8_h32 state: flips {h_flips}/{h_sel.numel()}")
     assert h_flips <= MAX_FLIP_FRACTION * h_sel.numel()
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     o_exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=8), scale=0.4,
                                             initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, o_exact) > 10 * rel_l2(o, o_ref)
-    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+    assert_backward_matches(spec, inputs, cu, QDQ_TOL)
 
 
 @pytest.mark.parametrize("kind,C,state", [("gdn", 64, "kv"), ("kda", 32, "vk"), ("kda", 64, "kv")])
@@ -405,9 +335,9 @@ def test_blocked_solve_forward_and_backward(kind, C, state):
         h0 = h0.transpose(-1, -2).contiguous()
     inputs = (q, k, v, g, beta, h0)
     spec = RecurrenceSpec(kind=kind, chunk=C, state=state)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
-    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
@@ -426,9 +356,9 @@ def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
     params = ChunkParams.from_spec(spec)
     assert params.sub_chunk == 16 and kda_pairs_kernel(params) and kda_splits_pair_grads(params)
     inputs = (q, k, v, g, beta, h0)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
-    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
@@ -437,7 +367,7 @@ def test_chunk_variant_through_the_ir_op(kind):
     (Triton backward, identity STE) against the fp64 chunk reference under autograd (HV > H, varlen)."""
     import la_compiler.ir  # noqa: F401  (registers the op)
 
-    inputs, cu = _case(kind, True, "kv")
+    inputs, cu = chunk_case(kind, True, "kv")
     spec = RecurrenceSpec(kind=kind, chunk=8, kernel="chunk").replace(
         quant={"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row"})
     xs = [x.clone().requires_grad_() for x in inputs]
@@ -510,9 +440,9 @@ def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
     cu = torch.tensor([0, 17, 17, 50])
     inputs = make_inputs("kda", B=1, T=50, H=1, HV=2, K=16, V=16, N=3, dtype=torch.float32)
     spec = RecurrenceSpec(kind="kda", chunk=32)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
-    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
@@ -551,9 +481,9 @@ def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, kind):
     cu = torch.tensor([0, 40, 90])
     inputs = make_inputs(kind, B=1, T=90, H=1, HV=2, K=16, V=16, N=2, dtype=torch.float32)
     spec = RecurrenceSpec(kind=kind, chunk=32)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
-    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -566,10 +496,10 @@ def test_kda_decayed_keys_and_a_wide_output_block(monkeypatch, varlen):
 
     monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
     C = 8
-    inputs, cu = _case("kda", varlen, "kv", K=40, V=96)
+    inputs, cu = chunk_case("kda", varlen, "kv", K=40, V=96)
     assert output_value_block(96, rounds_operands=False) == 128
     spec = RecurrenceSpec(kind="kda", chunk=C)
-    (o, ht, parts), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    (o, ht, parts), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
     k, g = inputs[1].double(), inputs[3].double()
     HV, H = g.shape[2], k.shape[2]
@@ -582,7 +512,7 @@ def test_kda_decayed_keys_and_a_wide_output_block(monkeypatch, varlen):
     written = ~torch.isnan(kd_ref)
     assert written.any() and torch.isfinite(parts["kd"][written]).all()
     assert rel_l2(parts["kd"][written], kd_ref[written]) <= EXACT_TOL
-    _assert_backward_matches(spec, inputs, cu, EXACT_TOL)
+    assert_backward_matches(spec, inputs, cu, EXACT_TOL)
 
 
 @pytest.mark.parametrize("quant,acc,on_values", [
@@ -604,7 +534,7 @@ def test_gdn_chunk_decay_on_values_only_where_no_state_update_operand_rounds(qua
     assert gdn_decays_values(p) == on_values
     assert ("# K^T" in chunk_fwd_source(p)) == on_values
     assert not gdn_decays_values(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=8)))
-    inputs, cu = _case("gdn", True, "kv", K=16, V=16)
-    (o, ht, _), (o_ref, ht_ref, _) = _run(spec, inputs, cu)
+    inputs, cu = chunk_case("gdn", True, "kv", K=16, V=16)
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     tol = EXACT_TOL if not quant and not acc else QDQ_TOL
     assert rel_l2(o, o_ref) <= tol and rel_l2(ht, ht_ref) <= tol

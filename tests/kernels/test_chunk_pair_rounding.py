@@ -12,7 +12,8 @@ from la_compiler.kernels.reference import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import make_inputs
-from tests.kernels.test_chunk_kernels import MAX_FLIP_FRACTION, QDQ_TOL, _assert_backward_matches, _flips, _run
+from tests.kernels.chunk_checks import (MAX_FLIP_FRACTION, QDQ_TOL, assert_backward_matches, count_flips,
+                                       run_kernel_and_reference)
 
 PAIR_SITES = ("key_interaction.lhs", "key_interaction.rhs", "output_score.lhs", "output_score.rhs")
 
@@ -44,7 +45,7 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
     assert kda_splits_pair_grads(params) == (not solve)
     assert ("fwd_kernel_pair_amax" in chunk_fwd_source(params)) == fmt.startswith("nvfp4")
     assert column_side_by_products(params) == (not fmt.startswith("nvfp4"))  # both forms of the column side
-    (o, ht, parts), (o_ref, ht_ref, ref) = _run(spec, inputs, cu)
+    (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL
     # the products of the rounded pair operands element for element: A = beta P (strict) and A_qk, flips counted
     B, T = inputs[0].shape[:2]
@@ -56,13 +57,13 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
     A_qk = _to_chunks(parts["A_qk"].double(), seqs, NC, C)
     for name, got in (("A", A), ("A_qk", A_qk)):
         want = ref[name]
-        flips = _flips(got, want, want.abs().amax((-2, -1), keepdim=True))
+        flips = count_flips(got, want, want.abs().amax((-2, -1), keepdim=True))
         print(f"{fmt} {name}: {flips} of {want.numel()} elements off by more than fp32 noise")
         assert flips <= MAX_FLIP_FRACTION * want.numel(), name
     exact, _ = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind="kda", chunk=C, **solve),
                                           scale=0.4, initial_state=inputs[5], cu_seqlens=cu)
     assert rel_l2(o, exact) > 10 * rel_l2(o, o_ref)  # the rounding is really there
-    _assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+    assert_backward_matches(spec, inputs, cu, QDQ_TOL)
 
 
 def test_nvfp4_pair_amax_is_the_pair_tiles_max():

@@ -11,7 +11,7 @@ from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV, residual_layou
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import grads_of
-from tests.kernels.test_chunk_kernels import ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, QDQ_TOL, _case
+from tests.kernels.chunk_checks import ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, QDQ_TOL, chunk_case
 
 NVFP4_PAIRS = {f"{site}.{side}": "nvfp4/block16" for site in ("key_interaction", "output_score")
                for side in ("lhs", "rhs")}
@@ -34,7 +34,7 @@ def test_backward_from_the_kept_residual(monkeypatch, mode, kind, varlen, quant,
     a second backward from the same residual too (retain_graph), and against fp64 autograd; every kept part (NaN-filled before) holds what the recompute computes, wherever
     that is written."""
     monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
-    inputs, cu = _case(kind, varlen, "kv", K=16, V=16)
+    inputs, cu = chunk_case(kind, varlen, "kv", K=16, V=16)
     spec = RecurrenceSpec(kind=kind, **{"chunk": 8, **extra}).replace(quant=quant)
     p = ChunkParams.from_spec(spec)
     q, v = inputs[0], inputs[2]
@@ -93,7 +93,7 @@ def test_kept_residual_is_checked(monkeypatch):
     """A residual of the wrong size or dtype, one read under another LAQAT_CHUNK_KEEP_RESIDUAL than it was written
     with, or one passed with LAQAT_CHUNK_KEEP_RESIDUAL=0, is refused by name; so is a bad value of the variable,
     and saved with need_output."""
-    inputs, _ = _case("gdn", False, "kv")
+    inputs, _ = chunk_case("gdn", False, "kv")
     q, v = inputs[0], inputs[2]
     p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8))
     n = residual_size(p, q, v)

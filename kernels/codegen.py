@@ -194,9 +194,9 @@ def generated_modules_for_spec(spec: RecurrenceSpec | str) -> dict[str, ModuleTy
     """Every generated module that runs ``spec``, by what it holds: the chunk family generates its forward and
     its backward stages as two modules, the other families one module with both directions."""
     spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
-    module = generated_module_for_spec(spec)
     if spec.kernel != "chunk":
-        return {"forward and backward": module}
-    from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_bwd_module
+        return {"forward and backward": generated_module_for_spec(spec)}
+    from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_bwd_module, chunk_fwd_module
 
-    return {"forward": module, "backward": chunk_bwd_module(ChunkParams.from_spec(spec))}
+    p = ChunkParams.from_spec(spec)
+    return {"forward": chunk_fwd_module(p), "backward": chunk_bwd_module(p)}

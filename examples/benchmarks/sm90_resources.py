@@ -68,18 +68,21 @@ def recorded_launches(spec: RecurrenceSpec, head: int, dtype: torch.dtype, chunk
     launches, seen = [], set()
 
     def record(kernel, grid, *args, config: LaunchConfig, **constexprs):
-        key = (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, config,
-               tuple(sorted((n, repr(x)) for n, x in constexprs.items())))
+        key = (kernel.fn.__name__, config, tuple(sorted((n, repr(x)) for n, x in constexprs.items())))
         if key not in seen:
             seen.add(key)
             launches.append(dict(kernel=kernel, args=args, config=config, constexprs=constexprs))
 
     def check_on_the_cpu(*a, **kw):  # the input check asks for CUDA tensors unless the interpreter runs them
+        before = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
         try:
             return check_canonical_inputs(*a, **kw)
         finally:
-            del os.environ["TRITON_INTERPRET"]
+            if before is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = before
 
     saved = {m: m.launch for m in (chunk_fwd_module, chunk_bwd_module)}
     try:

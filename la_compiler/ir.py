@@ -87,7 +87,7 @@ _LIB.impl("delta_rule", delta_rule, "CompositeImplicitAutograd")
 @torch.library.custom_op("laqat::delta_rule_eval", mutates_args=(), schema=f"{_FORWARD_ARGS} -> (Tensor, Tensor)")
 def delta_rule_eval(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
     parsed = RecurrenceSpec.parse(spec)
-    return tuple(_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale))
+    return pack_outputs(*_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale))
 
 
 @torch.library.custom_op("laqat::delta_rule_train", mutates_args=(),
@@ -99,10 +99,11 @@ def delta_rule_train(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
     variant = _variant_for(parsed, q, v)
     size = variant.residual_numel(parsed, q, v, cu_seqlens)
     if not size:
-        return (*variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale), _no_residual(q))
+        return (*pack_outputs(*variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale)),
+                _no_residual(q))
     residual = torch.empty((size,), dtype=torch.float32, device=q.device)
     o, ht = variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=residual)
-    return o, ht, residual
+    return (*pack_outputs(o, ht), residual)
 
 
 def empty_outputs(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], spec: str) -> tuple[Tensor, Tensor]:
@@ -114,10 +115,15 @@ def empty_outputs(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], spec: str)
     return o, q.new_empty(shape, dtype=torch.float32)
 
 
+def _contiguous_like(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def empty_grads(q, k, v, g, beta, initial_state) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, dg, dbeta, dh0): the fake implementation of the backward ops."""
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), _no_state_grad(q) if initial_state is None else torch.empty_like(initial_state))
+    """(dq, dk, dv, dg, dbeta, dh0): the fake implementation of the backward ops. Contiguous, in each input's
+    dtype, whatever the inputs' strides: what ``pack_grads`` returns."""
+    return (*(_contiguous_like(x) for x in (q, k, v, g, beta)),
+            _no_state_grad(q) if initial_state is None else _contiguous_like(initial_state))
 
 
 def _no_state_grad(q: Tensor) -> Tensor:
@@ -125,11 +131,22 @@ def _no_state_grad(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def pack_grads(grads) -> tuple[Tensor, ...]:
-    """A variant's (dq, dk, dv, dg, dbeta, dh0 or None) as a custom op's contiguous outputs."""
-    dq, dk, dv, dg, dbeta, dh0 = grads
-    dh0 = _no_state_grad(dq) if dh0 is None else dh0
-    return tuple(x.contiguous() for x in (dq, dk, dv, dg, dbeta, dh0))
+def pack_grads(grads, inputs) -> tuple[Tensor, ...]:
+    """A variant's (dq, dk, dv, dg, dbeta, dh0 or None) as a custom op's outputs: contiguous, each in its input's
+    dtype (``inputs`` = (q, k, v, g, beta, initial_state)), as ``empty_grads`` states."""
+    *grads, dh0 = grads
+    *tensors, initial_state = inputs
+    packed = [dx.to(x.dtype).contiguous() for dx, x in zip(grads, tensors)]
+    if initial_state is None:
+        packed.append(_no_state_grad(packed[0]))
+    else:
+        packed.append(dh0.to(initial_state.dtype).contiguous())
+    return tuple(packed)
+
+
+def pack_outputs(o: Tensor, final_state: Tensor) -> tuple[Tensor, Tensor]:
+    """A variant's (o, final_state) as the forward ops return them: contiguous, as ``empty_outputs`` states."""
+    return o.contiguous(), final_state.contiguous()
 
 
 def _no_residual(q: Tensor) -> Tensor:
@@ -166,7 +183,8 @@ def delta_rule_backward(
     parsed = RecurrenceSpec.parse(spec)
     variant = _variant_for(parsed, q, v)
     kept = {"saved": residual} if residual.numel() else {}
-    return pack_grads(variant.backward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, **kept))
+    return pack_grads(variant.backward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, **kept),
+                      (q, k, v, g, beta, initial_state))
 
 
 @delta_rule_backward.register_fake

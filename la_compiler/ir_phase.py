@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from la_compiler.ir import _num_sequences, _state_shape, _variant_for, empty_grads, empty_outputs, pack_grads
+from la_compiler.ir import (_num_sequences, _state_shape, _variant_for, empty_grads, empty_outputs, pack_grads,
+                            pack_outputs)
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -61,8 +62,9 @@ def delta_rule_phased(
     prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str,
 ) -> tuple[Tensor, Tensor]:
     parsed = RecurrenceSpec.parse(spec)
-    return _variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                              prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
+    return pack_outputs(*_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                                            prefill_lengths=prefill_lengths,
+                                                            valid_lengths=valid_lengths))
 
 
 @delta_rule_phased.register_fake
@@ -79,7 +81,7 @@ def delta_rule_phased_backward(
     parsed = RecurrenceSpec.parse(spec)
     return pack_grads(_variant_for(parsed, q, v).backward(
         parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht,
-        prefill_lengths=prefill_lengths, valid_lengths=valid_lengths))
+        prefill_lengths=prefill_lengths, valid_lengths=valid_lengths), (q, k, v, g, beta, initial_state))
 
 
 @delta_rule_phased_backward.register_fake

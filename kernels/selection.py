@@ -31,6 +31,7 @@ class SelectionContext:
     head_v: int
     requested: str | None = None  # a policy's explicit `backend:` choice
     family: str | None = None  # a policy's `implementation:` ("triton" | "torch")
+    seq_len: int | None = None  # tokens per sequence (q.shape[1]); None where unknown (symbolic): long
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +89,19 @@ def _triton_runs(ctx: SelectionContext) -> tuple[bool, str]:
             f"Triton kernels need CUDA or TRITON_INTERPRET=1 (device is {ctx.device})")
 
 
+# On CUDA the token-by-token kernel is faster than the chunked ones only for short sequences: it runs T
+# dependent steps where the chunk kernels run T / 64 (FLA's layers switch to fused_recurrent at 64 tokens).
+FUSED_RECURRENT_MAX_TOKENS_ON_CUDA = 64
+
+
 def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    short = ctx.device != "cuda" or (ctx.seq_len is not None and ctx.seq_len <= FUSED_RECURRENT_MAX_TOKENS_ON_CUDA)
     return _needs(
         (spec.is_exact, "the generated recurrent kernel has no quant sites, solve or phase support yet"),
         _triton_runs(ctx),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
+        (short, f"on CUDA the chunk kernels are faster beyond {FUSED_RECURRENT_MAX_TOKENS_ON_CUDA} tokens per "
+                f"sequence (T is {'symbolic' if ctx.seq_len is None else ctx.seq_len})"),
     )
 
 
@@ -165,13 +174,13 @@ DETAILS: dict[str, Callable[[RecurrenceSpec, SelectionContext], str]] = {"chunk"
 
 
 def select_kernel(spec: RecurrenceSpec, *, device: str, dtype: torch.dtype, head_k: int, head_v: int,
-                  requested: str | None = None, family: str | None = None) -> Selection:
+                  requested: str | None = None, family: str | None = None, seq_len: int | None = None) -> Selection:
     from la_compiler.kernels.registry import variant_names
 
     if spec.phase == "none" and spec.extra:  # no prefill variant reads them: never ignore them silently
         raise KernelSelectionError(f"spec {spec}: options {['x.' + k for k, _ in spec.extra]} belong to a decode "
                                    f"phase (phase=token|replay); a prefill spec (phase=none) takes none")
-    ctx = SelectionContext(device, dtype, head_k, head_v, requested, family)
+    ctx = SelectionContext(device, dtype, head_k, head_v, requested, family, seq_len)
     known = set(variant_names())
     rejected = []
     for row in TABLE:

@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import torch
 
+from la_compiler.module_specialize import ModuleSpecializedGraph
 from la_compiler.passes.frontends import install_trace_frontends
+from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
 from la_compiler.policy import Policy, load_policy
 from la_compiler.record import CompileRecord
@@ -58,15 +60,38 @@ def last_record() -> CompileRecord:
     return _ACTIVE_RECORD[-1]
 
 
+def graph_break_of(gm: torch.fx.GraphModule) -> str:
+    """Why Dynamo ended this graph at a graph break, with the user line it broke at ("" if it did not)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break:
+        return ""
+    where = [f"{f.filename}:{f.lineno} in {f.name}" for f in reason.user_stack[-1:]]
+    text = " ".join(reason.reason.split()).split(" Hint:")[0]  # Dynamo's hints and debug context follow
+    return f"{text} (at {where[0]})" if where else text
+
+
 def laqat_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
                   _record: CompileRecord | None = None) -> Callable:
     if mode not in (None, "default"):
         raise BackendOptionsError(f"torch.compile(mode={mode!r}) is not supported by the laqat backend")
     opts = BackendOptions.from_user(options)
-    record = (_record or _ACTIVE_RECORD[-1]).new_graph()
-    run_pipeline(gm, opts.policy, record, verify=opts.verify)
-    if opts.compiler == "eager":
-        return gm.forward
-    from torch._inductor.compile_fx import compile_fx
+    sink = _record or _ACTIVE_RECORD[-1]
 
-    return compile_fx(gm, example_inputs)
+    def rewrite(graph: torch.fx.GraphModule, prefixes: dict[str, str]) -> torch.fx.GraphModule:
+        record = sink.new_graph()
+        record.graph_break = graph_break_of(gm)
+        run_pipeline(graph, opts.policy, record, verify=opts.verify, module_prefixes=prefixes)
+        return graph
+
+    def hand_off(graph: torch.fx.GraphModule, inputs) -> Callable:
+        if opts.compiler == "eager":
+            return graph.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(graph, inputs)
+
+    root = compiled_root_module()
+    prefixes = root_prefixes(gm, root)
+    if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
+        return ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)
+    return hand_off(rewrite(gm, prefixes), example_inputs)

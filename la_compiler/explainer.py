@@ -34,6 +34,11 @@ class ExplainReport:
         return [n for g in self.graphs for n in g.near_misses]
 
     @property
+    def graph_break_reasons(self) -> list[str]:
+        """For each graph Dynamo ended at a graph break: why, and at which user line."""
+        return [g.graph_break for g in self.graphs if g.graph_break]
+
+    @property
     def notes(self) -> list[str]:
         return [n for g in self.graphs for n in g.notes]
 
@@ -49,6 +54,10 @@ class ExplainReport:
                 out.append(f"          {line.strip()}")
             for rule in m.policy_rules:
                 out.append(f"    policy: {rule}")
+        breaks = [g for g in self.graphs if g.graph_break]
+        if breaks:
+            out.append("\nGraph breaks (where Dynamo ended a graph, and why):")
+            out.extend(f"  - after graph {g.graph_id}: {g.graph_break}" for g in breaks)
         if self.near_misses:
             out.append("\nNear misses (left untouched):")
             for n in self.near_misses:

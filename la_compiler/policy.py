@@ -195,6 +195,12 @@ class Policy:
     def exact() -> "Policy":
         return Policy(name="exact")
 
+    @property
+    def changes_numerics(self) -> bool:
+        """True when some rule enables a quantizer or sets a linear-attention option: a compile that rewrites
+        nothing then silently applies none of it."""
+        return any(rule.enables and rule.cfg is not None for rule in self.quant_cfg) or bool(self.linear_attention)
+
     # ---- loading ---------------------------------------------------------------------------
     @staticmethod
     def from_dict(config: Mapping, *, name: str | None = None) -> "Policy":

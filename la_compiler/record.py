@@ -36,6 +36,7 @@ class GraphRecord:
     matches: list[Match] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # e.g. policy rules matching no site
+    graph_break: str = ""  # why Dynamo ended this graph at a graph break, and where ("" if it did not)
     pass_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 

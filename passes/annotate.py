@@ -24,9 +24,14 @@ class UnmatchedPolicyRuleWarning(UserWarning):
     """A policy rule matched no recurrence of a compiled graph."""
 
 
-def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord) -> int:
+class NothingQuantizedWarning(UserWarning):
+    """A policy that changes numerics met a graph with candidate recurrences and rewrote none of them."""
+
+
+def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, part_of_model: bool = False) -> int:
     """Rewrites each node's spec argument to what the policy resolves for its module. Returns
-    how many nodes changed numerics."""
+    how many nodes changed numerics. ``part_of_model``: the graph was traced inside a submodule (it resumed
+    after a graph break), so a rule that matches none of its sites may match a sibling's: a note, no warning."""
     changed = 0
     seen = []
     for node in gm.graph.nodes:
@@ -53,8 +58,16 @@ def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord) -> i
     if seen:  # a graph without recurrences (a graph-break fragment) says nothing about the rules
         unmatched = policy.unmatched_rules(seen)
         record.notes.extend(unmatched)
-        for note in unmatched:
-            warnings.warn(note, UnmatchedPolicyRuleWarning, stacklevel=2)
+        if unmatched and not part_of_model:  # one warning per compiled graph, naming every rule and the sites it could have matched
+            sites = ", ".join(f"{kind} at {module or '<top>'}" for module, kind in seen)
+            warnings.warn("; ".join(unmatched) + f" (this graph's sites: {sites})", UnmatchedPolicyRuleWarning,
+                          stacklevel=2)
+    elif policy.changes_numerics and record.near_misses:
+        misses = "; ".join(f"{n.frontend} at {n.module or '<top>'}: {n.reason}" for n in record.near_misses)
+        note = (f"policy {policy.name!r} changes numerics, but laqat rewrote no recurrence in this graph, so none "
+                f"of it applies here; candidate regions left untouched: {misses}")
+        record.notes.append(note)
+        warnings.warn(note, NothingQuantizedWarning, stacklevel=2)
     return changed
 
 

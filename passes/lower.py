@@ -8,6 +8,11 @@ from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.passes.annotate import _set_spec_arg
 
 
+def static_int(size) -> int | None:
+    """A size known at compile time; None for a symbolic one (never specialized here)."""
+    return size if isinstance(size, int) else None
+
+
 def lower(gm: torch.fx.GraphModule) -> int:
     """Writes ``kernel=<variant>`` into every node's spec. Returns how many nodes were lowered."""
     count = 0
@@ -19,7 +24,7 @@ def lower(gm: torch.fx.GraphModule) -> int:
         try:
             choice = select_kernel(meta.spec.replace(kernel="auto"), device=q.device.type, dtype=q.dtype,
                                    head_k=q.shape[-1], head_v=v.shape[-1], requested=meta.requested_backend,
-                                   family=meta.requested_family)
+                                   family=meta.requested_family, seq_len=static_int(q.shape[1]))
         except KernelSelectionError as e:
             raise KernelSelectionError(f"laqat node for module {meta.module or '<top>'!r}: {e}") from None
         meta.spec = meta.spec.replace(kernel=choice.variant)

@@ -9,13 +9,17 @@ from la_compiler.passes.annotate import annotate
 from la_compiler.passes.attach_meta import attach_meta
 from la_compiler.passes.frontends import GRAPH_FRONTENDS
 from la_compiler.passes.lower import lower
+from la_compiler.passes.module_names import graph_module_names
 from la_compiler.passes.phase import split_phases
 from la_compiler.passes.verify import verify_ir
 from la_compiler.policy import Policy
 from la_compiler.record import GraphRecord, Match
 
 
-def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, verify: bool = False) -> None:
+def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, verify: bool = False,
+                 module_prefixes: dict[str, str] | None = None) -> None:
+    """``module_prefixes``: the full names of the traced frame's roots (passes/module_names.py), so that a
+    graph resumed inside a block names its modules as the model does."""
     def timed(name, fn, *args, **kwargs):
         start = time.perf_counter()
         count = fn(*args, **kwargs)
@@ -23,10 +27,11 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
         record.pass_counts[name] = record.pass_counts.get(name, 0) + count
         return count
 
-    for frontend in GRAPH_FRONTENDS:
-        timed(getattr(frontend, "__name__", str(frontend)), frontend, gm, record, verify=verify)
-    timed("attach_meta", attach_meta, gm)
-    timed("annotate", annotate, gm, policy, record)
+    with graph_module_names(module_prefixes or {}):
+        for frontend in GRAPH_FRONTENDS:
+            timed(getattr(frontend, "__name__", str(frontend)), frontend, gm, record, verify=verify)
+        timed("attach_meta", attach_meta, gm)
+    timed("annotate", annotate, gm, policy, record, part_of_model=any((module_prefixes or {}).values()))
     timed("verify", verify_ir, gm)
     timed("lower", lower, gm)
     timed("phase", split_phases, gm)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from la_compiler.errors import is_laqat_error, through_dynamo
 from la_compiler.module_specialize import ModuleSpecializedGraph
 from la_compiler.passes.frontends import install_trace_frontends
 from la_compiler.passes.module_names import compiled_root_module, root_prefixes
@@ -36,6 +37,10 @@ class BackendOptions:
 
     @staticmethod
     def from_user(options: dict[str, Any] | None) -> "BackendOptions":
+        if options is not None and not isinstance(options, dict):
+            hint = f" (did you mean options={{'policy': {options!r}}}?)" if isinstance(options, str) else ""
+            raise BackendOptionsError(f"torch.compile(..., options=...) must be a dict of laqat options, got "
+                                      f"{type(options).__name__} {options!r}{hint}")
         options = dict(options or {})
         known = {f.name for f in dataclasses.fields(BackendOptions)}
         unknown = sorted(set(options) - known)
@@ -72,6 +77,15 @@ def graph_break_of(gm: torch.fx.GraphModule) -> str:
 
 def laqat_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
                   _record: CompileRecord | None = None) -> Callable:
+    try:
+        return _compile(gm, example_inputs, options, mode, _record)
+    except Exception as e:
+        if is_laqat_error(e):  # as itself, not wrapped in Dynamo's BackendCompilerFailed
+            raise through_dynamo(e) from e.__cause__
+        raise
+
+
+def _compile(gm, example_inputs, options, mode, _record) -> Callable:
     if mode not in (None, "default"):
         raise BackendOptionsError(f"torch.compile(mode={mode!r}) is not supported by the laqat backend")
     opts = BackendOptions.from_user(options)

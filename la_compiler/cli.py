@@ -12,9 +12,20 @@ import sys
 
 
 def _cmd_spec(args) -> int:
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.quant import QuantConfig
+    from la_compiler.quant.config import QuantConfigError
+    from la_compiler.spec import RecurrenceSpec, SpecError
 
-    spec = RecurrenceSpec.parse(args.spec)
+    try:
+        spec = RecurrenceSpec.parse(args.spec)
+        for site, text in spec.quant:
+            try:
+                QuantConfig.parse(text)
+            except QuantConfigError as e:
+                raise SpecError(f"q.{site}={text}: {e}") from None
+    except SpecError as e:
+        print(f"laqat spec: {e}", file=sys.stderr)
+        return 2
     print(spec.to_string())
     for field in dataclasses.fields(spec):
         print(f"  {field.name:7s} {getattr(spec, field.name)!r}")

@@ -241,8 +241,10 @@ class Policy:
                 raise PolicyError(f"policy file {str(path)!r}: not valid YAML ({e})") from None
         else:
             raise PolicyError(f"policy file {str(path)!r}: the suffix must be .yaml, .yml or .json")
+        if config is None:  # an empty file: a policy must say what it wants, even exact numerics
+            raise PolicyError(f"policy file {str(path)!r}: the file is empty; write at least "
+                              f"`version: {POLICY_VERSION}` (an empty quant_cfg means exact numerics)")
         try:
-            config = config if config is not None else {}
             named = isinstance(config, Mapping) and "name" in config
             return Policy.from_dict(config, name=None if named else path.stem)
         except PolicyError as e:

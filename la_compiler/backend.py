@@ -102,7 +102,13 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
             return graph.forward
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(graph, inputs)
+        # AOTAutograd rebuilds an output that aliases an intermediate (FLA's logits view) by replaying the
+        # view's recorded ViewMeta sequence; on torch 2.11 + CUDA that replay read garbage sizes
+        # ("shape '[140323329983992, 8766216997877507016, 32000]' is invalid", GatedDeltaNetForCausalLM at
+        # T=4096). Without replay it rebuilds the alias with as_strided from the output's own size, stride and
+        # offset: the same view of the same storage.
+        with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
+            return compile_fx(graph, inputs)
 
     root = compiled_root_module()
     prefixes = root_prefixes(gm, root)

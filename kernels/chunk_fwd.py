@@ -22,7 +22,7 @@ from la_compiler.kernels.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels import chunk_codegen
 from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
 from la_compiler.kernels.chunk_pair_rounding import kda_pairs_nvfp4
-from la_compiler.kernels.chunk_residual import keeps_everything, residual_views
+from la_compiler.kernels.chunk_residual import clear_gaps, keeps_everything, residual_views
 from la_compiler.kernels.chunk_precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk_launch import (FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config,
                                             next_power_of_2)
@@ -141,6 +141,10 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     buffer = functools.partial(scratch, fill=nan_fill())
     residual = saved if saved is not None else save_to
     kept = residual_views(p, residual, q, v, cu_seqlens) if residual is not None else {}
+    if save_to is not None:  # the op returns the buffer: no element of it left unwritten (chunk_residual.py)
+        clear_gaps(p, save_to, q, v, cu_seqlens)
+        if "h" in kept and kept["h"].shape[0] > lay.NT:  # a varlen batch's chunk states past its count
+            kept["h"][lay.NT:].zero_()
     rerun = saved is None or not keeps_everything()  # whether the intra (or W / U) and h stages run
 
     def take(name, shape, dtype):  # the kept part of that name, else a scratch buffer

@@ -11,6 +11,12 @@ LAQAT_CHUNK_KEEP_RESIDUAL:
 Every part is a view of the buffer at an offset aligned to ALIGN fp32 elements; 16-bit parts (W, U, h, V_new, kd
 with 16-bit GEMMs) reinterpret their share of it. The chunk-start states of a varlen batch are counted up to a
 bound that needs only the number of sequences (a fake tensor has no values): ceil(T / C) + N.
+
+The buffer is an op's output (``laqat::delta_rule_train``): every element of it is written, so that two calls of
+the same inputs return the same buffer (opcheck, AOTAutograd compare it). The kernels write every part's elements
+(KDA's pairs kernel zeros P's blocks above the diagonal); what no kernel writes is zeroed, and only that:
+``clear_gaps`` the alignment padding after each part (fewer than ALIGN elements, none for most shapes), the
+forward the chunk states past a varlen batch's count (at most N).
 """
 from __future__ import annotations
 
@@ -86,6 +92,24 @@ def residual_layout(p: ChunkParams, q: torch.Tensor, v: torch.Tensor, cu_seqlens
         parts.append(part)
         offset += _align(part.fp32_elements())
     return parts, offset
+
+
+def residual_gaps(parts: list[Part], size: int) -> list[tuple[int, int]]:
+    """The fp32 elements [start, end) of the buffer that no part's elements cover: each part's alignment padding,
+    from the fp32 element holding its last element's end (a 16-bit part of odd length shares that one with the
+    padding) to the next part's start."""
+    ends = [part.offset + part.numel() * part.dtype.itemsize // 4 for part in parts]
+    starts = [part.offset for part in parts[1:]] + [size]
+    return [(a, b) for a, b in zip(ends, starts) if b > a]
+
+
+def clear_gaps(p: ChunkParams, residual: torch.Tensor, q: torch.Tensor, v: torch.Tensor,
+               cu_seqlens: torch.Tensor | None) -> None:
+    """Zeros the alignment padding of ``residual`` (before the kernels fill the parts: a 16-bit part of odd
+    length writes half of its last fp32 element). One small fill per part that has padding (none where a part's
+    size is a multiple of ALIGN, as with C = 64 for T, A_qk and P), never a pass over the buffer."""
+    for start, end in residual_gaps(*residual_layout(p, q, v, cu_seqlens)):
+        residual[start:end].zero_()
 
 
 def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:

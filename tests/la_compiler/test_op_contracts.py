@@ -1,0 +1,337 @@
+"""Every laqat custom op passes ``torch.library.opcheck`` with all five test utils (schema, autograd registration,
+fake tensor, AOTDispatcher static and dynamic): the fakes state the real ops' output shapes, strides and dtypes,
+the autograd formulas hold under AOTAutograd, and two calls of the same inputs return the same outputs (the
+chunk kernels' residual included: every element of it written).
+
+Inputs come contiguous, as views transposed from head-first storage ([B, H, T, D] -> [B, T, H, D]) and as
+slices (offset in T, narrowed in D), fp32 and bf16, with and without an initial state / cu_seqlens, GDN and KDA,
+through every kernel variant that runs on the CPU (fused_recurrent, chunk, reference; decode_reference and
+decode_fused for the phased ops), exact and with a quantized state. Every op registered under ``laqat::`` has
+cases here: a new op without them fails ``test_every_laqat_op_has_cases``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import la_compiler
+import la_compiler.ir  # noqa: F401  (registers the IR ops)
+import la_compiler.ir_phase  # noqa: F401
+from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV
+from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401  (registers the FLA ops)
+from la_compiler.spec import RecurrenceSpec
+
+TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+              "test_aot_dispatch_dynamic")
+SCALE = 0.25
+K = V = 16
+CHUNK = 8
+STATE_FP8 = (("state", "fp8_e4m3/tile16"),)
+LAYOUTS = ("contiguous", "transposed", "sliced")
+
+
+def laqat_ops() -> list[str]:
+    """Every op registered in the laqat namespace."""
+    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("laqat::"))
+
+
+def opcheck(name: str, args: tuple):
+    torch.library.opcheck(getattr(torch.ops.laqat, name).default, args, test_utils=TEST_UTILS)
+
+
+def test_the_test_utils_are_all_of_opchecks():
+    from torch.testing._internal.optests.generate_tests import ALL_TEST_UTILS, DEFAULT_TEST_UTILS
+
+    assert set(TEST_UTILS) == set(ALL_TEST_UTILS) >= set(DEFAULT_TEST_UTILS)
+
+
+# ---- inputs in a layout ------------------------------------------------------------------------
+def laid_out(values: torch.Tensor, layout: str, *, time_dim: int | None = 1, grad: bool = False) -> torch.Tensor:
+    """``values`` as a tensor of the same shape and contents in ``layout``: contiguous; a view transposed from
+    storage with ``time_dim`` and the dim after it swapped (head-first [B, H, T, D] storage seen as [B, T, H, D]);
+    or a slice (one element off in ``time_dim`` and the last dim narrowed). A leaf where ``grad``."""
+    if layout == "contiguous":
+        out = values.clone()
+    elif layout == "transposed" and values.dim() == 1:  # every other element of a buffer twice as long
+        out = torch.stack([values, torch.full_like(values, float("nan"))], -1)[:, 0]
+    elif layout == "transposed":
+        d = time_dim if time_dim is not None else values.dim() - 2
+        out = values.transpose(d, d + 1).contiguous().transpose(d, d + 1)
+    elif layout == "sliced":
+        shape = list(values.shape)
+        shape[-1] += 3
+        index = [slice(None)] * values.dim()
+        index[-1] = slice(1, values.shape[-1] + 1)
+        if time_dim is not None and time_dim != values.dim() - 1:
+            shape[time_dim] += 2
+            index[time_dim] = slice(1, values.shape[time_dim] + 1)
+        out = values.new_full(shape, float("nan"))[tuple(index)]
+        out.copy_(values)
+    else:
+        raise ValueError(layout)
+    assert out.shape == values.shape, layout
+    assert (layout == "contiguous") != (not out.is_contiguous() or out.storage_offset() > 0), layout  # 1-D: offset
+    return out.requires_grad_(grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str = "gdn"
+    kernel: str = "chunk"
+    layout: str = "contiguous"
+    dtype: torch.dtype = torch.float32
+    h0: bool = False
+    varlen: bool = False
+    quant: tuple = ()
+    keep: str = "1"  # LAQAT_CHUNK_KEEP_RESIDUAL
+    heads: tuple = (1, 1)  # (H, HV); the transposed layout takes (2, 2): a dim of one is not transposed
+    batch: int = 1  # without cu_seqlens
+
+    def spec(self, **changes) -> str:
+        return RecurrenceSpec(kind=self.kind, kernel=self.kernel, chunk=CHUNK, quant=self.quant,
+                              **changes).to_string()
+
+    def __str__(self):
+        bits = [self.kind, self.kernel, self.layout, str(self.dtype).split(".")[-1]]
+        bits += ["h0"] * self.h0 + ["varlen"] * self.varlen + ["state_fp8"] * bool(self.quant)
+        bits += [f"keep_{self.keep}"] * (self.keep != "1")
+        bits += [f"heads{self.heads[0]}x{self.heads[1]}"] * (self.heads != (1, 1)) + [f"B{self.batch}"] * (self.batch > 1)
+        return "-".join(bits)
+
+
+T = 9  # two chunks of CHUNK
+CU_SEQLENS = [0, 3, T]
+
+
+def recurrence_inputs(case: Case, grad: bool):
+    """(q, k, v, g, beta, initial_state, cu_seqlens) of ``case``, in its layout and dtype."""
+    H, HV = (2, 2) if case.layout == "transposed" else case.heads
+    B, cu = (1, torch.tensor(CU_SEQLENS)) if case.varlen else (case.batch, None)
+    N = B if cu is None else cu.numel() - 1
+    g_shape = (B, T, HV, K) if case.kind == "kda" else (B, T, HV)
+    values = [torch.randn(B, T, H, K), F.normalize(torch.randn(B, T, H, K), dim=-1), torch.randn(B, T, HV, V),
+              F.logsigmoid(torch.randn(g_shape)) * 0.5, torch.rand(B, T, HV).sigmoid()]
+    tensors = [laid_out(x.to(case.dtype), case.layout, grad=grad) for x in values]
+    h0 = laid_out(torch.randn(N, HV, K, V).to(case.dtype), case.layout, time_dim=2, grad=grad) if case.h0 else None
+    return (*tensors, h0, cu)
+
+
+def cotangents(case: Case, q, v, cu):
+    """do [B, T, HV, V] in the case's layout (Inductor hands strided gradients), dht fp32 [N, HV, K, V]."""
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    return (laid_out(torch.randn(v.shape).to(q.dtype), case.layout),
+            laid_out(torch.randn(N, v.shape[2], K, V), case.layout, time_dim=2))
+
+
+# ---- the delta rule ops ------------------------------------------------------------------------
+# each kernel variant that runs on the CPU, across kinds, layouts, dtypes, initial states, cu_seqlens, grouped heads
+# and a quantized state; every dimension takes each of its values at least once per variant
+BF16 = torch.bfloat16
+DELTA_RULE_CASES = [
+    Case("gdn", "fused_recurrent", heads=(1, 2), batch=2),
+    Case("kda", "fused_recurrent", "transposed", h0=True),
+    Case("gdn", "fused_recurrent", "sliced", BF16, varlen=True),
+    Case("kda", "fused_recurrent", "contiguous", BF16, h0=True, varlen=True),
+    Case("gdn", "chunk", heads=(1, 2)),
+    Case("kda", "chunk"),  # issue 21: its residual differed between identical calls (unwritten elements)
+    Case("gdn", "chunk", "transposed", h0=True),
+    Case("kda", "chunk", "sliced", h0=True, varlen=True),
+    Case("gdn", "chunk", "sliced", h0=True, varlen=True, quant=STATE_FP8),
+    Case("kda", "chunk", "contiguous", BF16, h0=True, quant=STATE_FP8),
+    Case("gdn", "chunk", "contiguous", BF16, h0=True, varlen=True, keep="all"),
+    Case("kda", "chunk", "sliced", BF16, varlen=True, keep="all"),
+    Case("gdn", "chunk", "contiguous", h0=True, keep="0"),
+    Case("gdn", "reference", "transposed", h0=True),
+    Case("kda", "reference", "sliced", BF16, varlen=True, heads=(1, 2)),
+    Case("kda", "reference", "contiguous", h0=True, varlen=True, quant=STATE_FP8),
+    Case("gdn", "reference", "sliced", BF16, quant=STATE_FP8, batch=2),
+]
+# the backward op, the forward-only op and the composite: fewer (the training op's opcheck runs their kernels)
+BACKWARD_CASES = [DELTA_RULE_CASES[i] for i in (1, 4, 7, 9, 10, 11, 14)]
+EVAL_CASES = [DELTA_RULE_CASES[i] for i in (2, 6, 7, 8, 15)]
+COMPOSITE_CASES = [DELTA_RULE_CASES[i] for i in (3, 13, 15)]
+
+
+@pytest.fixture
+def keep(monkeypatch, request):
+    def set_keep(case: Case):
+        monkeypatch.setenv(KEEP_RESIDUAL_ENV, case.keep)
+    return set_keep
+
+
+def _forward_args(case: Case, grad: bool):
+    q, k, v, g, beta, h0, cu = recurrence_inputs(case, grad)
+    return (q, k, v, g, beta, h0, cu, SCALE, case.spec())
+
+
+@pytest.mark.parametrize("case", DELTA_RULE_CASES, ids=str)
+def test_delta_rule_train(case, keep):
+    keep(case)
+    opcheck("delta_rule_train", _forward_args(case, grad=True))
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=str)
+def test_delta_rule_backward(case, keep):
+    """From the residual its training forward keeps (empty for variants that keep none)."""
+    keep(case)
+    args = _forward_args(case, grad=False)
+    q, k, v, g, beta, h0, cu, scale, spec = args
+    _, _, residual = torch.ops.laqat.delta_rule_train(*args)
+    do, dht = cotangents(case, q, v, cu)
+    opcheck("delta_rule_backward", (do, dht, residual, q, k, v, g, beta, h0, cu, scale, spec))
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=str)
+def test_delta_rule_eval(case, keep):
+    keep(case)
+    opcheck("delta_rule_eval", _forward_args(case, grad=False))
+
+
+@pytest.mark.parametrize("case", COMPOSITE_CASES, ids=str)
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
+def test_delta_rule(case, grad, keep):
+    """The composite (delta_rule_train where a gradient flows, else delta_rule_eval)."""
+    keep(case)
+    opcheck("delta_rule", _forward_args(case, grad=grad))
+
+
+# ---- the phased ops (need an active phase context) ---------------------------------------------
+PHASED_CASES = [
+    Case("kda", "decode_reference", "transposed", h0=True, varlen=True, quant=STATE_FP8),
+    Case("gdn", "decode_reference", "sliced", torch.bfloat16, quant=STATE_FP8),
+    Case("gdn", "decode_fused", "contiguous", h0=True, quant=STATE_FP8),
+    Case("kda", "decode_fused", "sliced", torch.bfloat16, varlen=True, quant=STATE_FP8),
+]
+PREFILL = {False: ([3], [8]), True: ([2, 4], [3, 5])}  # (prefill lengths, valid lengths) by varlen
+
+
+def _phased_args(case: Case, grad: bool):
+    q, k, v, g, beta, h0, cu = recurrence_inputs(case, grad)
+    prefill, valid = torch.ops.laqat.phase_lengths(q, cu)
+    spec = case.spec(phase="token", extra=(("readout", "working"),))
+    return (q, k, v, g, beta, h0, cu, prefill, valid, SCALE, spec)
+
+
+@pytest.mark.parametrize("case", PHASED_CASES, ids=str)
+def test_phase_lengths(case):
+    q, *_, cu = recurrence_inputs(case, grad=False)
+    with la_compiler.phase(*PREFILL[case.varlen]):
+        opcheck("phase_lengths", (q, cu))
+
+
+@pytest.mark.parametrize("case", PHASED_CASES, ids=str)
+def test_delta_rule_phased(case):
+    with la_compiler.phase(*PREFILL[case.varlen]):
+        opcheck("delta_rule_phased", _phased_args(case, grad=True))
+
+
+@pytest.mark.parametrize("case", PHASED_CASES, ids=str)
+def test_delta_rule_phased_backward(case):
+    with la_compiler.phase(*PREFILL[case.varlen]):
+        q, k, v, g, beta, h0, cu, prefill, valid, scale, spec = _phased_args(case, grad=False)
+        do, dht = cotangents(case, q, v, cu)
+        opcheck("delta_rule_phased_backward", (do, dht, q, k, v, g, beta, h0, cu, prefill, valid, scale, spec))
+
+
+# ---- FLA's convolution and norms (passes/frontends/fla_conv_op.py, fla_norm_op.py) -------------
+@dataclasses.dataclass(frozen=True)
+class FlaCase:
+    layout: str = "contiguous"
+    dtype: torch.dtype = torch.float32
+    optional: bool = True  # bias, residual, initial state / weight, bias
+    varlen: bool = False
+
+    def __str__(self):
+        return "-".join([self.layout, str(self.dtype).split(".")[-1]] + ["optional"] * self.optional
+                        + ["varlen"] * self.varlen)
+
+
+FLA_CASES = [
+    FlaCase("contiguous", torch.float32, optional=True),
+    FlaCase("transposed", torch.bfloat16, optional=False),
+    FlaCase("sliced", torch.float32, optional=True, varlen=True),
+]
+D, W = 8, 4
+
+
+def _conv_args(case: FlaCase, grad: bool):
+    B, T = (1, 10) if case.varlen else (2, 7)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32) if case.varlen else None
+    N = B if cu is None else cu.numel() - 1
+    lay = lambda x, **kw: laid_out(x.to(case.dtype), case.layout, grad=grad, **kw)  # noqa: E731
+    x = lay(torch.randn(B, T, D))  # transposed: [B, D, T] storage, what a Conv1d's input is
+    weight = lay(torch.randn(D, W), time_dim=None)
+    bias = lay(torch.randn(D), time_dim=None) if case.optional else None
+    residual = lay(torch.randn(B, T, D)) if case.optional else None
+    h0 = lay(torch.randn(N, D, W), time_dim=None) if case.optional else None
+    return x, weight, bias, residual, h0, cu
+
+
+def _options(case: FlaCase, *choices):
+    """One of ``choices`` per case (each is taken by some case)."""
+    return choices[FLA_CASES.index(case) % len(choices)]
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_causal_conv1d(case):
+    x, weight, bias, residual, h0, cu = _conv_args(case, grad=True)
+    activation, final = _options(case, ("silu", True), (None, False))
+    opcheck("causal_conv1d", (x, weight, bias, residual, h0, cu, activation, final))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_causal_conv1d_backward(case):
+    x, weight, bias, residual, h0, cu = _conv_args(case, grad=False)
+    dy = laid_out(torch.randn(x.shape).to(case.dtype), case.layout)
+    N = x.shape[0] if cu is None else cu.numel() - 1
+    activation, dht = _options(case, ("silu", laid_out(torch.randn(N, D, W).to(case.dtype), case.layout, time_dim=None)),
+                               (None, None))
+    opcheck("causal_conv1d_backward", (dy, dht, x, weight, bias, residual, h0, cu, activation))
+
+
+def _norm_args(case: FlaCase, grad: bool):
+    lay = lambda x, **kw: laid_out(x.to(case.dtype), case.layout, grad=grad, **kw)  # noqa: E731
+    shape = (2, 5, 2, D)  # [B, T, H, D]: the output norm of a layer, per head
+    x, gate = lay(torch.randn(shape)), lay(torch.randn(shape))
+    weight = lay(torch.randn(D), time_dim=None) if case.optional else None
+    bias = lay(torch.randn(D), time_dim=None) if case.optional else None
+    return x, gate, weight, bias
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_layer_norm_gated(case):
+    x, gate, weight, bias = _norm_args(case, grad=True)
+    activation, rms = _options(case, ("swish", True), ("sigmoid", False), ("silu", False))
+    opcheck("layer_norm_gated", (x, gate, weight, bias, activation, 1e-5, rms))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_layer_norm_gated_backward(case):
+    x, gate, weight, bias = _norm_args(case, grad=False)
+    dy = laid_out(torch.randn(x.shape).to(case.dtype), case.layout)
+    activation, rms = _options(case, ("silu", True), ("sigmoid", False))
+    opcheck("layer_norm_gated_backward", (dy, x, gate, weight, bias, activation, 1e-5, rms))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_layer_norm(case):
+    x, _, weight, bias = _norm_args(case, grad=True)
+    opcheck("layer_norm", (x, weight, bias, 1e-5, _options(case, True, False)))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_layer_norm_backward(case):
+    x, _, weight, bias = _norm_args(case, grad=False)
+    dy = laid_out(torch.randn(x.shape).to(case.dtype), case.layout)
+    opcheck("layer_norm_backward", (dy, x, weight, bias, 1e-5, _options(case, False, True)))
+
+
+def test_every_laqat_op_has_cases():
+    """Every op registered under laqat:: has an opcheck test in this file (a new op needs its cases here)."""
+    tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
+    assert set(laqat_ops()) <= tested, sorted(set(laqat_ops()) - tested)
+    assert len(laqat_ops()) >= 13

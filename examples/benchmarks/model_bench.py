@@ -42,6 +42,8 @@ ROWS = {  # row -> (compile backend or None, policy, decode-phase prefix)
     "eager FLA": (None, None, False),
     "torch.compile (Inductor)": ("inductor", None, False),
     "laqat exact": ("laqat", None, False),
+    "laqat exact (laqat chunk kernels)": ("laqat", {"linear_attention": [{"module_name": "*",
+                                                                          "cfg": {"backend": "chunk"}}]}, False),
     "laqat state_fp8": ("laqat", "state_fp8", False),
     "laqat state_int8_block32": ("laqat", "state_int8_block32", False),
     "laqat prefill_operands_fp8": ("laqat", "prefill_operands_fp8", False),
@@ -111,7 +113,7 @@ def run_row(name, family, base, ids, args, oracle):
         torch.cuda.synchronize()
         row["first_step_s"] = round(time.perf_counter() - t0, 2)
         row["loss"] = round(loss.item(), 5)
-        if oracle is not None and policy is None and backend != "inductor":
+        if oracle is not None and (policy is None or name.startswith("laqat exact")) and backend != "inductor":
             row["grad_rel_max"] = max(rel_l2(grads_of(model)[n], g) for n, g in oracle.items())
         optimizer.step()
         if backend == "laqat":

@@ -62,16 +62,18 @@ def gdn_unbind_cat(q, k, v, g, beta, h0=None):
     return torch.cat(outs, dim=1), S
 
 
-def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True):
+def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta_scale=None):
     """Kimi/Qwen-style chunked WY form in [B, T, H, D], triangular inverse with
     linalg.solve_triangular, T padded to the chunk size; ``causal=False`` lets the intra-chunk
-    attention see later tokens of the chunk (a near miss)."""
+    attention see later tokens of the chunk (a near miss); ``beta_scale`` multiplies the padded beta."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     pad = (C - T % C) % C
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    if beta_scale is not None:
+        beta = beta * beta_scale
     N = (T + pad) // C
     q = q * K ** -0.5
     q, k, v = (x.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B, H, N, C, D]

@@ -16,6 +16,7 @@ import torch
 
 from la_compiler.passes.frontends.torch_recurrence import rules
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.entry import entry_chains
 from la_compiler.passes.frontends.torch_recurrence.loops import LoopBody, NotARecurrence
 
 
@@ -29,6 +30,7 @@ class Region:
     chunk: int  # 1 for token loops
     output: torch.fx.Node  # the node whose readers get the IR's o (the buffer, a stack, an unpad slice)
     final_state: torch.fx.Node | None
+    chains: dict = dataclasses.field(default_factory=dict)  # frontier node -> EntryChain | None (entry.py)
 
     def ordered(self, flow: Dataflow):
         """The live region nodes in graph order (dead ones are only erased, never run)."""
@@ -167,4 +169,5 @@ def build_region(flow: Dataflow, body: LoopBody) -> Region:
                              f"(looked for a dim in ({padded - chunk}, {padded}])")
     seq_len = lens[0]
     output = output_node(flow, body, nodes, seq_len)
-    return Region(body, nodes, frontier, seq_len, padded, chunk, output, body.final_state)
+    return Region(body, nodes, frontier, seq_len, padded, chunk, output, body.final_state,
+                  entry_chains(frontier, nodes))

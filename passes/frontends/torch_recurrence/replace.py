@@ -14,6 +14,7 @@ import torch
 
 from la_compiler.ir import DELTA_RULE, LaqatMeta
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value, value
+from la_compiler.passes.frontends.torch_recurrence.entry import replay
 from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
 from la_compiler.passes.frontends.torch_recurrence.region import Region
 from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment
@@ -87,11 +88,12 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     compute = tensor_value(region.output).dtype
     if not compute.is_floating_point:
         compute = torch.float32
-    q, k, v, beta = (em.cast(em.permute(new(lay.node), lay.perm), compute) for lay in (a.q, a.k, a.v, a.beta))
-    g = em.cast(em.permute(new(a.g.node), a.g.perm), compute)
+    # each input: to [B, T, H, D], its entry chain's casts and scalars replayed (entry.py), the compute dtype
+    q, k, v, g, beta = (em.cast(replay(em.emit, em.permute(new(lay.node), lay.perm), a.chain(role)), compute)
+                        for role, lay in (("q", a.q), ("k", a.k), ("v", a.v), ("g", a.g), ("beta", a.beta)))
     if a.decay_form == "exp":
         g = em.emit("call_function", torch.log, [g])
-    h0 = em.cast(new(a.h0), compute) if a.h0 is not None else None
+    h0 = em.cast(replay(em.emit, new(a.h0), a.chain("h0")), compute) if a.h0 is not None else None
     ir = em.emit("call_function", DELTA_RULE, [q, k, v, g, beta, h0, None, float(a.scale), spec.to_string()])
     ir.meta["laqat"] = LaqatMeta(spec=spec, frontend="torch", module=module_name(meta_from),
                                  region=[n.name for n in sorted(region.nodes, key=flow.pos.__getitem__)])

@@ -23,6 +23,7 @@ import math
 import torch
 
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.entry import IDENTITY
 from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
 from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError, run_nodes
 from la_compiler.passes.frontends.torch_recurrence.reference import EXACT, NEAR_MISSES, Variant, delta_rule_steps
@@ -64,6 +65,19 @@ class Assignment:
     state: str  # "kv" | "vk"
     out_perm: tuple  # region output -> [B, T, HV, V]
     scale: float = 1.0
+    chains: dict = dataclasses.field(default_factory=dict, repr=False)  # frontier node -> EntryChain | None
+
+    def chain(self, role: str):
+        """The entry chain replayed in front of the IR node for ``role`` (the query's trailing
+        scalars are folded into ``scale`` instead)."""
+        node = self.h0 if role == "h0" else getattr(self, role).node
+        chain = self.chains.get(node) or IDENTITY
+        return chain.split_query()[0] if role == "q" else chain
+
+    def ir_input64(self, role: str, env):
+        """The role's value in [B, T, H, D] on float64 probes, after its entry chain."""
+        x = self.chain(role).apply64(env[self.h0 if role == "h0" else getattr(self, role).node])
+        return x if role == "h0" else getattr(self, role).to_ir(x)
 
     def describe(self) -> str:
         return (f"{self.kind}: q={self.q.node.name} k={self.k.node.name} v={self.v.node.name} "
@@ -146,7 +160,8 @@ def _enumerate(region, seq_len, kind, q, k, v, g, beta, h0):
         for state in _state_layouts(h0, region, B, HV, K, V):
             for out_perm in _out_perms(region, seq_len, (B, T, HV, V)):
                 for form in ("log", "exp"):
-                    out.append(Assignment(kind, lq, lk, lv, lg, lb, form, h0, state, out_perm))
+                    out.append(Assignment(kind, lq, lk, lv, lg, lb, form, h0, state, out_perm,
+                                          chains=region.chains))
     return out
 
 
@@ -204,6 +219,9 @@ def _draws(region: Region, g_node, form, gen, device):
             x = x / x.norm(dim=-1, keepdim=True)
         else:
             x = 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        chain = region.chains.get(n)
+        if chain is not None and chain.factor != 1.0:
+            x = x / chain.factor  # the draw is the value after the entry chain's scalars
         env[n] = x.to(device)
     return env
 
@@ -244,14 +262,14 @@ class Probe:
 
 
 def _reference(a: Assignment, env, steps, variant: Variant, scale=1.0):
-    q, k, v, g, beta = (lay.to_ir(env[lay.node]) for lay in (a.q, a.k, a.v, a.g, a.beta))
-    q, k, v, g, beta = (x[:, :steps] for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (a.ir_input64(role, env)[:, :steps] for role in ("q", "k", "v", "g", "beta"))
     HV = v.shape[2]
     q, k = (x.repeat_interleave(HV // x.shape[2], dim=2) for x in (q, k))
     decay = g.exp() if a.decay_form == "log" else g
     B, K, V = q.shape[0], q.shape[-1], v.shape[-1]
     if a.h0 is not None:
-        h0 = env[a.h0] if a.state == "kv" else env[a.h0].transpose(-1, -2)
+        h0 = a.ir_input64("h0", env)
+        h0 = h0 if a.state == "kv" else h0.transpose(-1, -2)
     else:
         h0 = torch.zeros(B, HV, K, V, dtype=torch.float64, device=q.device)
     o, S = delta_rule_steps(q * scale, k, v, decay, beta, h0, variant)

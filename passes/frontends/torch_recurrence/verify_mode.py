@@ -23,10 +23,10 @@ def verify_rewrite(flow: Dataflow, region: Region, a: Assignment, spec: Recurren
     o_region = out[region.output].permute(a.out_perm)
     last = region.final_state if region.final_state is not None else body.states[-1]
     s_region = out.get(last) if last is not None else None
-    q, k, v, g, beta = (lay.to_ir(env[lay.node]).contiguous() for lay in (a.q, a.k, a.v, a.g, a.beta))
+    q, k, v, g, beta = (a.ir_input64(role, env).contiguous() for role in ("q", "k", "v", "g", "beta"))
     if a.decay_form == "exp":
         g = g.log()
-    h0 = env[a.h0] if a.h0 is not None else None
+    h0 = a.ir_input64("h0", env) if a.h0 is not None else None
     with torch.no_grad():
         # the fp64 reference variant: this checks the rewrite, not a kernel's rounding
         o_ir, s_ir = torch.ops.laqat.delta_rule(q, k, v, g, beta, h0, None, float(a.scale),

@@ -59,7 +59,8 @@ def _variant_for(spec: RecurrenceSpec, q: Tensor, v: Tensor):
 
     name = spec.kernel
     if name == "auto":
-        name = select_kernel(spec, device=q.device.type, dtype=q.dtype, head_k=q.shape[-1], head_v=v.shape[-1]).variant
+        name = select_kernel(spec, device=q.device.type, dtype=q.dtype, head_k=q.shape[-1], head_v=v.shape[-1],
+                             seq_len=q.shape[1] if isinstance(q.shape[1], int) else None).variant
     return get_variant(name)
 
 

@@ -16,6 +16,7 @@ import torch
 import la_compiler
 from la_compiler.ir import DELTA_RULE
 from tests.passes import torch_recurrence_gates as gates
+from tests.helpers import assert_close_rel
 from tests.passes.test_torch_recurrence import _check, _inputs
 
 TOL = 1e-5
@@ -35,6 +36,33 @@ def _call(fn, q, k, v, g, beta, h0):
 ])
 def test_variant_is_rewritten_and_equals_eager(name, kind, shape):
     _check(getattr(gates, name), kind, _inputs(kind, **shape), _call)
+
+
+@pytest.mark.parametrize("name", ["gdn_bmm_flat_state", "gdn_head_first"])
+def test_completeness_spellings(name):
+    """Every per-step contraction a bmm over flattened B*H with a [B*H, K, V] state; inputs
+    head-first with T = K = V, where every input has the state's shape."""
+    from tests.passes import torch_recurrence_spellings as spellings
+    if name == "gdn_head_first":
+        t = _inputs("gdn", T=4, K=4, V=4)
+        t = {n: x if n == "h0" else x.transpose(1, 2).contiguous() for n, x in t.items()}
+    else:
+        t = _inputs("gdn")
+    _check(getattr(spellings, name), "gdn", t, _call)
+
+
+def test_in_place_state_updates():
+    """``S.mul_(decay)``, ``S.add_(k u^T)`` on a fresh clone (inference code): rewritten, equal."""
+    from tests.passes import torch_recurrence_spellings as spellings
+    t = _inputs("gdn")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = spellings.gdn_inplace_state(**t)
+        report = la_compiler.explain(spellings.gdn_inplace_state, **t, policy={
+            "linear_attention": [{"module_name": "*", "cfg": {"backend": "reference"}}]})
+    assert [(m.frontend, m.kind) for m in report.matches] == [("torch", "gdn")], report.near_misses
+    for got, w, what in zip(report.output, want, ("o", "state")):
+        assert_close_rel(got, w, TOL, what)
 
 
 def test_replayed_scalar_runs_in_the_dtype_the_model_used():

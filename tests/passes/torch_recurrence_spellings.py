@@ -62,10 +62,11 @@ def gdn_unbind_cat(q, k, v, g, beta, h0=None):
     return torch.cat(outs, dim=1), S
 
 
-def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta_scale=None):
+def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta_scale=None, state_clamp=None):
     """Kimi/Qwen-style chunked WY form in [B, T, H, D], triangular inverse with
     linalg.solve_triangular, T padded to the chunk size; ``causal=False`` lets the intra-chunk
-    attention see later tokens of the chunk (a near miss); ``beta_scale`` multiplies the padded beta."""
+    attention see later tokens of the chunk (a near miss); ``beta_scale`` multiplies the padded beta;
+    ``state_clamp`` clamps the state after every chunk (a near miss)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -93,5 +94,52 @@ def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta
         o[:, :, n] = (q[:, :, n] * gc[:, :, n, :, None].exp()) @ S + qk[:, :, n] @ vn
         kd = k[:, :, n] * (gc[:, :, n, -1:] - gc[:, :, n]).exp()[..., None]
         S = S * gc[:, :, n, -1, None, None].exp() + kd.transpose(-1, -2) @ vn
+        if state_clamp is not None:
+            S = S.clamp(-state_clamp, state_clamp)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o, S
+
+
+def gdn_inplace_state(q, k, v, g, beta, h0=None):
+    """The state updated in place: ``S.mul_(decay)``, ``S.add_(k u^T)`` on a clone of h0 (inference
+    code: autograd refuses to differentiate reads of a state that is overwritten afterwards)."""
+    K = q.shape[-1]
+    S = h0.clone()
+    o = torch.zeros_like(v)
+    for t in range(q.shape[1]):
+        kt = k[:, t]
+        S.mul_(g[:, t].exp()[..., None, None])
+        u = (v[:, t] - (S * kt[..., None]).sum(-2)) * beta[:, t, :, None]
+        S.add_(kt[..., None] * u[..., None, :])
+        o[:, t] = (S * q[:, t, ..., None]).sum(-2) * K ** -0.5
+    return o, S
+
+
+def gdn_bmm_flat_state(q, k, v, g, beta, h0=None):
+    """Every per-step contraction a ``bmm`` over flattened B*H, the state kept as [B*H, K, V]."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    S = h0.reshape(B * H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp().reshape(B * H, 1, 1)
+        kt = k[:, t].reshape(B * H, 1, K)
+        u = (v[:, t].reshape(B * H, 1, V) - torch.bmm(kt, S)) * beta[:, t].reshape(B * H, 1, 1)
+        S = S + torch.bmm(kt.transpose(1, 2), u)
+        outs.append(torch.bmm(q[:, t].reshape(B * H, 1, K), S).reshape(B, H, V) * K ** -0.5)
+    return torch.stack(outs, 1), S.reshape(B, H, K, V)
+
+
+def gdn_head_first(q, k, v, g, beta, h0=None):
+    """Inputs already [B, H, T, D] (and g, beta [B, H, T]), so with T = K = V every input has the
+    state's shape [B, H, K, V]: roles come from the dataflow, not from the sizes."""
+    K = q.shape[-1]
+    S = h0
+    o = torch.zeros_like(v)
+    for t in range(q.shape[2]):
+        kt = k[:, :, t]
+        S = S * g[:, :, t, None, None].exp()
+        u = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", kt, S)) * beta[:, :, t, None]
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, u)
+        o[:, :, t] = torch.einsum("bhk,bhkv->bhv", q[:, :, t], S) * K ** -0.5
     return o, S

@@ -35,7 +35,9 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
 
 
 def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> int:
+    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import OpRefused, check_region_ops
     from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow
+    from la_compiler.passes.frontends.torch_recurrence.inplace import functionalize_inplace
     from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
     from la_compiler.passes.frontends.torch_recurrence.region import build_region
     from la_compiler.passes.frontends.torch_recurrence.replace import check_replaceable, replace_region
@@ -44,6 +46,7 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     from la_compiler.passes.module_names import module_name
     from la_compiler.spec import RecurrenceSpec
 
+    functionalize_inplace(gm)  # S.mul_(d) chains -> out-of-place ops (provably equal values)
     flow = Dataflow(gm)
     loops = find_loops(flow)
     # outermost first: a loop nested in an accepted one is part of its region
@@ -58,6 +61,11 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
             region = build_region(flow, body)
             if region.nodes & taken:
                 raise NotARecurrence("overlaps a recurrence already matched", candidate=False)
+            try:  # every op accounted for, before any probe runs
+                check_region_ops(flow, region, {s for s in body.states if s is not None} | {body.init},
+                                 region.chain_nodes)
+            except OpRefused as e:
+                raise NotARecurrence(e.reason, nodes=[e.node.name]) from None
             assignment = solve(flow, region)
             spec = RecurrenceSpec(kind=assignment.kind, src="torch", state=assignment.state)
             check_replaceable(region)

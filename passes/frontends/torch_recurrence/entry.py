@@ -117,9 +117,13 @@ def entry_chain(x: torch.fx.Node, inside: set):
     return EntryChain(ends.pop() if ends else ()), nodes
 
 
-def entry_chains(frontier, inside: set) -> dict:
-    """frontier node -> EntryChain (or None when its uses disagree)."""
-    return {x: entry_chain(x, inside)[0] for x in frontier}
+def entry_chains(frontier, inside: set) -> tuple[dict, set]:
+    """(frontier node -> EntryChain, or None when its uses disagree; every chain node)."""
+    chains, nodes = {}, set()
+    for x in frontier:
+        chains[x], more = entry_chain(x, inside)
+        nodes |= more
+    return chains, nodes
 
 
 def replay(emit, node, chain: EntryChain):

@@ -368,8 +368,14 @@ def _outputs(flow: Dataflow, loop: Loop, windows, state_offset, init) -> LoopBod
                 o_time_dim = _collector_dim(col)
                 continue
         w, r = rs[0]
-        raise NotARecurrence(f"intermediate {windows[w][off].name} of step {a + w} is read outside the recurrence "
-                             f"by {r.name}", nodes=[windows[w][off].name, r.name])
+        n = windows[w][off]
+        if is_inplace_write(n):
+            from la_compiler.passes.frontends.torch_recurrence.allowed_ops import op_name, where_from
+            raise NotARecurrence(f"`{op_name(n)}` at {where_from(n)} modifies {n.args[0].name} in place inside the "
+                                 f"step (an in-place or partial update of the state is not the delta rule)",
+                                 nodes=[n.name])
+        raise NotARecurrence(f"intermediate {n.name} of step {a + w} is read outside the recurrence "
+                             f"by {r.name}", nodes=[n.name, r.name])
     if o_offset is None:
         raise NotARecurrence("the steps produce no per-step output (no `o[:, t] = ...` and no stacked list)")
     return LoopBody(loop, windows, state_offset, init, o_offset, o_buffer, o_collector, o_time_dim, final_state)

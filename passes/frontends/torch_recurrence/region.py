@@ -31,6 +31,7 @@ class Region:
     output: torch.fx.Node  # the node whose readers get the IR's o (the buffer, a stack, an unpad slice)
     final_state: torch.fx.Node | None
     chains: dict = dataclasses.field(default_factory=dict)  # frontier node -> EntryChain | None (entry.py)
+    chain_nodes: set = dataclasses.field(default_factory=set)  # the nodes of those chains
 
     def ordered(self, flow: Dataflow):
         """The live region nodes in graph order (dead ones are only erased, never run)."""
@@ -169,5 +170,5 @@ def build_region(flow: Dataflow, body: LoopBody) -> Region:
                              f"(looked for a dim in ({padded - chunk}, {padded}])")
     seq_len = lens[0]
     output = output_node(flow, body, nodes, seq_len)
-    return Region(body, nodes, frontier, seq_len, padded, chunk, output, body.final_state,
-                  entry_chains(frontier, nodes))
+    chains, chain_nodes = entry_chains(frontier, nodes)
+    return Region(body, nodes, frontier, seq_len, padded, chunk, output, body.final_state, chains, chain_nodes)

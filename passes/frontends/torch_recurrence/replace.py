@@ -94,6 +94,9 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     if a.decay_form == "exp":
         g = em.emit("call_function", torch.log, [g])
     h0 = em.cast(replay(em.emit, new(a.h0), a.chain("h0")), compute) if a.h0 is not None else None
+    B, HV = tensor_value(v).shape[0], tensor_value(v).shape[2]
+    if h0 is not None and tensor_value(h0).dim() == 3:  # a flattened [B*HV, K, V] state
+        h0 = em.emit("call_method", "reshape", [h0, B, HV, *tensor_value(h0).shape[-2:]])
     ir = em.emit("call_function", DELTA_RULE, [q, k, v, g, beta, h0, None, float(a.scale), spec.to_string()])
     ir.meta["laqat"] = LaqatMeta(spec=spec, frontend="torch", module=module_name(meta_from),
                                  region=[n.name for n in sorted(region.nodes, key=flow.pos.__getitem__)])
@@ -106,7 +109,10 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     renamed[region.output] = o
     if region.final_state is not None:
         s = em.emit("call_function", operator.getitem, [ir, 1])
-        s = em.cast(s, tensor_value(region.final_state).dtype)
+        want = tensor_value(region.final_state)
+        if tuple(want.shape) != tuple(tensor_value(s).shape):
+            s = em.emit("call_method", "reshape", [s, *want.shape])
+        s = em.cast(s, want.dtype)
         _redirect(flow, region, region.final_state, s)
         renamed[region.final_state] = s
     for n in sorted(region.nodes, key=flow.pos.__getitem__, reverse=True):

@@ -105,24 +105,23 @@ def _shape(layout: Layout):
 
 def candidate_assignments(flow: Dataflow, region: Region, seq_len: int):
     """Every shape-consistent role assignment of the frontier (lazy)."""
-    per_token3, per_token4, states = [], [], []
-    state = tuple(tensor_value(region.body.states[0]).shape)
-    state_shapes = {state, state[:-2] + state[:-3:-1]}
+    per_token3, per_token4 = [], []
+    # the initial state is the input that flows into the state entering the first step (by the
+    # dataflow: with T = K = V a head-first q has the state's shape too)
+    states = initial_state_inputs(region)
     for n in region.frontier:
         v = tensor_value(n)
         if v is None or not v.dtype.is_floating_point:
             raise NotARecurrence(f"the recurrence reads {n.name}, which is not a floating tensor", nodes=[n.name])
-        if tuple(v.shape) in state_shapes:
-            states.append(n)
-        elif _per_token(v, seq_len - 1, seq_len) and v.dim() in (3, 4):
+        if n in states:
+            continue
+        if _per_token(v, seq_len - 1, seq_len) and v.dim() in (3, 4):
             (per_token3 if v.dim() == 3 else per_token4).append(n)
-        elif v.dim() == 4:
-            states.append(n)
         else:
             raise NotARecurrence(f"the recurrence reads {n.name} of shape {tuple(v.shape)}, which is no q, k, v, g, "
                                  f"beta or state", nodes=[n.name])
     if len(states) > 1:
-        raise NotARecurrence(f"the recurrence reads {len(states)} state-shaped tensors "
+        raise NotARecurrence(f"{len(states)} inputs flow into the initial state "
                              f"({', '.join(s.name for s in states)}); at most one initial state", nodes=[s.name for s in states])
     h0 = states[0] if states else None
     counts = (len(per_token3), len(per_token4))
@@ -142,6 +141,28 @@ def candidate_assignments(flow: Dataflow, region: Region, seq_len: int):
                 (q, k, v, g), (beta,) = roles4, roles3
             out.extend(_enumerate(region, seq_len, kind, q, k, v, g, beta, h0))
     return out
+
+
+def initial_state_inputs(region: Region) -> list:
+    """The frontier tensors the state entering the first step is computed from (``h0``,
+    ``h0.clone()``, ``zeros + h0``; a tensor lending only its dtype or shape does not count)."""
+    from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
+
+    init = region.body.init
+    frontier = set(region.frontier)
+    seen, stack, found = {init}, [init], []
+    while stack:
+        n = stack.pop()
+        if n in frontier:
+            found.append(n)
+            continue
+        if n not in region.nodes:
+            continue
+        for a in n.all_input_nodes:
+            if a not in seen and not _is_template_use(n, a):
+                seen.add(a)
+                stack.append(a)
+    return sorted(found, key=region.frontier.index)
 
 
 def _enumerate(region, seq_len, kind, q, k, v, g, beta, h0):
@@ -182,7 +203,8 @@ def _state_layouts(h0, region: Region, B, HV, K, V):
         shapes.append(tuple(tensor_value(region.body.states[0]).shape))
     out = []
     for name, shape in (("kv", (B, HV, K, V)), ("vk", (B, HV, V, K))):
-        if all(s == shape for s in shapes):
+        # [B, HV, K, V], or flattened over batch and heads ([B*HV, K, V]: per-step bmm spellings)
+        if all(s in (shape, (B * HV, *shape[2:])) for s in shapes):
             out.append(name)
     return out
 
@@ -269,6 +291,7 @@ def _reference(a: Assignment, env, steps, variant: Variant, scale=1.0):
     B, K, V = q.shape[0], q.shape[-1], v.shape[-1]
     if a.h0 is not None:
         h0 = a.ir_input64("h0", env)
+        h0 = h0.reshape(B, HV, *h0.shape[-2:])  # a flattened [B*HV, K, V] state
         h0 = h0 if a.state == "kv" else h0.transpose(-1, -2)
     else:
         h0 = torch.zeros(B, HV, K, V, dtype=torch.float64, device=q.device)
@@ -300,7 +323,7 @@ def _compare(a: Assignment, env, got, steps, variant: Variant, token: bool):
     if s_got is not None:
         if token:
             _, s_ref = _reference(a, env, 1, variant)
-        err = max(err, rel_err(s_got, s_ref))
+        err = max(err, rel_err(s_got.reshape(s_ref.shape), s_ref))
     return err, c
 
 

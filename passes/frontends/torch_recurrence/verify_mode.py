@@ -27,13 +27,15 @@ def verify_rewrite(flow: Dataflow, region: Region, a: Assignment, spec: Recurren
     if a.decay_form == "exp":
         g = g.log()
     h0 = a.ir_input64("h0", env) if a.h0 is not None else None
+    if h0 is not None and h0.dim() == 3:  # a flattened [B*HV, K, V] state
+        h0 = h0.reshape(v.shape[0], v.shape[2], *h0.shape[-2:])
     with torch.no_grad():
         # the fp64 reference variant: this checks the rewrite, not a kernel's rounding
         o_ir, s_ir = torch.ops.laqat.delta_rule(q, k, v, g, beta, h0, None, float(a.scale),
                                                 spec.replace(kernel="reference").to_string())
     errors = {"o": rel_err(o_ir.double(), o_region)}
     if s_region is not None and (region.chunk == 1 or region.final_state is not None):
-        errors["final_state"] = rel_err(s_ir.double(), s_region)
+        errors["final_state"] = rel_err(s_ir.double(), s_region.reshape(s_ir.shape))
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     if bad:
         return "verify: the IR node differs from the original region on random inputs (" + ", ".join(

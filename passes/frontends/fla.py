@@ -11,7 +11,14 @@ object), Dynamo traces the replacement instead:
     fla.modules.causal_conv1d.causal_conv1d (= fla.modules.convolution.*)  -> laqat::causal_conv1d
     fla.modules.norm.fused_norm_gate.rms_norm_gated / layer_norm_gated     -> laqat::layer_norm_gated
     fla.modules.norm.layernorm.rms_norm / layer_norm                       -> laqat::layer_norm
-    fla.modules.activations.swiglu_linear (GatedMLP's fused SwiGLU)        -> torch ops
+    fla.modules.norm.l2norm.l2norm (= l2_norm)                             -> torch ops
+    fla.modules.activations: swiglu_linear, powglu_linear (GatedMLP fused),
+        swiglu_fwd / swiglu_fwdbwd, powglu_fwd / powglu_fwdbwd (the launchers
+        inside FLA's SwiGLUFunction / PowGLUFunction)                      -> torch ops (fla_activations)
+    fla.modules.fused_cross_entropy.cross_entropy_loss                     -> laqat::cross_entropy
+    fla.modules.fused_linear_cross_entropy.fused_linear_cross_entropy_loss -> laqat::fused_linear_cross_entropy
+
+and, as methods (below), ``FusedCrossEntropyLoss.forward`` and ``FusedLinearCrossEntropyLoss.forward``.
 
 Each recurrence replacement validates its arguments, emits the pre-processing FLA fuses
 into its kernels (l2norm, gate, beta activation: ``fla_preprocess``) as torch ops, calls the
@@ -25,14 +32,26 @@ running FLA's original function, i.e. silently different numerics. The error is 
 an ``assume_constant_result`` helper, which Dynamo runs while tracing, so it aborts the
 compilation (Dynamo reports it as ``InternalTorchDynamoError: UnsupportedArgumentError: ...``)
 with and without ``fullgraph``.
+
+Dynamo calls an ``nn.Module``'s ``forward`` without consulting ``substitute_in_graph``'s table
+(torch 2.13, ``UnspecializedNNModuleVariable.call_function``), so FLA's loss modules, whose
+``forward`` is ``torch.compiler.disable``'d (FusedLinearCrossEntropyLoss) or asserts a GPU
+device before calling a disable'd dispatcher (FusedCrossEntropyLoss), get a method substitution
+instead (``_method_substitutions``): the class attribute becomes a function that runs the
+replacement while ``torch.compiler.is_compiling()`` and FLA's original otherwise, so eager calls
+are unchanged.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import copy
+import functools
 
-from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401  (registers the laqat ops)
-from la_compiler.passes.frontends.fla_preprocess import beta_activation, gdn_gate, kda_gate, l2norm
+import torch
+
+from la_compiler.passes.frontends import fla_activations, fla_conv_op, fla_norm_op  # noqa: F401
+from la_compiler.passes.frontends import fla_cross_entropy_op, fla_linear_cross_entropy_op  # noqa: F401
+from la_compiler.passes.frontends.fla_preprocess import beta_activation, gdn_gate, kda_gate
+from la_compiler.passes.frontends.fla_preprocess import l2norm as l2norm_torch
 
 GDN_CHUNK_SIZES = (16, 32, 64)  # what FLA's chunk_gated_delta_rule accepts
 KDA_CHUNK_SIZES = (32, 64)  # what FLA's chunk_kda accepts
@@ -133,7 +152,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _require(g.dim() == 3, fn, f"argument `g` must be [B, T, HV], got {tuple(g.shape)}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm_torch(q), l2norm_torch(k)
     if use_gate_in_kernel:
         g = gdn_gate(g, A_log, dt_bias)
     if use_beta_sigmoid_in_kernel:
@@ -163,7 +182,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         _require(g is not None, fn, "`g` (the raw gate) must be given with `use_gate_in_kernel=True`")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q, keep_fp32=True), l2norm(k, keep_fp32=True)
+        q, k = l2norm_torch(q, keep_fp32=True), l2norm_torch(k, keep_fp32=True)
     if g is not None and use_gate_in_kernel:
         g = gdn_gate(g, A_log, dt_bias)
     if gk is not None:  # per-key-channel decay: a KDA recurrence; a scalar g on top multiplies in
@@ -213,7 +232,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  f"`safe_gate=True` with `use_gate_in_kernel=True` needs `lower_bound` in [-5, 0), got {lower_bound}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm_torch(q), l2norm_torch(k)
     g = _kda_gate(fn, g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
@@ -236,7 +255,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
              f"argument `g` must be [B, T, HV, K], got {tuple(g.shape)}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q, keep_fp32=True), l2norm(k, keep_fp32=True)
+        q, k = l2norm_torch(q, keep_fp32=True), l2norm_torch(k, keep_fp32=True)
     g = _kda_gate(fn, g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
@@ -314,10 +333,148 @@ def layer_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual
     return _norm("layer_norm", is_rms_norm, x, weight, bias, residual, prenorm, residual_in_fp32, eps)
 
 
-def swiglu_linear(x, y, weight, bias):
-    """FLA's fused SwiGLU + linear (GatedMLP's default): ``silu(x) * y`` in fp32, stored in x's dtype,
-    then the linear layer; elementwise, so plain torch ops that Inductor fuses, no opaque op."""
-    return F.linear((F.silu(x.float()) * y.float()).to(x.dtype), weight, bias)
+def l2norm(x, eps=1e-6, output_dtype=None):
+    """FLA's ``l2norm`` module function: ``x * rsqrt(sum(x^2) + eps)`` in fp32, stored in
+    ``output_dtype`` (x's dtype by default); torch ops."""
+    return l2norm_torch(x, keep_fp32=True, eps=eps).to(x.dtype if output_dtype is None else output_dtype)
+
+
+# ---- FLA's fused losses ------------------------------------------------------------------------
+def _check_logits(fn, logits, target):
+    _require(logits.dim() == 2, fn, f"`logits` must be [N, V], got {tuple(logits.shape)}")
+    _require(tuple(target.shape) == tuple(logits.shape[:1]), fn,
+             f"`target` must be [N] = {tuple(logits.shape[:1])}, got {tuple(target.shape)}")
+
+
+def cross_entropy_loss(logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
+                       logit_softcapping=None, ignore_index=-100, inplace_backward=False, process_group=None):
+    """-> (loss [N], z_loss [N]) in fp32, the loss including the z-loss; ``inplace_backward`` (FLA
+    writes the logits' gradient into the logits' storage) only saves memory and is ignored."""
+    fn = "cross_entropy_loss"
+    _refuse_set(fn, process_group=process_group)
+    _check_logits(fn, logits, target)
+    loss, z_loss, _ = torch.ops.laqat.cross_entropy(
+        logits, target, float(label_smoothing), float(logit_scale), float(lse_square_scale),
+        None if logit_softcapping is None else float(logit_softcapping), int(ignore_index))
+    return loss, z_loss
+
+
+def fused_cross_entropy_forward(self, input, target):
+    """``FusedCrossEntropyLoss.forward`` without its GPU-device assertion (the op runs FLA's kernels
+    on CUDA and their torch transcription elsewhere): FLA's reductions over the per-token loss."""
+    loss, z_loss = cross_entropy_loss(input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale,
+                                      self.logit_softcapping, self.ignore_index, self.inplace_backward,
+                                      self.process_group)
+    if self.reduction != "none":
+        loss = loss.sum()
+        if self.return_z_loss:
+            z_loss = z_loss.sum()
+        if self.reduction == "mean":
+            total = (target != self.ignore_index).sum()
+            loss = loss / total
+            if self.return_z_loss:
+                z_loss = z_loss / total
+    return (loss, z_loss) if self.return_z_loss else loss
+
+
+def fused_linear_cross_entropy_loss(x, target, weight, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                    logit_scale=1.0, logit_softcapping=None, num_chunks=8, reduction="mean",
+                                    use_l2warp=False, l2_penalty_factor=1e-4, accumulate_grad_in_fp32=True,
+                                    process_group=None):
+    """-> the fp32 scalar loss of ``linear(x, weight, bias)`` against ``target``."""
+    fn = "fused_linear_cross_entropy_loss"
+    _refuse_set(fn, process_group=process_group)
+    _require(reduction in fla_linear_cross_entropy_op.REDUCTIONS, fn,
+             f"argument `reduction` must be one of {fla_linear_cross_entropy_op.REDUCTIONS}, got {reduction!r}")
+    _require(x.dim() == 2, fn, f"`x` must be [N, H], got {tuple(x.shape)}")
+    _require(tuple(target.shape) == tuple(x.shape[:1]), fn,
+             f"`target` must be [N] = {tuple(x.shape[:1])}, got {tuple(target.shape)}")
+    _require(weight.dim() == 2 and weight.shape[1] == x.shape[1], fn,
+             f"`weight` must be [V, H={x.shape[1]}], got {tuple(weight.shape)}")
+    _require(bias is None or tuple(bias.shape) == tuple(weight.shape[:1]), fn, "`bias` must be [V]")
+    _require(weight.dtype == x.dtype, fn, f"`weight` ({weight.dtype}) must have x's dtype ({x.dtype}), as FLA's "
+                                          f"matmuls require")
+    _require(int(num_chunks) >= 1, fn, f"`num_chunks` must be >= 1, got {num_chunks}")
+    loss, _, _, _ = torch.ops.laqat.fused_linear_cross_entropy(
+        x, target, weight, bias, int(ignore_index), float(label_smoothing), float(logit_scale),
+        None if logit_softcapping is None else float(logit_softcapping), int(num_chunks), reduction,
+        bool(use_l2warp), float(l2_penalty_factor), bool(accumulate_grad_in_fp32))
+    return loss
+
+
+def fused_linear_cross_entropy_forward(self, x, target, weight, bias=None):
+    """``FusedLinearCrossEntropyLoss.forward`` (``torch.compiler.disable``'d in FLA)."""
+    return fused_linear_cross_entropy_loss(
+        x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, bias, ignore_index=self.ignore_index,
+        label_smoothing=self.label_smoothing, logit_scale=self.logit_scale,
+        logit_softcapping=self.logit_softcapping, num_chunks=self.num_chunks, reduction=self.reduction,
+        use_l2warp=self.use_l2warp, l2_penalty_factor=self.l2_penalty_factor,
+        accumulate_grad_in_fp32=self.accumulate_grad_in_fp32, process_group=self.process_group)
+
+
+def compute_logits_and_loss(self, hidden_states, labels=None, logits_to_keep=0, *, shift_labels=None,
+                            num_items_in_batch=None, fuse_linear_cross_entropy=None, use_l2warp=None):
+    """``FLAPreTrainedModel._compute_logits_and_loss`` (fla/models/modeling_utils.py, FLA 0.6) as FLA writes
+    it, except that the shifted labels' padding reads ``nn.CrossEntropyLoss``'s default ``ignore_index``
+    (-100) as a constant where the criterion is built here: Dynamo represents an ``nn.CrossEntropyLoss``
+    constructed while tracing as a bound ``F.cross_entropy``, without attributes, and breaks the graph
+    at ``criterion.ignore_index``."""
+    import torch.nn as nn
+    from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
+    from fla.modules.l2warp import l2_warp
+
+    if fuse_linear_cross_entropy is None:
+        fuse_linear_cross_entropy = getattr(self.config, "fuse_linear_cross_entropy", False)
+    if use_l2warp is None:
+        use_l2warp = getattr(self.config, "use_l2warp", False)
+    has_labels = labels is not None or shift_labels is not None
+    loss, logits = None, None
+    if not fuse_linear_cross_entropy or not has_labels:
+        if has_labels or logits_to_keep is None:
+            selected_states = hidden_states
+        elif isinstance(logits_to_keep, int):
+            selected_states = hidden_states[:, -logits_to_keep:]
+        else:
+            selected_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(selected_states)
+    if not has_labels:
+        return loss, logits
+
+    criterion = getattr(self, "criterion", None)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    ignore_index = None
+    if criterion is None:
+        if fuse_linear_cross_entropy:
+            criterion = FusedLinearCrossEntropyLoss(use_l2warp=use_l2warp, reduction=reduction)
+        elif self.config.fuse_cross_entropy:
+            criterion = FusedCrossEntropyLoss(inplace_backward=True, reduction=reduction)
+        else:
+            criterion = nn.CrossEntropyLoss(reduction=reduction)
+            ignore_index = -100  # nn.CrossEntropyLoss's default
+    elif num_items_in_batch is not None:
+        if not hasattr(criterion, "reduction"):
+            raise ValueError("A custom criterion must expose reduction to use num_items_in_batch.")
+        criterion = copy.copy(criterion)
+        criterion.reduction = "sum"
+    if ignore_index is None:
+        ignore_index = criterion.ignore_index
+
+    if shift_labels is None:
+        labels = labels.to(hidden_states.device)
+        shift_labels = torch.cat((labels[..., 1:], torch.full_like(labels[:, :1], ignore_index)), dim=1)
+    else:
+        shift_labels = shift_labels.to(hidden_states.device)
+    if fuse_linear_cross_entropy:
+        loss = criterion(hidden_states, shift_labels, self.lm_head.weight, self.lm_head.bias)
+    else:
+        loss = criterion(logits.reshape(shift_labels.numel(), -1), shift_labels.reshape(-1))
+        if use_l2warp:
+            loss = l2_warp(loss, logits)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, logits
 
 
 # ---- registration ---------------------------------------------------------------------------
@@ -325,7 +482,10 @@ def _substitutions():
     """(FLA's function object, its traceable replacement); aliases share one object."""
     import fla.modules.activations.ops as activation_ops
     import fla.modules.causal_conv1d.ops as conv_ops
+    import fla.modules.fused_cross_entropy.ops as cross_entropy_ops
+    import fla.modules.fused_linear_cross_entropy.ops as linear_cross_entropy_ops
     import fla.modules.norm.fused_norm_gate as norm_ops
+    import fla.modules.norm.l2norm as l2norm_ops
     import fla.modules.norm.layernorm as plain_norm_ops
     import fla.ops.gated_delta_rule as gdn_ops
     import fla.ops.kda as kda_ops
@@ -340,11 +500,45 @@ def _substitutions():
         (norm_ops.layer_norm_gated, layer_norm_gated),
         (plain_norm_ops.rms_norm, rms_norm),
         (plain_norm_ops.layer_norm, layer_norm),
-        (activation_ops.swiglu_linear, swiglu_linear),
+        (l2norm_ops.l2norm, l2norm),
+        (activation_ops.swiglu_linear, fla_activations.swiglu_linear),
+        (activation_ops.swiglu_fwd, fla_activations.swiglu_fwd),
+        (activation_ops.swiglu_fwdbwd, fla_activations.swiglu_fwdbwd),
+        (activation_ops.powglu_linear, fla_activations.powglu_linear),
+        (activation_ops.powglu_fwd, fla_activations.powglu_fwd),
+        (activation_ops.powglu_fwdbwd, fla_activations.powglu_fwdbwd),
+        (cross_entropy_ops.cross_entropy_loss, cross_entropy_loss),
+        (linear_cross_entropy_ops.fused_linear_cross_entropy_loss, fused_linear_cross_entropy_loss),
     )
 
 
-SUBSTITUTED: dict = {}  # FLA function object -> the replacement Dynamo traces instead
+def _method_substitutions():
+    """(FLA's class, method name, replacement): module methods Dynamo calls without the polyfill table."""
+    from fla.models.modeling_utils import FLAPreTrainedModel
+    from fla.modules.fused_cross_entropy.ops import FusedCrossEntropyLoss
+    from fla.modules.fused_linear_cross_entropy.ops import FusedLinearCrossEntropyLoss
+
+    return (
+        (FusedCrossEntropyLoss, "forward", fused_cross_entropy_forward),
+        (FusedLinearCrossEntropyLoss, "forward", fused_linear_cross_entropy_forward),
+        (FLAPreTrainedModel, "_compute_logits_and_loss", compute_logits_and_loss),
+    )
+
+
+SUBSTITUTED: dict = {}  # FLA function object (a method: FLA's original) -> the replacement Dynamo traces instead
+
+
+def _while_compiling(original, replacement):
+    """``replacement`` under ``torch.compile``, FLA's ``original`` in eager mode."""
+    def method(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return replacement(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    # name, doc and signature, but not __dict__: it holds torch.compiler.disable's mark
+    functools.update_wrapper(method, original, updated=())
+    method.__laqat_original__ = original
+    return method
 
 
 def _install() -> None:
@@ -353,6 +547,12 @@ def _install() -> None:
             continue
         torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(replacement)
         SUBSTITUTED[original] = replacement
+    for cls, name, replacement in _method_substitutions():
+        current = cls.__dict__[name]
+        original = getattr(current, "__laqat_original__", current)
+        if original not in SUBSTITUTED:
+            setattr(cls, name, _while_compiling(original, replacement))
+            SUBSTITUTED[original] = replacement
 
 
 _install()

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 L2NORM_EPS = 1e-6
 
 
-def l2norm(x: torch.Tensor, *, keep_fp32: bool = False) -> torch.Tensor:
+def l2norm(x: torch.Tensor, *, keep_fp32: bool = False, eps: float = L2NORM_EPS) -> torch.Tensor:
     """FLA's l2norm over the last dim; ``keep_fp32`` for the fused_recurrent kernels, which
     normalize in registers and never round the result to the input dtype."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + L2NORM_EPS)
+    y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
     return y if keep_fp32 else y.to(x.dtype)
 
 

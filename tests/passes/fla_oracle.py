@@ -3,9 +3,10 @@
 FLA's chunk kernels cannot run on the CPU, so ``naive_fla()`` monkeypatches what the layers
 call with FLA's naive recurrences (fla/ops/*/naive.py), FLA's torch gate references
 (``naive_gdn_gate``, ``naive_kda_gate``, ``naive_kda_lowerbound_gate``), ``F.conv1d`` (what
-``ShortConvolution``, an ``nn.Conv1d``, computes), FLA's ``rms_norm_ref`` functions and
-``F.linear(F.silu(x) * y)`` for GatedMLP's fused SwiGLU. None of this
-shares code with the laqat frontend.
+``ShortConvolution``, an ``nn.Conv1d``, computes), FLA's ``rms_norm_ref`` functions,
+``F.silu(x) * y`` for GatedMLP's SwiGLU and the PowGLU gate as FLA's docstring states it, and for
+FLA's fused losses ``F.cross_entropy`` on the scaled / softcapped logits (plus the z-loss) and FLA's
+own ``l2_warp``. None of this shares code with the laqat frontend.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from fla.modules.l2warp import l2_warp
 from fla.modules.norm.layernorm import rms_norm_ref as plain_rms_norm_ref
 from fla.modules.norm.layernorm_gated import rms_norm_ref
 from fla.ops.gated_delta_rule.gate import naive_gdn_gate
@@ -118,14 +120,75 @@ def swiglu_linear_oracle(x, y, weight, bias):
     return F.linear(F.silu(x) * y, weight, bias)
 
 
+def swiglu_oracle(x, y):
+    return F.silu(x) * y
+
+
+def powglu_oracle(x, y, power=3.0):
+    """FLA's PowGLU: ``x ** (power / (sqrt(x) + 1)) * sigmoid(x) * y`` for x > 0, ``silu(x) * y`` otherwise."""
+    positive = x.clamp_min(1e-30)
+    gate = torch.where(x > 0, positive ** (power / (positive.sqrt() + 1)) * torch.sigmoid(x), F.silu(x))
+    return gate * y
+
+
+def powglu_linear_oracle(x, y, weight, bias, power=3.0):
+    return F.linear(powglu_oracle(x, y, power), weight, bias)
+
+
+def _transformed_logits(logits, logit_scale, logit_softcapping):
+    z = logits.float() * logit_scale
+    return z if logit_softcapping is None else logit_softcapping * torch.tanh(z / logit_softcapping)
+
+
+def cross_entropy_oracle(logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
+                         logit_softcapping=None, ignore_index=-100, **ignored):
+    """FLA's ``cross_entropy_loss``: per-token (loss including the z-loss, z-loss), 0 at ``ignore_index``."""
+    z = _transformed_logits(logits, logit_scale, logit_softcapping)
+    loss = F.cross_entropy(z, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    z_loss = torch.where(target != ignore_index, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    return loss + z_loss, z_loss.detach()
+
+
+def fused_cross_entropy_oracle_forward(self, input, target):
+    """``FusedCrossEntropyLoss.forward``: reductions over the non-ignored targets."""
+    loss, z_loss = cross_entropy_oracle(input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale,
+                                        self.logit_softcapping, self.ignore_index)
+    if self.reduction != "none":
+        count = (target != self.ignore_index).sum() if self.reduction == "mean" else 1
+        loss, z_loss = loss.sum() / count, z_loss.sum() / count
+    return (loss, z_loss) if self.return_z_loss else loss
+
+
+def fused_linear_cross_entropy_oracle(x, target, weight, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                      logit_scale=1.0, logit_softcapping=None, reduction="mean", use_l2warp=False,
+                                      l2_penalty_factor=1e-4, **ignored):
+    """FLA's ``fused_linear_cross_entropy_loss``: the LM head, cross-entropy, and FLA's ``l2_warp`` over
+    all N tokens."""
+    logits = F.linear(x, weight, bias)
+    z = _transformed_logits(logits, logit_scale, logit_softcapping)
+    loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           label_smoothing=label_smoothing, reduction=reduction)
+    if use_l2warp:
+        loss = l2_warp(loss, logits.reshape(1, -1, logits.shape[-1]), l2_penalty_factor)
+    return loss
+
+
+def fused_linear_cross_entropy_oracle_forward(self, x, target, weight, bias=None):
+    return fused_linear_cross_entropy_oracle(x, target, weight, bias, self.ignore_index, self.label_smoothing,
+                                             self.logit_scale, self.logit_softcapping, self.reduction,
+                                             self.use_l2warp, self.l2_penalty_factor)
+
+
 @contextlib.contextmanager
 def naive_fla():
     """Eager FLA layers on the CPU: their kernels swapped for the torch references above."""
     import fla.layers.gated_deltanet as gdn_layer
     import fla.layers.kda as kda_layer
     import fla.modules.causal_conv1d.ops as conv_ops
-    import fla.modules.norm.fused_norm_gate as norm_ops
+    import fla.modules.fused_cross_entropy.ops as cross_entropy_ops
+    import fla.modules.fused_linear_cross_entropy.ops as linear_cross_entropy_ops
     import fla.modules.mlp as mlp
+    import fla.modules.norm.fused_norm_gate as norm_ops
     import fla.modules.norm.layernorm as plain_norm_ops
 
     patches = [
@@ -138,6 +201,11 @@ def naive_fla():
         (norm_ops, "rms_norm_gated", rms_norm_gated_oracle),
         (plain_norm_ops, "rms_norm", rms_norm_oracle),
         (mlp, "swiglu_linear", swiglu_linear_oracle),
+        (mlp, "swiglu", swiglu_oracle),
+        (mlp, "powglu", powglu_oracle),
+        (mlp, "powglu_linear", powglu_linear_oracle),
+        (cross_entropy_ops.FusedCrossEntropyLoss, "forward", fused_cross_entropy_oracle_forward),
+        (linear_cross_entropy_ops.FusedLinearCrossEntropyLoss, "forward", fused_linear_cross_entropy_oracle_forward),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:

@@ -239,6 +239,266 @@ def test_layer_norm_gated_op():
     assert_close_rel(y, y_ref, TOL, "y")
 
 
+# ---- the loss ops, the gated-MLP activations, l2norm --------------------------------------------
+N_TOKENS, VOCAB, HIDDEN = 12, 40, 16
+CE_OPTIONS = {  # FLA's kernels run in Triton's interpreter except with softcapping (libdevice tanh)
+    "defaults": dict(label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0, logit_softcapping=None),
+    "smoothing-scale-zloss": dict(label_smoothing=0.1, logit_scale=0.7, lse_square_scale=1e-3,
+                                  logit_softcapping=None),
+    "softcapping": dict(label_smoothing=0.05, logit_scale=1.3, lse_square_scale=0.0, logit_softcapping=2.0),
+}
+
+
+def _targets(n=N_TOKENS, vocab=VOCAB, ignore_index=-100):
+    target = torch.randint(0, vocab, (n,))
+    target[[2, 7]] = ignore_index
+    return target
+
+
+def laid_out(values, layout):
+    """``values`` (2-D or 1-D) contiguous, as a transposed view of its storage, or sliced from a larger buffer."""
+    if layout == "contiguous":
+        return values.clone()
+    if layout == "transposed":
+        if values.dim() == 1:
+            return torch.stack([values, torch.zeros_like(values)], -1)[:, 0]
+        return values.t().contiguous().t()
+    buffer = torch.zeros(values.shape[0] + 1, *[d + 3 for d in values.shape[1:]], dtype=values.dtype)
+    view = buffer[1:][(slice(None),) + tuple(slice(0, d) for d in values.shape[1:])]
+    view.copy_(values)
+    return view
+
+
+@pytest.mark.parametrize("options", list(CE_OPTIONS), ids=str)
+def test_cross_entropy_op_matches_fla_kernel_and_torch(options):
+    """Per-token loss (with the z-loss), z-loss and the logits' gradient (ignored targets: 0), against
+    ``F.cross_entropy`` and, where it runs in the interpreter, FLA's own Triton kernel."""
+    from fla.modules.fused_cross_entropy import cross_entropy_loss
+
+    from tests.passes.fla_oracle import cross_entropy_oracle
+
+    opts = CE_OPTIONS[options]
+    logits, target = torch.randn(N_TOKENS, VOCAB) * 3, _targets()
+    mine, ref, fla = (logits.clone().requires_grad_(True) for _ in range(3))
+    loss, z_loss, lse = torch.ops.laqat.cross_entropy(mine, target, *opts.values(), -100)
+    loss_ref, z_loss_ref = cross_entropy_oracle(ref, target, **opts)
+    w = torch.rand(N_TOKENS)
+    (dlogits,) = torch.autograd.grad((loss * w).sum(), mine)
+    (dlogits_ref,) = torch.autograd.grad((loss_ref * w).sum(), ref)
+    assert loss.dtype == z_loss.dtype == lse.dtype == torch.float32
+    assert_close_rel(loss, loss_ref, TOL, "loss")
+    assert_close_rel(z_loss, z_loss_ref, TOL, "z_loss")
+    assert_close_rel(dlogits, dlogits_ref, TOL, "dlogits")
+    assert (loss[[2, 7]] == 0).all() and (dlogits[[2, 7]] == 0).all()
+    if opts["logit_softcapping"] is None:
+        loss_fla, z_loss_fla = cross_entropy_loss(fla, target, **opts)
+        (dlogits_fla,) = torch.autograd.grad((loss_fla * w).sum(), fla)
+        assert_close_rel(loss, loss_fla, TOL, "loss vs FLA's kernel")
+        assert_close_rel(z_loss, z_loss_fla, TOL, "z_loss vs FLA's kernel")
+        assert_close_rel(dlogits, dlogits_fla, TOL, "dlogits vs FLA's kernel")
+
+
+def test_cross_entropy_op_bf16_logits_as_fla_kernel():
+    """bf16 logits: fp32 loss, bf16 gradient rounded where FLA's kernel rounds it."""
+    from fla.modules.fused_cross_entropy import cross_entropy_loss
+
+    logits, target = (torch.randn(N_TOKENS, VOCAB) * 3).bfloat16(), _targets()
+    mine, fla = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    loss = torch.ops.laqat.cross_entropy(mine, target, 0.1, 0.7, 0.0, None, -100)[0]
+    loss_fla = cross_entropy_loss(fla, target, label_smoothing=0.1, logit_scale=0.7)[0]
+    (dlogits,), (dlogits_fla,) = torch.autograd.grad(loss.sum(), mine), torch.autograd.grad(loss_fla.sum(), fla)
+    assert loss.dtype == torch.float32 and dlogits.dtype == torch.bfloat16
+    assert_close_rel(loss, loss_fla, TOL, "loss")
+    assert_close_rel(dlogits, dlogits_fla, 1e-2, "dlogits")
+
+
+LCE_OPTIONS = {
+    "defaults": dict(),
+    "sum-l2warp-chunks-bias": dict(bias=True, reduction="sum", use_l2warp=True, l2_penalty_factor=1e-2,
+                                   label_smoothing=0.1, logit_scale=0.8, num_chunks=3),
+    "softcapping": dict(logit_softcapping=2.5, num_chunks=2),
+}
+
+
+def _lce_op_args(x, target, weight, bias, ignore_index=-100, label_smoothing=0.0, logit_scale=1.0,
+                 logit_softcapping=None, num_chunks=8, reduction="mean", use_l2warp=False, l2_penalty_factor=1e-4,
+                 accumulate_grad_in_fp32=True):
+    return (x, target, weight, bias, ignore_index, label_smoothing, logit_scale, logit_softcapping, num_chunks,
+            reduction, use_l2warp, l2_penalty_factor, accumulate_grad_in_fp32)
+
+
+@pytest.mark.parametrize("options", list(LCE_OPTIONS), ids=str)
+def test_fused_linear_cross_entropy_op_matches_fla_and_torch(options):
+    """Loss and the gradients of x, weight and bias (scaled by the loss's gradient) against the LM head +
+    ``F.cross_entropy`` + FLA's ``l2_warp`` and, without softcapping, FLA's own function (its kernels in
+    the interpreter). V < H * num_chunks: several token chunks."""
+    from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+
+    from tests.passes.fla_oracle import fused_linear_cross_entropy_oracle
+
+    opts = dict(LCE_OPTIONS[options])
+    has_bias = opts.pop("bias", False)
+    tensors = dict(x=torch.randn(N_TOKENS, HIDDEN), weight=torch.randn(VOCAB, HIDDEN) / 2)
+    if has_bias:
+        tensors["bias"] = torch.randn(VOCAB)
+    target = _targets()
+    mine, ref, fla = _leaves(tensors), _leaves(tensors), _leaves(tensors)
+    loss = torch.ops.laqat.fused_linear_cross_entropy(
+        *_lce_op_args(mine["x"], target, mine["weight"], mine.get("bias"), **opts))[0]
+    loss_ref = fused_linear_cross_entropy_oracle(ref["x"], target, ref["weight"], ref.get("bias"), **opts)
+    assert loss.dim() == 0 and loss.dtype == torch.float32
+    assert_close_rel(loss, loss_ref, TOL, "loss")
+    (loss * 1.7).backward()
+    (loss_ref * 1.7).backward()
+    for name in tensors:
+        assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+    if opts.get("logit_softcapping") is None:
+        loss_fla = fused_linear_cross_entropy_loss(fla["x"], target, fla["weight"], fla.get("bias"), **opts)
+        (loss_fla * 1.7).backward()
+        assert_close_rel(loss, loss_fla, TOL, "loss vs FLA")
+        for name in tensors:
+            assert_close_rel(mine[name].grad, fla[name].grad, TOL, f"d{name} vs FLA")
+
+
+def test_fused_linear_cross_entropy_op_bf16_as_fla():
+    """bf16 x / weight, fp32 and bf16 gradient accumulation: FLA's rounding points."""
+    from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+
+    x, weight, target = torch.randn(N_TOKENS, HIDDEN).bfloat16(), (torch.randn(VOCAB, HIDDEN) / 2).bfloat16(), _targets()
+    for fp32_grads in (True, False):
+        mine, fla = _leaves(dict(x=x, w=weight)), _leaves(dict(x=x, w=weight))
+        loss = torch.ops.laqat.fused_linear_cross_entropy(
+            *_lce_op_args(mine["x"], target, mine["w"], None, num_chunks=3, accumulate_grad_in_fp32=fp32_grads))[0]
+        loss_fla = fused_linear_cross_entropy_loss(fla["x"], target, fla["w"], num_chunks=3,
+                                                   accumulate_grad_in_fp32=fp32_grads)
+        loss.backward()
+        loss_fla.backward()
+        assert_close_rel(loss, loss_fla, 1e-5, "loss")
+        for name in mine:
+            assert mine[name].grad.dtype == torch.bfloat16
+            assert_close_rel(mine[name].grad, fla[name].grad, 1e-2, f"d{name}")
+
+
+OPCHECK_CASES = [("contiguous", torch.float32), ("transposed", torch.bfloat16), ("sliced", torch.float32),
+                 ("sliced", torch.bfloat16)]
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+                 "test_aot_dispatch_dynamic")
+
+
+def _opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.laqat, name).default, args, test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("layout,dtype", OPCHECK_CASES, ids=lambda v: str(v).split(".")[-1])
+def test_loss_ops_opcheck(layout, dtype):
+    """The fakes state what the real ops return (contiguous, fp32 losses, gradients in the inputs' dtypes),
+    and the autograd registrations hold under AOTAutograd, for strided inputs."""
+    lay = lambda t, grad=True: laid_out(t.to(dtype), layout).requires_grad_(grad)  # noqa: E731
+    target = laid_out(_targets(), layout)
+    logits = lay(torch.randn(N_TOKENS, VOCAB))
+    for opts in (CE_OPTIONS["smoothing-scale-zloss"], CE_OPTIONS["softcapping"]):
+        _opcheck("cross_entropy", (logits, target, *opts.values(), -100))
+    lse = torch.logsumexp(logits.detach().float(), -1)
+    dloss = laid_out(torch.rand(N_TOKENS), layout)
+    _opcheck("cross_entropy_backward", (dloss, logits.detach(), target, lse, *CE_OPTIONS["softcapping"].values(),
+                                        -100))
+    x, weight, bias = lay(torch.randn(N_TOKENS, HIDDEN)), lay(torch.randn(VOCAB, HIDDEN)), lay(torch.randn(VOCAB))
+    _opcheck("fused_linear_cross_entropy", _lce_op_args(x, target, weight, bias, num_chunks=3, use_l2warp=True))
+    _opcheck("fused_linear_cross_entropy", _lce_op_args(x, target, weight, None, reduction="sum",
+                                                        logit_softcapping=3.0))
+
+
+def test_fused_losses_compile_to_the_ops():
+    """FLA's loss modules (their forward methods substituted while compiling) and functions, eager and
+    compiled: the same loss and gradients as the torch oracle; z-loss returned, every reduction."""
+    from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
+
+    from tests.passes.fla_oracle import fused_cross_entropy_oracle_forward, fused_linear_cross_entropy_oracle
+
+    logits, target = torch.randn(3, 4, VOCAB), _targets().view(3, 4)
+    x, weight = torch.randn(3, 4, HIDDEN), torch.randn(VOCAB, HIDDEN)
+
+    def losses(logits, x, weight):
+        out = []
+        for reduction in ("mean", "sum", "none"):
+            ce = FusedCrossEntropyLoss(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3,
+                                       inplace_backward=True, return_z_loss=True)
+            out.append(ce(logits.flatten(0, 1), target.flatten()))
+        lce = FusedLinearCrossEntropyLoss(use_l2warp=True, l2_penalty_factor=1e-2, logit_scale=0.9)
+        out.append(lce(x, target, weight))
+        return out
+
+    def losses_ref(logits, x, weight):
+        out = []
+        for reduction in ("mean", "sum", "none"):
+            ce = FusedCrossEntropyLoss(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3,
+                                       return_z_loss=True)
+            out.append(fused_cross_entropy_oracle_forward(ce, logits.flatten(0, 1), target.flatten()))
+        out.append(fused_linear_cross_entropy_oracle(x, target, weight, use_l2warp=True, l2_penalty_factor=1e-2,
+                                                     logit_scale=0.9))
+        return out
+
+    mine = _leaves(dict(logits=logits, x=x, weight=weight))
+    ref = _leaves(dict(logits=logits, x=x, weight=weight))
+    from la_compiler.explainer import NothingMatchedWarning
+
+    with pytest.warns(NothingMatchedWarning):  # no recurrence in a loss
+        report = la_compiler.explain(losses, *mine.values())
+    assert report.graph_breaks == 0 and len(report.graphs) == 1
+    got, want = report.output, losses_ref(*ref.values())
+    for i, ((loss, z_loss), (loss_ref, z_loss_ref)) in enumerate(zip(got[:3], want[:3])):
+        assert_close_rel(loss, loss_ref, TOL, f"ce loss {i}")
+        assert_close_rel(z_loss, z_loss_ref, TOL, f"ce z_loss {i}")
+    assert_close_rel(got[3], want[3], TOL, "linear ce loss")
+    total = sum(l.sum() for l, _ in got[:3]) + got[3]
+    total_ref = sum(l.sum() for l, _ in want[:3]) + want[3]
+    total.backward()
+    total_ref.backward()
+    for name in mine:
+        assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
+    calls = [line.split("=", 1)[1].split("(")[0].strip() for line in report.graphs[0].readable.splitlines()
+             if not line.lstrip().startswith("#") and "torch.ops.laqat." in line]
+    assert calls == ["torch.ops.laqat.cross_entropy"] * 3 + ["torch.ops.laqat.fused_linear_cross_entropy"]
+
+
+@pytest.mark.parametrize("hidden_act,fuse_swiglu", [("swish", False), ("powlu", False), ("powlu", True)])
+def test_gated_mlp_activations_compile_to_torch_ops(hidden_act, fuse_swiglu):
+    """GatedMLP's SwiGLU / PowGLU (FLA's autograd.Functions around substituted launchers, or the fused
+    *_linear dispatchers): output and every gradient as the torch formulas; no graph break."""
+    from fla.modules import GatedMLP
+
+    from tests.passes.fla_oracle import naive_fla
+
+    mlp = GatedMLP(hidden_size=16, intermediate_size=24, hidden_act=hidden_act, fuse_swiglu=fuse_swiglu)
+    x = torch.randn(2, 5, 16) * 2
+    x_mine, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = compile_laqat(mlp)(x_mine)
+    with naive_fla():
+        y_ref = mlp(x_ref)
+    assert_close_rel(y, y_ref, TOL, "y")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad((y * dy).sum(), [x_mine, *mlp.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum(), [x_ref, *mlp.parameters()])
+    for name, g, g_ref in zip(["x"] + [n for n, _ in mlp.named_parameters()], grads, grads_ref):
+        assert_close_rel(g, g_ref, TOL, f"d{name}")
+
+
+def test_l2norm_compiles_to_torch_ops():
+    from fla.modules.l2norm import l2norm
+
+    from tests.passes.fla_oracle import fla_l2norm
+
+    x = torch.randn(2, 5, 3, 8)
+    mine, ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = compile_laqat(lambda x: l2norm(x, eps=1e-5) * 2 + l2norm(x.bfloat16(), output_dtype=torch.float32))(mine)
+    y_ref = (ref / torch.sqrt((ref * ref).sum(-1, keepdim=True) + 1e-5)) * 2 + fla_l2norm(ref.bfloat16())
+    assert_close_rel(y, y_ref, TOL, "y")
+    dy = torch.randn_like(y)
+    (y * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    assert_close_rel(mine.grad, ref.grad, 1e-2, "dx")  # the bf16 branch's gradient is bf16
+
+
 # ---- layers and models ------------------------------------------------------------------------
 class Block(torch.nn.Module):
     def __init__(self, attn):
@@ -400,6 +660,20 @@ def test_refuses_unsupported_conv_and_norm_arguments():
     _expect_refusal(lambda: rms_norm_gated(x, x[..., :2], None, None), match="`g`")
 
 
+def test_refuses_unsupported_loss_arguments():
+    from fla.modules.fused_cross_entropy import cross_entropy_loss
+    from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+
+    logits, target, x, w = torch.randn(6, 10), torch.randint(0, 10, (6,)), torch.randn(6, 4), torch.randn(10, 4)
+    group = object()  # any process group
+    _expect_refusal(lambda: cross_entropy_loss(logits, target, process_group=group), match="`process_group`")
+    _expect_refusal(lambda: cross_entropy_loss(logits, target[:4]), match="`target`")
+    _expect_refusal(lambda: fused_linear_cross_entropy_loss(x, target, w, process_group=group),
+                    match="`process_group`")
+    _expect_refusal(lambda: fused_linear_cross_entropy_loss(x, target, w, reduction="none"), match="`reduction`")
+    _expect_refusal(lambda: fused_linear_cross_entropy_loss(x, target, w.bfloat16()), match="`weight`")
+
+
 def test_substitutes_every_fla_alias():
     import fla.layers.gated_deltanet as gdn_layer
     import fla.layers.kda as kda_layer
@@ -411,8 +685,31 @@ def test_substitutes_every_fla_alias():
     import fla.ops as ops
     import fla.ops.gated_delta_rule as gdn_ops
 
+    import fla.modules.activations.ops as activations
+    import fla.modules.fused_cross_entropy as cross_entropy
+    import fla.modules.fused_linear_cross_entropy as linear_cross_entropy
+    import fla.modules.l2norm as l2norm
+    from fla.models.modeling_utils import FLAPreTrainedModel
+
     for fn in (ops.chunk_gated_delta_rule, gdn_ops.chunk_gdn, gdn_ops.fused_recurrent_gdn,
                gdn_layer.chunk_gated_delta_rule, gdn_layer.fused_recurrent_gated_delta_rule,
                gdn_layer.causal_conv1d, conv_alias.causal_conv1d, conv_ops.causal_conv1d, kda_layer.chunk_kda,
-               kda_layer.fused_recurrent_kda, gated_norms.rms_norm_gated, norms.rms_norm, mlp.swiglu_linear):
+               kda_layer.fused_recurrent_kda, gated_norms.rms_norm_gated, norms.rms_norm, mlp.swiglu_linear,
+               mlp.powglu_linear, activations.swiglu_fwd, activations.swiglu_fwdbwd, activations.powglu_fwd,
+               activations.powglu_fwdbwd, l2norm.l2norm, l2norm.l2_norm, cross_entropy.cross_entropy_loss,
+               linear_cross_entropy.fused_linear_cross_entropy_loss):
         assert fn in fla_frontend.SUBSTITUTED, fn
+    for cls, name in ((cross_entropy.FusedCrossEntropyLoss, "forward"),
+                      (linear_cross_entropy.FusedLinearCrossEntropyLoss, "forward"),
+                      (FLAPreTrainedModel, "_compute_logits_and_loss")):
+        method = cls.__dict__[name]
+        assert method.__laqat_original__ in fla_frontend.SUBSTITUTED, (cls, name)
+        assert not getattr(method, "_torchdynamo_disable", False), (cls, name)  # FLA's mark stays on the original
+
+
+def test_method_substitutions_leave_eager_calls_to_fla():
+    """Outside torch.compile the substituted methods run FLA's originals (here: FLA's GPU-only assertion)."""
+    from fla.modules import FusedCrossEntropyLoss
+
+    with pytest.raises(AssertionError, match="Only support CUDA"):
+        FusedCrossEntropyLoss()(torch.randn(3, 5), torch.tensor([0, 1, 2]))

@@ -1,0 +1,161 @@
+"""FLA's own causal LMs train under ``torch.compile(model, backend="laqat", fullgraph=True)``.
+
+``KDAForCausalLM`` and ``GatedDeltaNetForCausalLM``, tiny (hidden 32, 2 layers of 2 heads of 8, vocab 64),
+with FLA's default config (fuse_norm, fuse_swiglu, fuse_cross_entropy on, use_l2warp off: KDA trains with
+``FusedLinearCrossEntropyLoss``, GDN with ``FusedCrossEntropyLoss``) and with every fusion off (torch
+norms, FLA's ``swiglu``, ``nn.CrossEntropyLoss``), in train mode with labels (one of them ignored): the
+loss and every parameter gradient against the uncompiled model under ``naive_fla()`` (fp32, relative
+L2 <= 1e-5), one laqat node per layer named ``model.layers.<i>.attn``, no graph break.
+
+The Inductor compiles (one per configuration, forward and backward) dominate the run time; the
+configurations share most kernels, so each compile after the first reuses the ones compiled before.
+"""
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("fla")
+
+import la_compiler  # noqa: E402
+import la_compiler.backend  # noqa: E402,F401  (installs the FLA substitutions)
+from tests.helpers import assert_close_rel, rel_l2  # noqa: E402
+from tests.passes.fla_oracle import naive_fla  # noqa: E402
+
+TOL = 1e-5
+CONFIGS = ("kda-fused", "kda-unfused", "gdn-fused", "gdn-unfused")
+FUSIONS_OFF = dict(fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False)
+# the loss op each configuration trains with (KDA's forward fuses the LM head into the loss in training)
+LOSS_OP = {"kda-fused": "fused_linear_cross_entropy", "gdn-fused": "cross_entropy"}
+VOCAB = 64
+
+
+def _classes(family):
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, KDAConfig, KDAForCausalLM
+
+    return (KDAConfig, KDAForCausalLM) if family == "kda" else (GatedDeltaNetConfig, GatedDeltaNetForCausalLM)
+
+
+def _model(config: str, **overrides):
+    family, fusions = config.split("-")
+    config_class, model_class = _classes(family)
+    options = dict(hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=2, expand_v=1, vocab_size=VOCAB,
+                   intermediate_size=64)
+    if fusions == "unfused":
+        options.update(FUSIONS_OFF)
+    torch.manual_seed(0)
+    return model_class(config_class(**options, **overrides)).train()
+
+
+def _batch(B=2, T=12):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (B, T), generator=generator)
+    labels = tokens.clone()
+    labels[0, 3] = -100  # FLA's (and torch's) ignore_index
+    return tokens, labels
+
+
+@functools.cache
+def _oracle(config: str):
+    """(loss, every parameter's gradient) of the uncompiled model with FLA's torch references."""
+    model = _model(config)
+    tokens, labels = _batch()
+    with naive_fla():
+        loss = model(tokens, labels=labels, use_cache=False).loss
+    return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+def _check_loss_and_grads(config, model, loss, grads=True):
+    loss_ref, grads_ref = _oracle(config)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_close_rel(loss, loss_ref, TOL, "loss")
+    if not grads:
+        return
+    names = [name for name, _ in model.named_parameters()]
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    assert len(got) == len(grads_ref) == len(names)
+    for name, grad, grad_ref in zip(names, got, grads_ref):
+        assert_close_rel(grad, grad_ref, TOL, f"d{name}")
+
+
+def _check_matches(config, matches):
+    family = config.split("-")[0]
+    assert [(m.kind, m.frontend, m.module) for m in matches] == [
+        (family, "fla", f"model.layers.{i}.attn") for i in range(2)]
+
+
+def _laqat_calls(readable: str) -> list[str]:
+    """The laqat ops a rewritten graph calls, in order (source comments skipped)."""
+    return [line.split("torch.ops.laqat.", 1)[1].split("(")[0].split(".")[0] for line in readable.splitlines()
+            if "torch.ops.laqat." in line and not line.lstrip().startswith("#")]
+
+
+def test_fla_default_config_is_what_the_fused_configurations_use():
+    """The fused configurations are FLA 0.6's defaults; FLA applies no L2Warp by default."""
+    for family in ("kda", "gdn"):
+        config = _classes(family)[0]()
+        assert config.fuse_norm and config.fuse_swiglu and config.fuse_cross_entropy and not config.use_l2warp
+        assert not getattr(config, "fuse_linear_cross_entropy", False)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_causal_lm_trains_under_inductor(config):
+    """The user's call: default options (exact policy, Inductor hand-off), fullgraph, training with labels."""
+    model = _model(config)
+    tokens, labels = _batch()
+    out = torch.compile(model, backend="laqat", fullgraph=True)(tokens, labels=labels, use_cache=False)
+    record = la_compiler.backend.last_record().graphs[-1]
+    _check_matches(config, record.matches)
+    calls = _laqat_calls(record.readable)
+    assert calls.count("delta_rule") == 2
+    for op in ("cross_entropy", "fused_linear_cross_entropy"):
+        assert calls.count(op) == (1 if LOSS_OP.get(config) == op else 0), (op, calls)
+    _check_loss_and_grads(config, model, out.loss)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_explain_reports_no_graph_break(config):
+    model = _model(config)
+    tokens, labels = _batch()
+    report = la_compiler.explain(model, tokens, labels=labels, use_cache=False)
+    assert report.graph_breaks == 0 and len(report.graphs) == 1
+    _check_matches(config, report.matches)
+    _check_loss_and_grads(config, model, report.output.loss, grads=False)
+
+
+def test_eager_hand_off_trains():
+    config = "gdn-fused"
+    model = _model(config)
+    tokens, labels = _batch()
+    compiled = torch.compile(model, backend="laqat", fullgraph=True, options={"compiler": "eager"})
+    out = compiled(tokens, labels=labels, use_cache=False)
+    _check_matches(config, la_compiler.backend.last_record().graphs[-1].matches)
+    _check_loss_and_grads(config, model, out.loss)
+
+
+@pytest.mark.filterwarnings("ignore:policy 'state_fp8'.*matched no quantizer")  # its KDA rule, in a GDN model
+def test_state_fp8_moves_the_loss_and_adamw_lowers_it():
+    """The state FP8 policy changes the loss (two chunks of 64: the second reads a rounded state; weights
+    initialised at 0.2 so that the recurrence weighs in the loss), and three AdamW steps through the
+    compiled model lower it."""
+    model = _model("gdn-fused", initializer_range=0.2)
+    tokens, labels = _batch(B=1, T=72)
+    with naive_fla():
+        exact = model(tokens, labels=labels, use_cache=False).loss.item()
+    compiled = torch.compile(model, backend="laqat", fullgraph=True,
+                             options={"policy": "state_fp8", "compiler": "eager"})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(4):
+        loss = compiled(tokens, labels=labels, use_cache=False).loss
+        losses.append(loss.item())
+        if step == 3:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert [m.spec.split("q.state=")[-1].rstrip("]") for m in la_compiler.backend.last_record().graphs[-1].matches
+            ] == ["fp8_e4m3/tile64"] * 2
+    moved = rel_l2(torch.tensor(losses[0]), torch.tensor(exact))
+    assert 10 * TOL < moved < 1e-2, (losses[0], exact)
+    assert losses[3] < losses[2] < losses[1] < losses[0], losses

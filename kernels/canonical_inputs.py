@@ -39,3 +39,10 @@ def check_canonical_inputs(kernel: str, kind: str, state: str, q, k, v, g, beta,
     if initial_state is not None and tuple(initial_state.shape) != state_shape:
         raise ValueError(f"initial_state must be {state_shape} (state={state}), got {tuple(initial_state.shape)}")
     return B, T, H, K, HV, V, N, state_shape
+
+
+def final_state_dtype(q_dtype):
+    """The IR's final state is fp32, and fp64 where the inputs are fp64 (computed by the fp64 variants only)."""
+    import torch
+
+    return torch.float64 if q_dtype == torch.float64 else torch.float32

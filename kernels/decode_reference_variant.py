@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from la_compiler.kernels.autograd_inside_op import recompute_vjp
+from la_compiler.kernels.canonical_inputs import final_state_dtype
 from la_compiler.kernels.decode_options import decode_options
 from la_compiler.kernels.decode_reference import delta_rule_decode_reference
 from la_compiler.kernels.registry import register_variant, spec_of
@@ -37,7 +38,7 @@ def decode_reference_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, 
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
     o, ht = _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths)
-    return o.to(q.dtype), ht.to(torch.float32)
+    return o.to(q.dtype), ht.to(final_state_dtype(q.dtype))
 
 
 def decode_reference_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, *,

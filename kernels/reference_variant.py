@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from la_compiler.kernels.autograd_inside_op import recompute_vjp
+from la_compiler.kernels.canonical_inputs import final_state_dtype
 from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
 from la_compiler.kernels.chunk_rounding import ChunkRounding
 from la_compiler.kernels.reference import delta_rule_reference, sequence_bounds
@@ -80,7 +81,7 @@ def _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
 
 def reference_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
     o, ht = _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale)
-    return o.to(q.dtype), ht.to(torch.float32)
+    return o.to(q.dtype), ht.to(final_state_dtype(q.dtype))
 
 
 def reference_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht):

@@ -71,6 +71,7 @@ def _fla_chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
         (spec.is_exact, "FLA's kernels apply no quantization (spec has quant sites, a non-exact solve or a phase)"),
         (_fla_available(), "flash-linear-attention is not installed"),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "FLA supports head dims up to 256"),
+        _not_float64(ctx),
     ) or _fla_gdn_backward_blocked(spec) or _laqat_kda_chunk_is_faster(spec, ctx)
 
 
@@ -98,6 +99,11 @@ def _triton_runs(ctx: SelectionContext) -> tuple[bool, str]:
             f"Triton kernels need CUDA or TRITON_INTERPRET=1 (device is {ctx.device})")
 
 
+def _not_float64(ctx: SelectionContext) -> tuple[bool, str]:
+    return (ctx.dtype != torch.float64, "it computes in fp32: float64 inputs would come back at fp32 accuracy "
+                                        "(the fp64 reference variant computes in float64)")
+
+
 # On CUDA the token-by-token kernel is faster than the chunked ones only for short sequences: it runs T
 # dependent steps where the chunk kernels run T / 64 (FLA's layers switch to fused_recurrent at 64 tokens).
 FUSED_RECURRENT_MAX_TOKENS_ON_CUDA = 64
@@ -108,6 +114,7 @@ def _fused_recurrent(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     return _needs(
         (spec.is_exact, "the generated recurrent kernel has no quant sites, solve or phase support yet"),
         _triton_runs(ctx),
+        _not_float64(ctx),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),
         (short, f"on CUDA the chunk kernels are faster beyond {FUSED_RECURRENT_MAX_TOKENS_ON_CUDA} tokens per "
                 f"sequence (T is {'symbolic' if ctx.seq_len is None else ctx.seq_len})"),
@@ -125,6 +132,7 @@ def _chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
         (ctx.head_k <= max_k, why),
         (ctx.head_v <= 256, "head_v above 256"),
         _triton_runs(ctx),
+        _not_float64(ctx),
     )
 
 
@@ -160,7 +168,7 @@ def _decode_reason(spec: RecurrenceSpec, family: str) -> str | None:
 def _decode_fused(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     from la_compiler.kernels.decode_fused import unsupported_reason
 
-    return (_decode_reason(spec, "triton") or _needs(_triton_runs(ctx))
+    return (_decode_reason(spec, "triton") or _needs(_triton_runs(ctx), _not_float64(ctx))
             or unsupported_reason(spec, ctx.head_k, ctx.head_v))
 
 

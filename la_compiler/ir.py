@@ -9,7 +9,8 @@ Inputs are canonical (DESIGN.md, "The IR node"): q, k after any l2norm, [B, T, H
 v [B, T, HV, V]; g the log-decay after gate activation, [B, T, HV] (GDN) or [B, T, HV, K]
 (KDA); beta after its activation, [B, T, HV]; initial_state [N, HV, K, V] (or [N, HV, V, K]
 with ``state=vk``), any float dtype. Outputs: o [B, T, HV, V] in q's dtype, final_state
-[N, HV, K, V] (or V-first) in fp32, always computed.
+[N, HV, K, V] (or V-first) in fp32 (fp64 for fp64 inputs, which only the fp64 variants take), always
+computed. Inputs are checked before any kernel runs (la_compiler/ir_checks.py).
 
 ``spec`` is the canonical string of a ``RecurrenceSpec``; its ``kernel=`` field names the
 kernel variant (``auto`` = choose by the kernel-selection table at run time). Everything
@@ -22,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from la_compiler.ir_checks import check_cu_seqlens_values, check_tensors
+from la_compiler.kernels.canonical_inputs import final_state_dtype
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -85,8 +88,15 @@ def delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
 _LIB.impl("delta_rule", delta_rule, "CompositeImplicitAutograd")
 
 
+def check_forward_inputs(op: str, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    """Before any kernel runs: ranks, dtypes, devices, and the offsets' values (la_compiler/ir_checks.py)."""
+    check_tensors(f"laqat::{op}", q, k, v, g, beta, initial_state, cu_seqlens)
+    check_cu_seqlens_values(f"laqat::{op}", cu_seqlens, q.shape[1])
+
+
 @torch.library.custom_op("laqat::delta_rule_eval", mutates_args=(), schema=f"{_FORWARD_ARGS} -> (Tensor, Tensor)")
 def delta_rule_eval(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
+    check_forward_inputs("delta_rule_eval", q, k, v, g, beta, initial_state, cu_seqlens)
     parsed = RecurrenceSpec.parse(spec)
     return pack_outputs(*_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale))
 
@@ -96,6 +106,7 @@ def delta_rule_eval(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
 def delta_rule_train(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
     """(o, final_state, residual): the residual is the fp32 buffer the variant keeps for its backward (empty where
     it keeps nothing; kernels/registry.py)."""
+    check_forward_inputs("delta_rule_train", q, k, v, g, beta, initial_state, cu_seqlens)
     parsed = RecurrenceSpec.parse(spec)
     variant = _variant_for(parsed, q, v)
     size = variant.residual_numel(parsed, q, v, cu_seqlens)
@@ -113,7 +124,7 @@ def empty_outputs(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], spec: str)
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
     shape = _state_shape(RecurrenceSpec.parse(spec), _num_sequences(q, cu_seqlens), HV, K, V)
-    return o, q.new_empty(shape, dtype=torch.float32)
+    return o, q.new_empty(shape, dtype=final_state_dtype(q.dtype))
 
 
 def _contiguous_like(x: Tensor) -> Tensor:
@@ -156,11 +167,13 @@ def _no_residual(q: Tensor) -> Tensor:
 
 @delta_rule_eval.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
+    check_tensors("laqat::delta_rule_eval", q, k, v, g, beta, initial_state, cu_seqlens)
     return empty_outputs(q, v, cu_seqlens, spec)
 
 
 @delta_rule_train.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, spec):
+    check_tensors("laqat::delta_rule_train", q, k, v, g, beta, initial_state, cu_seqlens)
     parsed = RecurrenceSpec.parse(spec)
     size = _variant_for(parsed, q, v).residual_numel(parsed, q, v, cu_seqlens)
     return (*empty_outputs(q, v, cu_seqlens, spec), q.new_empty((size,), dtype=torch.float32))
@@ -205,7 +218,7 @@ def _backward(ctx, do, dht, _residual_grad):
     q, k, v, g, beta, initial_state, cu_seqlens, residual = ctx.saved_tensors
     if dht is None:
         dht = q.new_zeros(_state_shape(RecurrenceSpec.parse(ctx.spec), _num_sequences(q, cu_seqlens),
-                                       v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+                                       v.shape[2], q.shape[-1], v.shape[-1]), dtype=final_state_dtype(q.dtype))
     if do is None:
         do = torch.zeros_like(v, dtype=q.dtype)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.laqat.delta_rule_backward(

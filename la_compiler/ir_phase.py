@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 
-from la_compiler.ir import (_num_sequences, _state_shape, _variant_for, empty_grads, empty_outputs, pack_grads,
-                            pack_outputs)
+from la_compiler.ir import (_num_sequences, _state_shape, _variant_for, check_forward_inputs, empty_grads,
+                            empty_outputs, pack_grads, pack_outputs)
+from la_compiler.kernels.canonical_inputs import final_state_dtype
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -61,6 +62,7 @@ def delta_rule_phased(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str,
 ) -> tuple[Tensor, Tensor]:
+    check_forward_inputs("delta_rule_phased", q, k, v, g, beta, initial_state, cu_seqlens)
     parsed = RecurrenceSpec.parse(spec)
     return pack_outputs(*_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                                             prefill_lengths=prefill_lengths,
@@ -99,7 +101,7 @@ def _backward(ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths = ctx.saved_tensors
     if dht is None:
         dht = q.new_zeros(_state_shape(RecurrenceSpec.parse(ctx.spec), _num_sequences(q, cu_seqlens),
-                                       v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+                                       v.shape[2], q.shape[-1], v.shape[-1]), dtype=final_state_dtype(q.dtype))
     if do is None:
         do = torch.zeros_like(v, dtype=q.dtype)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.laqat.delta_rule_phased_backward(

@@ -6,6 +6,7 @@ import operator
 import torch
 
 from la_compiler.ir import LaqatMeta, is_delta_rule, node_spec
+from la_compiler.ir_checks import check_tensors
 
 
 class IRVerificationError(RuntimeError):
@@ -31,6 +32,7 @@ def verify_node(node: torch.fx.Node) -> None:
         raise IRVerificationError(f"{where}: scale must be a positive float, got {scale!r}")
     if q is None or not isinstance(q, torch.Tensor):
         return  # no shape information (graphs built by hand); nothing more to check
+    check_tensors(where, q, k, v, g, beta, h0, cu)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     expect = {

@@ -66,3 +66,15 @@ def test_float64_is_computed_in_float64():
     ro, rht = delta_rule_reference(q, k, v, g, beta, kind="gdn", scale=0.5)
     assert o.dtype == torch.float64 and rel_l2(o, ro) < 1e-13 and rel_l2(ht, rht) < 1e-13
     assert torch.autograd.gradcheck(lambda *xs: fn(*xs)[0], (q, k, v, g, beta))
+
+
+def test_fla_call_with_offsets_past_t_is_refused_before_a_kernel_runs():
+    fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule")
+    q, k, v, g, beta = _inputs()
+
+    def fn(q, k, v, g, beta, cu):
+        return fla_gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)[0]
+    compiled = torch.compile(fn, backend="laqat", fullgraph=True)
+    with pytest.raises(IRInputError, match=r"cu_seqlens must start at 0, never decrease and end at T=8; got "
+                                           r"\[0, 3, 12\]"):
+        compiled(q, k, v, g, beta, torch.tensor([0, 3, 12], dtype=torch.int32))

@@ -18,7 +18,8 @@ object), Dynamo traces the replacement instead:
     fla.modules.fused_cross_entropy.cross_entropy_loss                     -> laqat::cross_entropy
     fla.modules.fused_linear_cross_entropy.fused_linear_cross_entropy_loss -> laqat::fused_linear_cross_entropy
 
-and, as methods (below), ``FusedCrossEntropyLoss.forward`` and ``FusedLinearCrossEntropyLoss.forward``.
+and, as methods (below), ``FusedCrossEntropyLoss.forward``, ``FusedLinearCrossEntropyLoss.forward`` and
+``FLAPreTrainedModel._compute_logits_and_loss``.
 
 Each recurrence replacement validates its arguments, emits the pre-processing FLA fuses
 into its kernels (l2norm, gate, beta activation: ``fla_preprocess``) as torch ops, calls the
@@ -33,13 +34,14 @@ an ``assume_constant_result`` helper, which Dynamo runs while tracing, so it abo
 compilation (Dynamo reports it as ``InternalTorchDynamoError: UnsupportedArgumentError: ...``)
 with and without ``fullgraph``.
 
-Dynamo calls an ``nn.Module``'s ``forward`` without consulting ``substitute_in_graph``'s table
-(torch 2.13, ``UnspecializedNNModuleVariable.call_function``), so FLA's loss modules, whose
-``forward`` is ``torch.compiler.disable``'d (FusedLinearCrossEntropyLoss) or asserts a GPU
-device before calling a disable'd dispatcher (FusedCrossEntropyLoss), get a method substitution
-instead (``_method_substitutions``): the class attribute becomes a function that runs the
-replacement while ``torch.compiler.is_compiling()`` and FLA's original otherwise, so eager calls
-are unchanged.
+Dynamo calls an ``nn.Module``'s ``forward``, and any Python method, without consulting
+``substitute_in_graph``'s table (torch 2.13, ``UnspecializedNNModuleVariable.call_function``), so
+FLA's loss modules, whose ``forward`` is ``torch.compiler.disable``'d (FusedLinearCrossEntropyLoss)
+or asserts a GPU device before calling a disable'd dispatcher (FusedCrossEntropyLoss), and the
+causal LMs' ``_compute_logits_and_loss`` (a graph break at ``criterion.ignore_index`` of an
+``nn.CrossEntropyLoss`` it builds) get a method substitution instead (``_method_substitutions``):
+the class attribute becomes a function that runs the replacement while
+``torch.compiler.is_compiling()`` and FLA's original otherwise, so eager calls are unchanged.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ import copy
 import functools
 
 import torch
+import torch.nn as nn
+from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
+from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
+from fla.modules.l2warp import l2_warp
 
 from la_compiler.passes.frontends import fla_activations, fla_conv_op, fla_norm_op  # noqa: F401
 from la_compiler.passes.frontends import fla_cross_entropy_op, fla_linear_cross_entropy_op  # noqa: F401
@@ -419,10 +425,6 @@ def compute_logits_and_loss(self, hidden_states, labels=None, logits_to_keep=0, 
     (-100) as a constant where the criterion is built here: Dynamo represents an ``nn.CrossEntropyLoss``
     constructed while tracing as a bound ``F.cross_entropy``, without attributes, and breaks the graph
     at ``criterion.ignore_index``."""
-    import torch.nn as nn
-    from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
-    from fla.modules.l2warp import l2_warp
-
     if fuse_linear_cross_entropy is None:
         fuse_linear_cross_entropy = getattr(self.config, "fuse_linear_cross_entropy", False)
     if use_l2warp is None:
@@ -515,8 +517,6 @@ def _substitutions():
 def _method_substitutions():
     """(FLA's class, method name, replacement): module methods Dynamo calls without the polyfill table."""
     from fla.models.modeling_utils import FLAPreTrainedModel
-    from fla.modules.fused_cross_entropy.ops import FusedCrossEntropyLoss
-    from fla.modules.fused_linear_cross_entropy.ops import FusedLinearCrossEntropyLoss
 
     return (
         (FusedCrossEntropyLoss, "forward", fused_cross_entropy_forward),

@@ -364,7 +364,8 @@ def test_fused_linear_cross_entropy_op_bf16_as_fla():
     """bf16 x / weight, fp32 and bf16 gradient accumulation: FLA's rounding points."""
     from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
 
-    x, weight, target = torch.randn(N_TOKENS, HIDDEN).bfloat16(), (torch.randn(VOCAB, HIDDEN) / 2).bfloat16(), _targets()
+    x, weight = torch.randn(N_TOKENS, HIDDEN).bfloat16(), (torch.randn(VOCAB, HIDDEN) / 2).bfloat16()
+    target = _targets()
     for fp32_grads in (True, False):
         mine, fla = _leaves(dict(x=x, w=weight)), _leaves(dict(x=x, w=weight))
         loss = torch.ops.laqat.fused_linear_cross_entropy(

@@ -44,3 +44,14 @@ def test_refused_spellings_agree_with_the_delta_rule_at_small_inputs():
         with torch.no_grad():
             got = gdn_refusal(name)(**t)
         torch.testing.assert_close(got[0], exact[0], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_allow_list_is_documented():
+    """docs/torch_frontend.md lists every op of the allow-list (kept as data in allowed_ops.py)."""
+    from pathlib import Path
+
+    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import ALLOWED
+    doc = (Path(__file__).parents[2] / "docs" / "torch_frontend.md").read_text()
+    assert [op for op in ALLOWED if f"`{op}`" not in doc] == []
+    for op, why in ALLOWED.items():
+        assert why, op  # each entry says why it preserves the algebra

@@ -30,6 +30,7 @@ def _call(fn, q, k, v, g, beta, h0):
     ("olmo_neg_eigval_chunked", "gdn", dict(T=7)),
     ("olmo_neg_eigval_token", "gdn", dict()),
     ("safe_gate_fla_chunk_kda", "kda", dict(T=8)),
+    ("safe_gate_bf16_fla_chunk_kda", "kda", dict(T=8)),
     ("safe_gate_token_kda", "kda", dict(H=1, HV=2)),
     ("scaled_values_with_state", "gdn", dict()),
     ("scale_after_pad", "gdn", dict(T=7)),

@@ -43,6 +43,14 @@ def safe_gate_fla_chunk_kda(q, k, v, g, beta, h0=None):
                            chunk_size=4)
 
 
+def safe_gate_bf16_fla_chunk_kda(q, k, v, g, beta, h0=None):
+    """The lower-bound gate rounded to bf16 before the call (Bailing-hybrid's ``gate.to(dtype)``
+    in a bf16 model); the function casts it back to fp32: the IR node gets the same rounded gate."""
+    from fla.ops.kda.naive import naive_chunk_kda
+    return naive_chunk_kda(q, k, v, safe_gate(g).bfloat16(), beta.sigmoid(), initial_state=h0,
+                           output_final_state=True, chunk_size=4)
+
+
 def safe_gate_token_kda(q, k, v, g, beta, h0=None):
     gate = safe_gate(g).to(q.dtype)  # Bailing: gate.to(hidden_states.dtype)
     return spellings.kda_bhtd_setitem_bmm(q, k, v, gate, torch.sigmoid(beta), h0)

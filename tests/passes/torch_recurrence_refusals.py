@@ -35,6 +35,8 @@ REFUSALS = {  # name -> (op named in the reason, phrase of the reason)
     "state_row_write": ("`setitem`", "in place"),
     "state_norm_cap": ("`norm`", "not an op of the delta-rule algebra"),
     "chunk_state_clamp": ("`clamp`", "saturates"),
+    "decay_in_bf16": ("`exp`", "computes in bfloat16"),
+    "double_read_clamp": ("`clamp`", "saturates"),  # and no report about the step's time index
 }
 
 
@@ -42,9 +44,14 @@ def _gdn(q, k, v, g, beta, h0=None, mistake=""):
     B, T, H, K = q.shape
     S = h0.clone() if h0 is not None else torch.zeros(B, H, K, v.shape[-1])
     o = torch.zeros_like(v)
+    gb = g.bfloat16()
     for t in range(T):
         kt, vt, bt = k[:, t], v[:, t], beta[:, t]
         d = g[:, t].exp()[..., None, None]
+        if mistake == "double_read_clamp":  # g[:, t] read twice in one step, and a clamp
+            d = (0.5 * g[:, t] + 0.5 * g[:, t]).exp()[..., None, None]
+        if mistake == "decay_in_bf16":  # g rounded before the loop (pre-processing), exp computed in bf16
+            d = gb[:, t].exp().float()[..., None, None]
         if mistake == "no_grad_decay":
             with torch.no_grad():
                 S = S * d
@@ -68,7 +75,7 @@ def _gdn(q, k, v, g, beta, h0=None, mistake=""):
             S.clamp_(-C, C)
         else:
             S = S + kt[..., None] * u[..., None, :]
-        if mistake == "state_clamp":
+        if mistake in ("state_clamp", "double_read_clamp"):
             S = S.clamp(-C, C)
         elif mistake == "state_where":
             S = torch.where(S > C, torch.full_like(S, C), S)

@@ -51,11 +51,15 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     loops = find_loops(flow)
     # outermost first: a loop nested in an accepted one is part of its region
     loops.sort(key=lambda lp: -(lp.starts[lp.last] - lp.starts[lp.first]) * (lp.last - lp.first + 1))
-    accepted, taken = [], set()
+    accepted, taken, refused = [], set(), []
     for loop in loops:
         if any(s.node in taken for s in loop.slices):
             continue
         where = loop.slices[0].node
+        span = (loop.starts[loop.first], loop.ends[loop.last])
+        # a loop inside a refused one is analysed (a token loop per head may still match), but its
+        # failure is not reported: the outer loop's reason is the true one
+        inner = any(a <= span[0] and span[1] <= b for a, b in refused)
         try:
             body = analyze_loop(flow, loop)
             region = build_region(flow, body)
@@ -74,7 +78,8 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
                 if why:
                     raise NotARecurrence(why, nodes=[where.name])
         except NotARecurrence as e:
-            if e.candidate:
+            if e.candidate and not inner:
+                refused.append(span)
                 record.near_misses.append(NearMiss(frontend="torch", module=module_name(where), reason=e.reason,
                                                    nodes=e.nodes or (where.name,)))
             continue

@@ -48,9 +48,11 @@ ALLOWED = {
     "log": "log of a pre-exponentiated decay",
     "cumsum": "cumulative log-decay within a chunk",
     # layout: values unchanged, re-indexed
-    "reshape": "layout", "view": "layout", "permute": "layout", "transpose": "layout", "t": "layout",
-    "unsqueeze": "layout", "squeeze": "layout", "contiguous": "layout", "clone": "a copy",
-    "flatten": "layout", "unflatten": "layout", "expand": "broadcast", "expand_as": "broadcast",
+    **{op: "re-indexes values, no arithmetic (heads, chunks, D last)"
+       for op in ("reshape", "view", "permute", "transpose", "t", "unsqueeze", "squeeze", "contiguous",
+                  "flatten", "unflatten")},
+    "clone": "copies values unchanged",
+    "expand": "broadcasts a value over heads or positions", "expand_as": "broadcasts a value over heads or positions",
     "repeat_interleave": "grouped heads: head j of HV reads head j // G",
     "getitem": "per-step and per-chunk slices", "select": "per-step slices", "unbind": "per-step slices",
     "stack": "collects the per-step outputs", "cat": "collects the per-step outputs",
@@ -121,6 +123,13 @@ def where_from(node: torch.fx.Node) -> str:
 
 
 CASTS = {"to", "type", "float", "double", "half", "bfloat16"}
+# ops whose result is exact in any dtype (they move, select or zero values): allowed on bf16 / fp16 data
+EXACT_IN_ANY_DTYPE = {
+    "reshape", "view", "permute", "transpose", "t", "unsqueeze", "squeeze", "contiguous", "clone", "flatten",
+    "unflatten", "expand", "expand_as", "repeat_interleave", "getitem", "select", "unbind", "stack", "cat",
+    "setitem", "pad", "roll", "tril", "triu", "masked_fill", "masked_fill_", "where", "neg", "zeros_like",
+    "new_zeros", "zeros", "ones", "eye", "arange", "ones_like",
+} | CASTS
 MASKING = {"masked_fill": 1, "masked_fill_": 1, "where": 0}  # op -> position of its condition
 
 
@@ -209,8 +218,13 @@ def _refusal(n, constant, state_nodes, chain_nodes, region) -> str | None:
         if isinstance(cond, torch.fx.Node) and not constant.get(cond, False):
             return "masks by a value-dependent condition (a causal mask must not depend on the data)"
         return None
-    if name in ALLOWED or constant[n]:
+    if constant[n]:
         return None  # a constant is a fixed tensor, which the identity test sees like any other part
+    if name in ALLOWED:
+        out = tensor_value(n)
+        if out is not None and out.dtype in _NARROW and name not in EXACT_IN_ANY_DTYPE:
+            return f"computes in {str(out.dtype).replace('torch.', '')} (it rounds; the recurrence must run in fp32 or wider)"
+        return None
     if name in CONSTANT_ONLY:
         return "compares or masks data values (a value-dependent mask)"
     return "is not an op of the delta-rule algebra (docs/torch_frontend.md lists the allowed ones)"

@@ -53,9 +53,14 @@ class EntryChain:
         return EntryChain(self.ops[:last + 1]), EntryChain(self.ops[last + 1:])
 
     def apply64(self, x):
-        """The chain on a float64 probe (its casts lifted, as the probe lifts the region's)."""
-        f = self.factor
-        return x if f == 1.0 else x * f
+        """The chain on a float64 probe: casts to fp32 lifted (as the probe lifts the region's),
+        casts to bf16 / fp16 rounding, as they do in the probe and in the replay."""
+        for kind, c in self.ops:
+            if kind == "cast":
+                x = x.to(c).double() if c in (torch.bfloat16, torch.float16) else x
+            else:
+                x = x * c if kind == "mul" else x / c
+        return x
 
 
 IDENTITY = EntryChain()

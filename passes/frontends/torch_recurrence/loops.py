@@ -95,28 +95,32 @@ def find_loops(flow: Dataflow) -> list[Loop]:
         fam.sort(key=lambda s: marker(flow, s))
         run = [fam[0]]  # one source read by two loops (two layers) gives two runs 0..n-1
         for s in fam[1:] + [None]:
-            if s is not None and s.index == run[-1].index + 1:
+            # the next step's read, or the same step reading the same slice once more
+            if s is not None and s.index in (run[-1].index + 1, run[-1].index):
                 run.append(s)
                 continue
-            if len(run) >= 2:
+            if run[-1].index > run[0].index:
                 valid.append(run)
             run = [s]
     valid.sort(key=lambda f: marker(flow, f[0]))
     loops: list[Loop] = []
     for fam in valid:
         a, b = fam[0].index, fam[-1].index
-        pos = {s.index: marker(flow, s) for s in fam}
+        lo, hi = {}, {}
+        for s in fam:
+            m = marker(flow, s)
+            lo[s.index], hi[s.index] = min(lo.get(s.index, m), m), max(hi.get(s.index, m), m)
         for lp in loops:
             if (lp.first, lp.last) != (a, b):
                 continue
-            starts = {i: min(lp.starts[i], pos[i]) for i in pos}
-            ends = {i: max(lp.ends[i], pos[i]) for i in pos}
+            starts = {i: min(lp.starts[i], lo[i]) for i in lo}
+            ends = {i: max(lp.ends[i], hi[i]) for i in hi}
             if all(ends[i] < starts[i + 1] for i in range(a, b)):
                 lp.starts, lp.ends = starts, ends
                 lp.slices.extend(fam)
                 break
         else:
-            loops.append(Loop(a, b, dict(pos), dict(pos), list(fam)))
+            loops.append(Loop(a, b, dict(lo), dict(hi), list(fam)))
     loops.sort(key=lambda lp: (lp.starts[lp.first], -(lp.last - lp.first)))
     return loops
 
@@ -305,9 +309,10 @@ def _check_time_indices(windows, loop: Loop, where: _Windows):
                 continue
             reads = [s for s in time_slices(n) if s.source not in where.where and s.key[3] != "unbind"]
             if reads and not any(s.index == step for s in reads):
+                from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
                 s = reads[0]
-                raise NotARecurrence(f"step {step} reads {s.source.name}[{s.index}] along dim {s.dim}, "
-                                     f"not the step's own index {step}", nodes=[n.name])
+                raise NotARecurrence(f"step {step} reads {s.source.name}[{s.index}] along dim {s.dim} at "
+                                     f"{where_from(n)}, not the step's own index {step}", nodes=[n.name])
 
 
 def _has_state_like_carry(flow, first_window, second_start, third_start) -> bool:

@@ -1,8 +1,12 @@
 """Run a piece of an FX graph on probe tensors, in float64.
 
-The graph's own dtype casts (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float``)
+The graph's own casts to fp32 (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float``)
 are lifted to float64 so that the comparison with the fp64 reference measures the algebra,
-not the rounding. Factory calls without a dtype get float64 through the default dtype.
+not the rounding; factories (``zeros(..., dtype=torch.bfloat16)``: an output buffer) are
+lifted from any floating dtype, and factory calls without a dtype get float64 through the
+default dtype. A cast *to* bf16 or fp16 (``.bfloat16()``, ``.half()``, ``.to(torch.float16)``)
+is not lifted: it rounds on the probe as it does in the model, so that the comparison sees it
+(an input's entry chain rounds its reference input identically, ``entry.py``).
 """
 from __future__ import annotations
 
@@ -12,20 +16,22 @@ import operator
 import torch
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_TO_DOUBLE_METHODS = {"float": "double", "half": "double", "bfloat16": "double"}
+_WIDE = (torch.float32, torch.float64)
+_TO_DOUBLE_METHODS = {"float": "double"}
+CASTS = {"to", "type", torch.Tensor.to, torch.Tensor.type}
 
 
 class ProbeError(RuntimeError):
     """The graph piece could not be run on probe inputs."""
 
 
-def _lift(x):
-    if isinstance(x, torch.dtype) and x in _FLOATS:
+def _lift(x, floats=_FLOATS):
+    if isinstance(x, torch.dtype) and x in floats:
         return torch.float64
     if isinstance(x, (tuple, list)):
-        return type(x)(_lift(y) for y in x)
+        return type(x)(_lift(y, floats) for y in x)
     if isinstance(x, dict):
-        return {k: _lift(v) for k, v in x.items()}
+        return {k: _lift(v, floats) for k, v in x.items()}
     return x
 
 
@@ -39,9 +45,10 @@ def _float64_default():
         torch.set_default_dtype(old)
 
 
-def run_nodes(nodes, env: dict) -> dict:
+def run_nodes(nodes, env: dict, grad: bool = False) -> dict:
     """Evaluates ``nodes`` (in graph order) with ``env`` holding the values of their external
-    inputs; returns ``env`` extended with every evaluated node (in-place writes included)."""
+    inputs; returns ``env`` extended with every evaluated node (in-place writes included).
+    ``grad=True`` records autograd (for the vector-Jacobian product of the region)."""
     env = dict(env)
 
     def load(a):
@@ -57,11 +64,12 @@ def run_nodes(nodes, env: dict) -> dict:
             return slice(load(a.start), load(a.stop), load(a.step))
         return a
 
-    with _float64_default(), torch.no_grad():
+    with _float64_default(), torch.set_grad_enabled(grad):
         for n in nodes:
             if n in env:
                 continue
-            args, kwargs = _lift(load(n.args)), _lift(load(n.kwargs))
+            floats = _WIDE if n.target in CASTS else _FLOATS  # casts to bf16 / fp16 round
+            args, kwargs = _lift(load(n.args), floats), _lift(load(n.kwargs), floats)
             try:
                 if n.op == "call_function":
                     env[n] = n.target(*args, **kwargs)

@@ -85,7 +85,9 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     anchor = last_input.next if last_input is not None else min(region.nodes, key=flow.pos.__getitem__)
     meta_from = body.windows[0][body.state_offset]
     em = _Emitter(gm, anchor, meta_from, _fake_mode(region))
-    compute = tensor_value(region.output).dtype
+    # the dtype the recurrence runs in: its state's (an output buffer may be narrower; the output
+    # cast behind the IR node rounds once, as the write into that buffer does)
+    compute = tensor_value(body.states[0]).dtype
     if not compute.is_floating_point:
         compute = torch.float32
     # each input: to [B, T, H, D], its entry chain's casts and scalars replayed (entry.py), the compute dtype

@@ -266,9 +266,9 @@ class Probe:
             self.steps = region.seq_len
             self.nodes = [n for n in ordered if n is not region.output] + [region.output]
 
-    def __call__(self, env):
+    def __call__(self, env, grad: bool = False):
         body, region = self.region.body, self.region
-        out = run_nodes(self.nodes, env)
+        out = run_nodes(self.nodes, env, grad=grad)
         if self.token:
             if body.o_buffer is not None:
                 o = out[body.o_buffer].narrow(body.o_time_dim, 0, self.steps).clone()
@@ -346,7 +346,7 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
     # one region run per (g, form): try first the input that meets an exp or a cumsum soon (a log-decay)
     groups = dict(sorted(groups.items(), key=lambda item: not _feeds_exp(region, item[0][0])))
     best = (math.inf, None)
-    results = []
+    results, stressed = [], None
     for (g_node, form), members in groups.items():
         gen = torch.Generator().manual_seed(seed)
         env = _draws(region, g_node, form, gen, device)
@@ -359,8 +359,17 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
             err, c = _compare(a, env, got, probe.steps, EXACT, probe.token)
             if err <= TOL:
                 a.scale = _snap_scale(c, tensor_value(a.q.node).shape[a.q.perm[3]])
-                return a
+                why = stress(region, probe, a, env, gen) if a.decay_form == "log" or positive(a.g.node) else (
+                    f"the state is multiplied by {a.g.node.name} itself, which is not provably positive: the IR "
+                    f"node takes log(decay), exact only for a positive decay (write exp(g) inside, or "
+                    f"pre-exponentiate with exp or sigmoid)")
+                if why is None:
+                    return a
+                stressed = stressed or f"{why} (under {a.describe()})"
+                continue
             best = min(best, (err, a.describe()), key=lambda t: t[0])
+    if stressed:
+        raise NotARecurrence(stressed)
     for variant in NEAR_MISSES:
         for env, got, members in results:
             for a in members:
@@ -371,6 +380,28 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
         raise NotARecurrence(prop)
     raise NotARecurrence(f"the region does not compute the GDN/KDA delta rule: best relative error {best[0]:.2e} "
                          f"over {len(assignments)} role assignments ({best[1]})")
+
+
+POSITIVE = {"exp", "sigmoid", "softplus"}
+
+
+def positive(node, depth: int = 8) -> bool:
+    """Whether ``node`` is, through layout ops, the result of exp / sigmoid / softplus (a
+    pre-exponentiated decay the IR can take the log of exactly)."""
+    from la_compiler.passes.frontends.torch_recurrence import rules
+    from la_compiler.passes.frontends.torch_recurrence.entry import RESHAPE_FUNCTIONS, RESHAPE_METHODS
+
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+            return False
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if name in POSITIVE:
+            return True
+        if not (rules.is_layout(node) or name in RESHAPE_METHODS or node.target in RESHAPE_FUNCTIONS
+                or name == "getitem"):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _feeds_exp(region: Region, node, depth: int = 6) -> bool:
@@ -461,4 +492,129 @@ def _diagnose_counts(flow: Dataflow, region: Region, e: _RoleCountError) -> str 
                 f"({x.name}); GDN needs both g and beta")
     if (len(e.p3), len(e.p4)) == (0, 3):
         return "missing beta and decay: the recurrence reads q, k, v only (plain linear attention or DeltaNet)"
+    return None
+
+
+# ---- stress: what small generic probes cannot see ---------------------------------------------
+DEEP_DECAY_SUM = 80.0  # per-chunk sums of g near -80: exp of them (or of their negation) is near fp32's range
+
+
+def stress(region: Region, probe: Probe, a: Assignment, env: dict, gen) -> str | None:
+    """Checks an assignment that matched at the generic probes once more, with its fitted scale:
+    with a large state and a NaN input (the delta rule propagates the NaN: nothing may make it
+    finite; elsewhere the values agree), with log-decay sums near fp32's exponent range, and the
+    vector-Jacobian product of the region against the delta rule's (so that a detach or a
+    no-grad island fails). None when all hold."""
+    large = _large_state(a, env, gen)
+    x = large[a.v.node].clone()
+    x.permute(a.v.perm)[0, 0, 0, 0] = float("nan")  # batch 0, token 0, head 0
+    large[a.v.node] = x
+    for what, changed in (("a large state (v ~1e1-1e4, h0 ~1e2-1e5, beta in (0, 2)) and a NaN in v", large),
+                          ("log-decay sums near -80", _deep_decay(region, a, env, gen))):
+        why = _agrees(probe, a, changed, what)
+        if why:
+            return why
+    return _vjp(probe, a, env)
+
+
+def _agrees(probe: Probe, a: Assignment, env: dict, what: str) -> str | None:
+    try:
+        o_got, s_got = probe(env)
+    except ProbeError as e:
+        return f"the region does not run on probe inputs with {what}: {e}"
+    o_got = o_got.permute(a.out_perm)
+    o_ref, s_ref = _reference(a, env, probe.steps, EXACT, scale=a.scale)
+    pairs = [(o_got, o_ref)]
+    if s_got is not None:
+        if probe.token:
+            _, s_ref = _reference(a, env, 1, EXACT, scale=a.scale)
+        pairs.append((s_got.reshape(s_ref.shape), s_ref))
+    for got, ref in pairs:
+        if (~torch.isfinite(ref) & torch.isfinite(got)).any():
+            return (f"the region hides non-finite values: with {what}, the delta rule's output is NaN where the "
+                    f"region's is finite (nan_to_num, a where or a clamp on the data?)")
+        both = torch.isfinite(ref) & torch.isfinite(got)
+        err = rel_err(got[both], ref[both]) if both.any() else 0.0
+        if not err <= TOL:
+            return (f"the region matches the delta rule on small inputs but not with {what}: relative error "
+                    f"{err:.2e} (a value-dependent op, e.g. a clamp or a threshold?)")
+    return None
+
+
+def _large_state(a: Assignment, env: dict, gen) -> dict:
+    """v and h0 scaled element by element, log-uniformly, by 1e1..1e4 and 1e2..1e5 (so that a
+    threshold anywhere in that range is crossed by some entries), and beta over all of (0, 2)
+    (thresholds on beta; allow_neg_eigval)."""
+    env = dict(env)
+
+    def spread(x, lo, hi):
+        u = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.device)
+        return x * 10.0 ** (lo + (hi - lo) * u)
+
+    env[a.v.node] = spread(env[a.v.node], 1, 4)
+    if a.h0 is not None:
+        env[a.h0] = spread(env[a.h0], 2, 5)
+    x = env[a.beta.node]
+    beta = 1e-3 + 1.998 * torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.device)
+    chain = a.chains.get(a.beta.node)
+    env[a.beta.node] = beta / chain.factor if chain is not None and chain.factor != 1.0 else beta
+    return env
+
+
+def _deep_decay(region: Region, a: Assignment, env: dict, gen) -> dict:
+    env = dict(env)
+    x = env[a.g.node]
+    u = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.device)
+    g = -(DEEP_DECAY_SUM / max(region.chunk, 16)) * (0.7 + 0.6 * u)
+    if a.decay_form == "exp":
+        g = g.exp()
+    chain = region.chains.get(a.g.node)
+    env[a.g.node] = g / chain.factor if chain is not None and chain.factor != 1.0 else g
+    return env
+
+
+def _vjp(probe: Probe, a: Assignment, env: dict) -> str | None:
+    """The region's vector-Jacobian product against the delta rule's, for every input."""
+    with torch.enable_grad():  # the graph may be traced under no_grad
+        return _vjp_enabled(probe, a, env)
+
+
+def _vjp_enabled(probe: Probe, a: Assignment, env: dict) -> str | None:
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in env.items()}
+    try:
+        with torch.enable_grad():
+            o_got, s_got = probe({n: x.clone() for n, x in leaves.items()}, grad=True)
+    except (ProbeError, RuntimeError) as e:
+        return f"the region's gradient cannot be probed: {e}"
+    if not o_got.requires_grad:
+        return "the region's output does not depend differentiably on its inputs (a detach or a no-grad island?)"
+    gen = torch.Generator().manual_seed(7)
+    o_got = o_got.permute(a.out_perm)
+    co = torch.randn(o_got.shape, generator=gen, dtype=torch.float64).to(o_got.device)
+    # a loop over chunks: the cotangent covers the first chunk and two tokens of the next (the
+    # state's gradient across a chunk boundary), so that the token-by-token reference runs on
+    # that prefix only (it is causal); the region's gradient beyond it must then be zero
+    steps = probe.steps if probe.token else min(probe.steps, probe.region.chunk + 2)
+    co[:, steps:] = 0
+    ref_leaves = {n: x.detach().clone().requires_grad_() for n, x in env.items()}
+    with torch.enable_grad():
+        o_ref, s_ref = _reference(a, ref_leaves, steps, EXACT, scale=a.scale)
+        loss_got, loss_ref = (o_got * co).sum(), (o_ref * co[:, :steps]).sum()
+        if probe.token and s_got is not None and s_got.requires_grad:
+            if probe.token:
+                _, s_ref = _reference(a, ref_leaves, 1, EXACT, scale=a.scale)
+            cs = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64).to(s_ref.device)
+            loss_got = loss_got + (s_got.reshape(s_ref.shape) * cs).sum()
+            loss_ref = loss_ref + (s_ref * cs).sum()
+        nodes = list(env)
+        g_got = torch.autograd.grad(loss_got, [leaves[n] for n in nodes], allow_unused=True)
+        g_ref = torch.autograd.grad(loss_ref, [ref_leaves[n] for n in nodes], allow_unused=True)
+    roles = {a.q.node: "q", a.k.node: "k", a.v.node: "v", a.g.node: "g", a.beta.node: "beta", a.h0: "h0"}
+    for n, x, y in zip(nodes, g_got, g_ref):
+        x = torch.zeros_like(env[n]) if x is None else x
+        y = torch.zeros_like(env[n]) if y is None else y
+        err = rel_err(x, y)
+        if not err <= TOL:
+            return (f"the region's gradient differs from the delta rule's: d{roles.get(n, n.name)} ({n.name}) relative "
+                    f"error {err:.2e} (a detach, a no-grad island or a custom backward?)")
     return None

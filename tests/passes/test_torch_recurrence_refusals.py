@@ -46,6 +46,20 @@ def test_refused_spellings_agree_with_the_delta_rule_at_small_inputs():
         torch.testing.assert_close(got[0], exact[0], rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_an_input_mutated_in_place_is_refused():
+    """``h0 *= d`` on the caller's tensor: eager mutates it, the IR node would not."""
+    from tests.passes.torch_recurrence_refusals import gdn_mutating_input_state
+    t = _inputs("gdn", T=3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h0 = t["h0"].clone()
+        report = la_compiler.explain(gdn_mutating_input_state, **dict(t, h0=h0))
+    assert report.matches == []
+    (reason,) = [n.reason for n in report.near_misses]
+    assert reason.startswith("`imul` at torch_recurrence_refusals.py:") and "input l_h0_ in place" in reason, reason
+    assert not torch.equal(h0, t["h0"])  # the compiled function mutated it, as eager does
+
+
 def test_the_allow_list_is_documented():
     """docs/torch_frontend.md lists every op of the allow-list (kept as data in allowed_ops.py)."""
     from pathlib import Path

@@ -39,10 +39,11 @@ def test_variant_is_rewritten_and_equals_eager(name, kind, shape):
     _check(getattr(gates, name), kind, _inputs(kind, **shape), _call)
 
 
-@pytest.mark.parametrize("name", ["gdn_bmm_flat_state", "gdn_head_first"])
+@pytest.mark.parametrize("name", ["gdn_bmm_flat_state", "gdn_head_first", "gdn_clone_inplace"])
 def test_completeness_spellings(name):
     """Every per-step contraction a bmm over flattened B*H with a [B*H, K, V] state; inputs
-    head-first with T = K = V, where every input has the state's shape."""
+    head-first with T = K = V, where every input has the state's shape; in-place methods on a
+    fresh clone read through their result."""
     from tests.passes import torch_recurrence_spellings as spellings
     if name == "gdn_head_first":
         t = _inputs("gdn", T=4, K=4, V=4)

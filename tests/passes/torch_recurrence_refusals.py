@@ -112,3 +112,17 @@ def gdn_refusal(name):
     if name == "chunk_state_clamp":
         return _chunk_state_clamp
     return functools.partial(_gdn, mistake=name)
+
+
+def gdn_mutating_input_state(q, k, v, g, beta, h0=None):
+    """The caller's initial state decayed in place (``h0 *= d``): the caller sees that mutation."""
+    K = q.shape[-1]
+    S = h0
+    o = torch.zeros_like(v)
+    for t in range(q.shape[1]):
+        kt = k[:, t]
+        S *= g[:, t].exp()[..., None, None]
+        u = (v[:, t] - (S * kt[..., None]).sum(-2)) * beta[:, t, :, None]
+        S = S + kt[..., None] * u[..., None, :]
+        o[:, t] = (S * q[:, t, ..., None]).sum(-2) * K ** -0.5
+    return o, S

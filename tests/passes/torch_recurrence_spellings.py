@@ -143,3 +143,17 @@ def gdn_head_first(q, k, v, g, beta, h0=None):
         S = S + torch.einsum("bhk,bhv->bhkv", kt, u)
         o[:, :, t] = torch.einsum("bhk,bhkv->bhv", q[:, :, t], S) * K ** -0.5
     return o, S
+
+
+def gdn_clone_inplace(q, k, v, g, beta, h0=None):
+    """In-place methods on a fresh clone, read through their result (``S.clone().mul_(decay)``)."""
+    K = q.shape[-1]
+    S = h0
+    o = torch.zeros_like(v)
+    for t in range(q.shape[1]):
+        kt = k[:, t]
+        S = S.clone().mul_(g[:, t].exp()[..., None, None])
+        u = (v[:, t] - (S * kt[..., None]).sum(-2)) * beta[:, t, :, None]
+        S = S.clone().add_(kt[..., None] * u[..., None, :])
+        o[:, t] = (S * q[:, t, ..., None]).sum(-2) * K ** -0.5
+    return o, S

@@ -43,6 +43,10 @@ ALLOWED = {
     "einsum": "the same contractions by subscript (strings checked by the probes)",
     "sum": "contraction by broadcast multiply + sum",
     "linalg_solve_triangular": "the unit-triangular WY system (I + A)^-1 of the chunked form",
+    "mm": "a matrix product (one head, or heads flattened)", "mv": "a matrix-vector product (S^T k)",
+    "outer": "k u^T for one head", "tensordot": "a contraction by dims",
+    "baddbmm": "S + k u^T as one fused batched product", "addmm": "S + k u^T as one fused product",
+    "addcmul": "S + c * k * u as one fused op",
     # the gate
     "exp": "exp of the log-decay g (or of its cumulative sums)",
     "log": "log of a pre-exponentiated decay",
@@ -54,6 +58,7 @@ ALLOWED = {
     "clone": "copies values unchanged",
     "expand": "broadcasts a value over heads or positions", "expand_as": "broadcasts a value over heads or positions",
     "repeat_interleave": "grouped heads: head j of HV reads head j // G",
+    "repeat": "tiles values (a head mapping the head-locality probe checks)",
     "getitem": "per-step and per-chunk slices", "select": "per-step slices", "unbind": "per-step slices",
     "stack": "collects the per-step outputs", "cat": "collects the per-step outputs",
     "setitem": "writes a step's output (or a row of the WY inverse) into a buffer",
@@ -202,6 +207,9 @@ def _refusal(n, constant, state_nodes, chain_nodes, region) -> str | None:
     name = op_name(n)
     if is_inplace_write(n) and written_base(n) in state_nodes:
         return "modifies the state in place (a partial or in-place update is not the delta rule)"
+    if _mutates(n) and _aliases_input(n.args[0], region):
+        return (f"modifies the region's input {_root(n.args[0], region).name} in place (the caller sees that "
+                f"mutation; the IR node would not make it)")
     if name in REFUSED and not (constant[n] and name not in _ALWAYS_REFUSED):
         return REFUSED[name]
     if name in CASTS and _narrows(n):
@@ -228,6 +236,32 @@ def _refusal(n, constant, state_nodes, chain_nodes, region) -> str | None:
     if name in CONSTANT_ONLY:
         return "compares or masks data values (a value-dependent mask)"
     return "is not an op of the delta-rule algebra (docs/torch_frontend.md lists the allowed ones)"
+
+
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "setitem"}
+_ALIASING = {"view", "reshape", "transpose", "permute", "t", "getitem", "select", "narrow", "unsqueeze", "squeeze",
+             "expand", "expand_as", "flatten", "unflatten", "view_as", "contiguous", "to", "type", "float",
+             "detach", "as_strided", "diagonal", "movedim", "swapaxes"}
+
+
+def _mutates(n: torch.fx.Node) -> bool:
+    name = op_name(n)
+    if n.op == "call_function":
+        return name in _INPLACE_OPERATORS and bool(n.args) and isinstance(n.args[0], torch.fx.Node)
+    return n.op == "call_method" and name.endswith("_") and not name.startswith("_") and \
+        name not in ("requires_grad_",) and bool(n.args) and isinstance(n.args[0], torch.fx.Node)
+
+
+def _root(x: torch.fx.Node, region):
+    """Back through ops that may return a view, to the tensor whose storage ``x`` may share."""
+    while x in region.nodes and x.op in ("call_method", "call_function") and op_name(x) in _ALIASING \
+            and x.args and isinstance(x.args[0], torch.fx.Node):
+        x = x.args[0]
+    return x
+
+
+def _aliases_input(x, region) -> bool:
+    return isinstance(x, torch.fx.Node) and _root(x, region) not in region.nodes
 
 
 # refused even on constants: they make the region non-deterministic or cut gradients

@@ -100,6 +100,14 @@ def functionalize_inplace(gm: torch.fx.GraphModule) -> int:
         v = tensor_value(base)
         if v is None or v.dim() < 3 or not v.dtype.is_floating_point or not _is_fresh(base):
             continue
+        (only,) = base.users if len(base.users) == 1 else (None,)
+        if only is not None and only.op == "call_method" and only.target in FUNCTIONAL and only.args \
+                and only.args[0] is base and only.users:
+            # x.clone().mul_(d), read through its result: nobody else sees the fresh tensor
+            only.meta["laqat_inplace"] = only.target
+            only.target = FUNCTIONAL[only.target]
+            done += 1
+            continue
         writers = [u for u in base.users if _writer(u, base)]
         if len(writers) < MIN_WRITES or not _safe(base, pos):
             continue

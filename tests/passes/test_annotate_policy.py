@@ -83,7 +83,7 @@ def compiled_run(policy, inputs):
 
 def _grads(outputs, inputs):
     torch.manual_seed(1)
-    weights = [torch.randn_like(o, dtype=torch.float64) for o in outputs]
+    weights = [torch.randn(o.shape, dtype=torch.float64) for o in outputs]  # not randn_like: o's strides differ
     loss = sum((o.double() * w).sum() for o, w in zip(outputs, weights))
     return torch.autograd.grad(loss, inputs)
 

@@ -101,3 +101,44 @@ def test_steps_that_differ_are_not_isomorphic():
         assert "not isomorphic" in e.reason
     else:
         raise AssertionError("a loop whose steps differ was accepted")
+
+
+def _loop_spans(gm):
+    from la_compiler.passes.frontends.torch_recurrence import _span
+    return [_span(lp) for lp in find_loops(Dataflow(gm))]
+
+
+def test_in_place_chains_become_functional_only_where_that_is_exact():
+    from la_compiler.passes.frontends.torch_recurrence.inplace import functionalize_inplace
+
+    def fresh(x, y):
+        S = x.clone()
+        for t in range(3):
+            S.mul_(0.5)
+            S.add_(y[:, t])
+        return S
+
+    def input_mutated(x, y):
+        S = x
+        for t in range(3):
+            S.mul_(0.5)
+            S.add_(y[:, t])
+        return S
+
+    def view_read_after_a_write(x, y):
+        S = x.clone()
+        first = S[0]
+        for t in range(3):
+            S.mul_(0.5)
+            S.add_(y[:, t])
+        return S, first * 1.0
+
+    x, y = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 3, 4, 4)
+    for fn, expected in ((fresh, 6), (input_mutated, 0), (view_read_after_a_write, 0)):
+        gm = _graph(fn, x.clone(), y)
+        want = fn(x.clone(), y)
+        assert functionalize_inplace(gm, _loop_spans(gm)) == expected, fn.__name__
+        gm.recompile()
+        got = gm(x.clone(), y)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

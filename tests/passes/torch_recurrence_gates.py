@@ -80,3 +80,18 @@ def half_scaled_beta(q, k, v, g, beta, h0=None):
         S = S + kt[..., None] * u[..., None, :]
         outs.append(((S * q[:, t][..., None]).sum(-2) * K ** -0.5))
     return torch.stack(outs, 1), S
+
+
+def neg_eigval_in_the_loop(q, k, v, g, beta, h0=None):
+    """beta doubled inside the loop, one step's slice at a time (``b_t = 2 * beta[:, t]``)."""
+    beta = beta.sigmoid()
+    K = q.shape[-1]
+    S = h0
+    outs = []
+    for t in range(q.shape[1]):
+        kt, bt = k[:, t], 2.0 * beta[:, t]
+        S = g[:, t].exp()[..., None, None] * S
+        u = bt[..., None] * (v[:, t] - (S * kt[..., None]).sum(-2))
+        S = S + kt[..., None] * u[..., None, :]
+        outs.append((S * q[:, t][..., None]).sum(-2) * K ** -0.5)
+    return torch.stack(outs, 1), S

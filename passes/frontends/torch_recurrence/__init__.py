@@ -46,9 +46,12 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     from la_compiler.passes.module_names import module_name
     from la_compiler.spec import RecurrenceSpec
 
-    functionalize_inplace(gm)  # S.mul_(d) chains -> out-of-place ops (provably equal values)
     flow = Dataflow(gm)
     loops = find_loops(flow)
+    # S.mul_(d) chains inside unrolled loops -> out-of-place ops (provably equal values)
+    if functionalize_inplace(gm, [_span(lp) for lp in loops]):
+        flow = Dataflow(gm)
+        loops = find_loops(flow)
     # outermost first: a loop nested in an accepted one is part of its region
     loops.sort(key=lambda lp: -(lp.starts[lp.last] - lp.starts[lp.first]) * (lp.last - lp.first + 1))
     accepted, taken, refused = [], set(), []
@@ -100,6 +103,12 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     if accepted:
         gm.recompile()  # the pipeline lints and recompiles again after all passes; a direct caller needs this
     return len(accepted)
+
+
+def _span(loop) -> tuple[int, int]:
+    """Graph positions of an unrolled loop, one step's length before and after its slice reads."""
+    period = loop.starts[loop.first + 1] - loop.starts[loop.first]
+    return loop.starts[loop.first] - period, loop.ends[loop.last] + period
 
 
 def _report_one_step_loops(flow, loops, taken: set, record: GraphRecord) -> None:

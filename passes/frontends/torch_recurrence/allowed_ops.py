@@ -218,7 +218,8 @@ def _refusal(n, constant, state_nodes, chain_nodes, region) -> str | None:
         base, x = n.args[0], n.args[2] if len(n.args) > 2 else None
         vb, vx = tensor_value(base), tensor_value(x) if isinstance(x, torch.fx.Node) else None
         if vb is not None and vx is not None and vb.dtype != vx.dtype and vx.dtype.is_floating_point \
-                and base is not region.body.o_buffer and torch.finfo(vb.dtype).bits <= torch.finfo(vx.dtype).bits:
+                and base is not region.body.o_buffer and (not vb.dtype.is_floating_point
+                                                          or torch.finfo(vb.dtype).bits <= torch.finfo(vx.dtype).bits):
             return "rounds to a narrower dtype (a write into a narrower buffer)"
         return None
     if name in MASKING:

@@ -1,7 +1,8 @@
 """Entry chains: what the region does to each input before its first real use.
 
 The region grows backwards over layout ops, casts and multiplications by a Python number
-(``rules.py``), so an input often enters it through a chain such as
+(``rules.py``), and a loop reads its inputs through per-step slices, so an input often enters
+its first real use through a chain such as
 ``beta -> beta * 2.0 -> transpose -> to(float32) -> F.pad`` (OLMo-Hybrid's ``allow_neg_eigval``)
 or ``sigmoid(x) -> -5.0 * _ -> to(dtype) -> transpose`` (the KDA lower-bound gate). Layout ops
 do not change values; the casts and scalar multiplications do, and the delta rule the region
@@ -30,6 +31,8 @@ TEMPLATE_FUNCTIONS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch
 # reshapes: values unchanged, only re-indexed (they are not per-token rules, so they sit inside)
 RESHAPE_METHODS = {"reshape", "view", "flatten", "unflatten", "expand", "unsqueeze", "squeeze", "contiguous"}
 RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze}
+# slices: a step's slice of a scaled input is the scaled slice (``b_t = beta[:, t] * 2.0`` in the loop)
+SLICES = {"getitem", "select", "narrow"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +94,12 @@ def _step(r: torch.fx.Node, x: torch.fx.Node):
         return ((kind, c),)
     if _tensor_arg(r) is not x:
         return None
+    name = r.target if r.op == "call_method" else getattr(r.target, "__name__", None)
+    if name == "unbind" or (name == "getitem" and tensor_value(x) is None):
+        return ()  # the per-step items of ``x.unbind(1)``
     reshape = (r.op == "call_method" and r.target in RESHAPE_METHODS) or \
         (r.op == "call_function" and r.target in RESHAPE_FUNCTIONS)
-    if not (rules.is_layout(r) or reshape):
+    if not (rules.is_layout(r) or reshape or name in SLICES):
         return None
     vin, vout = tensor_value(x), tensor_value(r)
     if vin is None or vout is None:

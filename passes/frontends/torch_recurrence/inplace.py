@@ -90,26 +90,31 @@ def _alias_users(a: torch.fx.Node):
     return out
 
 
-def functionalize_inplace(gm: torch.fx.GraphModule) -> int:
-    """Rewrites the in-place update chains of fresh floating rank >= 3 tensors; returns how many
-    in-place nodes became out-of-place."""
+def functionalize_inplace(gm: torch.fx.GraphModule, spans=None) -> int:
+    """Rewrites the in-place update chains of fresh floating rank >= 3 tensors whose in-place
+    nodes all lie in one of ``spans`` (graph position ranges of unrolled loops; None: anywhere);
+    returns how many in-place nodes became out-of-place."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     done = 0
+
+    def in_loop(ws):
+        return spans is None or any(all(a <= pos[w] <= b for w in ws) for a, b in spans)
+
     for base in nodes:
         v = tensor_value(base)
         if v is None or v.dim() < 3 or not v.dtype.is_floating_point or not _is_fresh(base):
             continue
         (only,) = base.users if len(base.users) == 1 else (None,)
         if only is not None and only.op == "call_method" and only.target in FUNCTIONAL and only.args \
-                and only.args[0] is base and only.users:
+                and only.args[0] is base and only.users and in_loop([only]):
             # x.clone().mul_(d), read through its result: nobody else sees the fresh tensor
             only.meta["laqat_inplace"] = only.target
             only.target = FUNCTIONAL[only.target]
             done += 1
             continue
         writers = [u for u in base.users if _writer(u, base)]
-        if len(writers) < MIN_WRITES or not _safe(base, pos):
+        if len(writers) < MIN_WRITES or not in_loop(writers) or not _safe(base, pos):
             continue
         done += _rewrite_chain(gm, base, sorted(writers, key=pos.__getitem__), pos)
     if done:

@@ -378,8 +378,10 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
     prop = _property_probes(region, probe, results)
     if prop:
         raise NotARecurrence(prop)
+    mixed = [n.name for n, chain in region.chains.items() if chain is None]
+    hint = f"; {', '.join(mixed)} enters the region scaled or cast differently on different uses" if mixed else ""
     raise NotARecurrence(f"the region does not compute the GDN/KDA delta rule: best relative error {best[0]:.2e} "
-                         f"over {len(assignments)} role assignments ({best[1]})")
+                         f"over {len(assignments)} role assignments ({best[1]}){hint}")
 
 
 POSITIVE = {"exp", "sigmoid", "softplus"}

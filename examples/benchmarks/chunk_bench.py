@@ -71,14 +71,14 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 all sites (autotuned)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat exact (intra key block 64)": {},  # LAQAT_CHUNK_KEY_BLOCK=64
     "laqat exact (bwd key block 64)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=64
-    "laqat exact (TF32 GEMMs)": {},  # LAQAT_CHUNK_GEMM=tf32: fp32 operands and intermediates (before session 7)
+    "laqat exact (TF32 GEMMs)": {},  # LAQAT_CHUNK_GEMM=tf32: fp32 operands and intermediates
     "laqat FP8 state (TF32 GEMMs)": {"state": "fp8_e4m3/tile64"},
     "laqat exact (split intra)": {},  # LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels
     "laqat FP8 state (split intra)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    # LAQAT_CHUNK_FACTORED_SCALES=0: the forward stages multiply dequantized operands (before session 12)
+    # LAQAT_CHUNK_FACTORED_SCALES=0: the forward stages multiply dequantized operands
     "laqat FP8 all sites (unfactored scales)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    # LAQAT_CHUNK_KEEP_RESIDUAL=0: the backward recomputes the whole forward intra stage (before session 12)
+    # LAQAT_CHUNK_KEEP_RESIDUAL=0: the backward recomputes the whole forward intra stage
     "laqat exact (no residual)": {},
     "laqat FP8 state (no residual)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (no residual)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},

@@ -472,12 +472,13 @@ def main():
 
     if not args.skip_exactness:
         print("exactness (fp32, chunk kernels vs the fp64 chunk reference; tol 1e-5 exact, 1e-3 with QDQ)")
-        picked = EXACT_CASES if args.exact_cases is None else [EXACT_CASES[int(i)] for i in args.exact_cases.split(",")]
-        for case in picked:
+        picked = range(len(EXACT_CASES)) if args.exact_cases is None else [int(i) for i in args.exact_cases.split(",")]
+        for index in picked:
+            case = EXACT_CASES[index]
             try:
-                r = exactness(case)
+                r = {"index": index, **exactness(case)}
             except Exception as e:  # noqa: BLE001
-                r = {"case": case, "error": traceback.format_exc(), "ok": False}
+                r = {"index": index, "case": case, "error": traceback.format_exc(), "ok": False}
                 print(f"  {case['kind']} {case['quant']}: ERROR {type(e).__name__}: {e}")
             else:
                 worst = max(r["rel_l2"], key=r["rel_l2"].get)

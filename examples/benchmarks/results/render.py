@@ -1,0 +1,356 @@
+"""Renders docs/performance.md from the measurement records in this folder (standard library only).
+
+    python examples/benchmarks/results/render.py            # rewrite docs/performance.md
+    python examples/benchmarks/results/render.py --check    # exit 1 if docs/performance.md is out of date
+
+Every ``*.jsonl`` file here holds one JSON record per line: one measured row of one run (README.md in this
+folder lists the fields). Each table of the page shows the latest record of each row, by run id
+(``YYYY-MM-DD-NN``, chronological), with the run it comes from; ratios to FLA are the record's own, from
+the same run. ``unmeasured.json`` lists what no record covers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PAGE = HERE.parents[2] / "docs" / "performance.md"
+REQUIRED = ("benchmark", "run", "date", "machine", "versions", "command", "figures")
+CHUNK_ROWS = ("FLA exact", "laqat exact", "laqat FP8 state", "laqat INT8 state", "laqat FP8 state + W",
+              "laqat FP8 all sites", "laqat NVFP4 operands", "fp32 torch chunk emulation (FP8 state)")
+SHAPES = ((8, 4096, 16, 128), (1, 4096, 16, 128), (1, 1024, 4, 64), (1, 4096, 16, 256))
+
+
+class RecordError(ValueError):
+    """A record that the page cannot be rendered from (named by file and line)."""
+
+
+def load(folder: Path = HERE) -> list[dict]:
+    """Every record of every *.jsonl file in ``folder``, checked for the fields every record carries."""
+    records = []
+    for path in sorted(folder.glob("*.jsonl")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path.name}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{where}: not JSON ({e})") from None
+            missing = [k for k in REQUIRED if k not in record]
+            if missing:
+                raise RecordError(f"{where}: missing {', '.join(missing)}")
+            if not record["run"].startswith(record["date"]):
+                raise RecordError(f"{where}: run {record['run']!r} does not start with its date {record['date']!r}")
+            records.append(record)
+    return records
+
+
+def latest(records, key, usable=lambda r: True) -> dict:
+    """key(record) -> the record of the latest run (a later line wins a tie), preferring usable records."""
+    best = {}
+    for r in records:
+        k = key(r)
+        old = best.get(k)
+        if old is None or (usable(r), r["run"]) >= (usable(old), old["run"]):
+            best[k] = r
+    return best
+
+
+def fmt(value, spec="{:.2f}") -> str:
+    """A time, size or count: fixed decimals (spec); '-' for a missing figure."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return spec.format(value)
+    return str(value)
+
+
+def err(value) -> str:
+    """An error figure (relative L2 and the like): two significant digits, '3.7e-3'; 0 stays 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return fmt(value)
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def figure(key, value) -> str:
+    """A figure of a free-form record, formatted by what its key says it is."""
+    if any(word in key for word in ("rel", "l2", "tol")):
+        return err(value)
+    return fmt(value, "{:g}")
+
+
+def table(header, rows) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return out + [""]
+
+
+class Notes:
+    """Footnotes of one table: the same text gets the same number."""
+
+    def __init__(self):
+        self.texts = []
+
+    def mark(self, record) -> str:
+        text = record.get("note")
+        if not text:
+            return ""
+        if text not in self.texts:
+            self.texts.append(text)
+        return f" [{self.texts.index(text) + 1}]"
+
+    def lines(self) -> list[str]:
+        if not self.texts:
+            return []
+        return [f"[{i}] {t}" + ("  " if i < len(self.texts) else "") for i, t in enumerate(self.texts, 1)] + [""]
+
+
+def shape_text(shape) -> str:
+    return "[" + ",".join(str(x) for x in shape) + "]"
+
+
+def of(records, benchmark):
+    return [r for r in records if r["benchmark"] == benchmark]
+
+
+# ---- sections --------------------------------------------------------------------------------------------
+
+def chunk_section(records) -> list[str]:
+    rows = of(records, "chunk")
+    timed = lambda r: "fwd_ms" in r["figures"] or "fb_ms" in r["figures"]  # noqa: E731
+    best = latest(rows, lambda r: (r["kind"], tuple(r["shape"]), r["dtype"], r["row"]), timed)
+    out = ["## Chunk kernels: time and memory (`chunk_bench.py`)", "",
+           "do_bench medians; f+b is the forward and the backward of `o.float().sum()`; MiB the peak extra memory "
+           "of the f+b step; x FLA the ratio to FLA exact in the same run. Rows after the policy rows time the "
+           "same spec under a code-generation or launch setting (`chunk_bench.py`'s `ENVIRONMENTS`).", ""]
+    for kind in ("gdn", "kda"):
+        for shape in SHAPES:
+            picked = [r for (k, s, _, _), r in best.items() if k == kind and s == shape]
+            if not picked:
+                continue
+            picked.sort(key=lambda r: (CHUNK_ROWS.index(r["row"]) if r["row"] in CHUNK_ROWS else len(CHUNK_ROWS),
+                                       r["row"]))
+            notes = Notes()
+            lines = []
+            for r in picked:
+                f = r["figures"]
+                fb = fmt(f.get("fb_ms")) if "fb_ms" in f else f.get("fb_error", "-")
+                lines.append([r["row"], fmt(f.get("fwd_ms")), fmt(f.get("fwd_x_fla")), fb, fmt(f.get("fb_x_fla")),
+                              fmt(f.get("fb_mib"), "{:.0f}"), r["run"] + notes.mark(r)])
+            out += [f"### {kind.upper()} {shape_text(shape)}, {picked[0]['dtype']}", ""]
+            out += table(["row", "fwd ms", "x FLA", "f+b ms", "x FLA", "f+b MiB", "run"], lines) + notes.lines()
+    return out
+
+
+def kernels_section(records) -> list[str]:
+    best = latest(of(records, "chunk-kernels"),
+                  lambda r: (r["kind"], tuple(r["shape"]), r["row"], r.get("unit", "")))
+    out = ["## Chunk kernels: where the time goes (`chunk_bench.py --profile`)", "",
+           "The torch profiler's device time per kernel, largest first.", ""]
+    notes = Notes()
+    lines = []
+    for (kind, shape, row, unit), r in sorted(best.items(), key=lambda kv: (kv[0][0], SHAPES.index(kv[0][1])
+                                                                            if kv[0][1] in SHAPES else 9, kv[0][2:])):
+        times = sorted(r["figures"]["kernels_ms"].items(), key=lambda kv: -kv[1])
+        text = ", ".join(f"{name} {fmt(ms)}" for name, ms in times)
+        if "fb_ms" in r["figures"]:
+            text += f" (step {fmt(r['figures']['fb_ms'])})"
+        lines.append([f"{kind.upper()} {shape_text(shape)}", row, unit, text, r["run"] + notes.mark(r)])
+    return out + table(["kind, shape", "row", "unit", "kernels (ms)", "run"], lines) + notes.lines()
+
+
+def exactness_section(records) -> list[str]:
+    valued = lambda r: isinstance(r["figures"].get("max_rel_l2"), float)  # noqa: E731
+    best = latest(of(records, "chunk-exactness"), lambda r: (r["case"], r.get("setting") or ""), valued)
+    out = ["## Chunk kernels: exactness on the GPU (`chunk_bench.py --exactness-only`)", "",
+           "fp32 inputs, IEEE dots: forward and every gradient against fp64 autograd of the chunk reference that "
+           "rounds at the same sites; the largest relative L2 distance over o, the final state and every gradient. "
+           "Cases are `chunk_bench.py`'s `EXACT_CASES`.", ""]
+    notes = Notes()
+    lines = []
+    for (case, setting), r in sorted(best.items()):
+        f = r["figures"]
+        lines.append([str(case), r.get("case_description", ""), setting or "defaults", err(f.get("max_rel_l2")),
+                      f.get("worst", ""), err(f.get("tol")), r["run"] + notes.mark(r)])
+    return out + table(["case", "what", "setting", "max rel L2", "worst", "tol", "run"], lines) + notes.lines()
+
+
+def equality_section(records) -> list[str]:
+    best = latest(of(records, "fla-equality"), lambda r: (r["kind"], tuple(r["shape"]), r["row"], r["against"]))
+    out = ["## Chunk kernels against FLA (`chunk_bench.py --fla-equality`)", "",
+           "bf16 inputs; relative L2 of each output and gradient against FLA's chunk kernel (FLA's own test "
+           "tolerances: 5e-3 for o / ht, 8e-3 for dq / dk / dv, 2e-2 for dg / dbeta) or against fp64 autograd of the "
+           "chunk reference on the same inputs.", ""]
+    names = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta")
+    notes = Notes()
+    lines = []
+    for key, r in sorted(best.items()):
+        f = r["figures"]
+        other = ", ".join(f"{k.replace('_', ' ')} {err(v)}" for k, v in f.items() if k not in names)
+        lines.append([f"{r['kind'].upper()} {shape_text(r['shape'])}", r["row"], r["against"]]
+                     + [err(f.get(n)) for n in names] + [other, r["run"] + notes.mark(r)])
+    return out + table(["kind, shape", "row", "against", *names, "other", "run"], lines) + notes.lines()
+
+
+def recurrent_section(records) -> list[str]:
+    out = ["## Fused recurrent kernel (`recurrent_vs_fla.py`)", ""]
+    notes = Notes()
+    lines = [[r["case_description"], err(r["figures"]["max_rel_l2"]), r["figures"].get("worst", ""),
+              r["run"] + notes.mark(r)]
+             for _, r in sorted(latest(of(records, "recurrent-exactness"), lambda r: r["case"]).items())]
+    out += ["fp32 exactness against the fp64 reference (o, final state, every gradient):", ""]
+    out += table(["case", "max rel L2", "worst", "run"], lines)
+    lines = []
+    for (kind, shape), r in sorted(latest(of(records, "recurrent"), lambda r: (r["kind"], tuple(r["shape"]))).items()):
+        f = r["figures"]
+        lines.append([f"{kind.upper()} {shape_text(shape)}", fmt(f["laqat_fwd_ms"], "{:.3f}"),
+                      fmt(f["fla_fused_recurrent_fwd_ms"], "{:.3f}"), fmt(f["fla_chunk_fwd_ms"], "{:.3f}"),
+                      fmt(f.get("laqat_fb_ms"), "{:.3f}"), err(f["o_rel_l2_vs_fla_recurrent"]),
+                      err(f["o_rel_l2_vs_fla_chunk"]), r["run"] + notes.mark(r)])
+    out += ["bf16, ms; o against FLA's fused recurrent kernel (0: bit for bit) and its chunk kernel:", ""]
+    out += table(["kind, shape", "laqat fwd", "FLA recurrent fwd", "FLA chunk fwd", "laqat f+b", "o vs FLA recurrent",
+                  "o vs FLA chunk", "run"], lines)
+    return out + notes.lines()
+
+
+def decode_section(records) -> list[str]:
+    out = ["## Decode-phase training (`decode_bench.py`)", ""]
+    notes = Notes()
+    acc = latest(of(records, "decode-accuracy"), lambda r: r["case_description"])
+    lines = [[k, err(r["figures"]["max_grad_rel_l2"]), r["figures"].get("worst", ""),
+              f"{r['figures']['final_state_flips']} / {r['figures']['final_state_elements']}", r["run"] + notes.mark(r)]
+             for k, r in acc.items()]
+    out += ["fp32 against the fp64 decode reference (every gradient within 1e-3), the stored final state element by "
+            "element:", ""]
+    out += table(["case", "worst gradient", "which", "final-state flips", "run"], lines)
+    timing = latest(of(records, "decode"), lambda r: (r["row"], r.get("num_warps") or 0))
+    lines = []
+    for (row, warps), r in sorted(timing.items(), key=lambda kv: (kv[0][0].startswith("torch"), kv[0])):
+        f = r["figures"]
+        lines.append([row, str(warps or "-"), fmt(f["fb_ms"]), fmt(f.get("fb_x_fla")), fmt(f.get("fb_mib"), "{:.1f}"),
+                      r["run"] + notes.mark(r)])
+    shape = next(iter(timing.values()))
+    out += [f"{shape['kind'].upper()} {shape_text(shape['shape'])} {shape['dtype']}, prefix {shape['prefix']}, "
+            "fwd+bwd ms of `laqat::delta_rule_phased` (decode_fused) per policy, FLA's chunk_kda exact and the fp32 "
+            "torch reference:", ""]
+    out += table(["row", "warps", "f+b ms", "x FLA", "extra MiB", "run"], lines)
+    return out + notes.lines()
+
+
+def training_section(records) -> list[str]:
+    out = ["## Training checks (`train_fp8_state_gpu.py`, `compiled_step_vs_eager.py`)", ""]
+    notes = Notes()
+    lines = []
+    for bench in ("train", "compiled-step"):
+        for (_, steps), r in sorted(latest(of(records, bench), lambda r: (bench, r.get("steps") or 0),
+                                           lambda r: len(r["figures"]) > 1).items()):
+            figures = ", ".join(f"{k.replace('_', ' ')} {figure(k, v)}" for k, v in r["figures"].items())
+            lines.append([bench, r.get("model", ""), r.get("policy", ""), str(steps or "-"), figures,
+                          r["run"] + notes.mark(r)])
+    return out + table(["check", "model", "policy", "steps", "figures", "run"], lines) + notes.lines()
+
+
+def model_section(records) -> list[str]:
+    rows = of(records, "model")
+    best = latest(rows, lambda r: (r["model"], r["row"]), lambda r: "step_ms" in r["figures"])
+    config = rows[-1]["config"]
+    out = ["## The model benchmark (`model_bench.py`, docs/model-bench.md)", "",
+           f"FLA's causal LMs, one training step (forward with labels, backward, AdamW), bf16: {config['layers']} "
+           f"layers, hidden {config['hidden']}, {config['heads']} heads of {config['head_dim']}, vocabulary "
+           f"{config['vocab']}, B={config['batch']}, T={config['seq']}; the median of {config['steps']} steps after "
+           f"{config['warmup']} warm-up steps. Step times of one row moved by up to 30 % between runs: ratios hold "
+           "within one run.", ""]
+    notes = Notes()
+    lines = []
+    for (model, row), r in sorted(best.items()):
+        f = r["figures"]
+        lines.append([model.upper(), row, fmt(f.get("step_ms")), fmt(f.get("peak_mib"), "{:.0f}"),
+                      fmt(f.get("first_step_s"), "{:.1f}"), fmt(f.get("loss"), "{:.4f}"), f.get("kernels", "-"),
+                      (f.get("error", "")[:80] or ""), r["run"] + notes.mark(r)])
+    return out + table(["model", "row", "step ms", "peak MiB", "first step s", "loss", "kernels", "error", "run"],
+                       lines) + notes.lines()
+
+
+def qdq_section(records) -> list[str]:
+    best = latest(of(records, "qdq"), lambda r: (r["command"].split("pytest")[-1], r["setting"]))
+    out = ["## QDQ device functions on the GPU (`tests/kernels/test_qdq_triton.py`)", ""]
+    notes = Notes()
+    lines = [[r["setting"], ", ".join(f"{k} {figure(k, v)}" for k, v in r["figures"].items()), r["run"] + notes.mark(r)]
+             for _, r in sorted(best.items(), key=lambda kv: kv[1]["run"])]
+    return out + table(["setting", "result", "run"], lines) + notes.lines()
+
+
+def comparisons_section(records) -> list[str]:
+    rows = of(records, "comparison")
+    topics = {}
+    for r in rows:
+        topics.setdefault(r["topic"], []).append(r)
+    out = ["## Comparisons behind the code's choices (`comparisons.jsonl`)", "",
+           "Launch settings and code forms timed against each other (the reference docs cite them by topic); each "
+           "record lists its variants and figures.", ""]
+    lines = [[topic, rs[0]["metric"], ", ".join(sorted({r["kind"] for r in rs if r.get("kind")})) or "-",
+              ", ".join(sorted({r["run"] for r in rs}))] for topic, rs in sorted(topics.items())]
+    return out + table(["topic", "metric", "kinds", "runs"], lines)
+
+
+def unmeasured_section(items) -> list[str]:
+    out = ["## Not measured", ""]
+    return out + [f"- {item['what']}" + (f" (`{item['command']}`)" if item.get("command") else "") for item in items] + [""]
+
+
+SECTIONS = ((("chunk",), chunk_section), (("chunk-kernels",), kernels_section),
+            (("chunk-exactness",), exactness_section), (("fla-equality",), equality_section),
+            (("recurrent", "recurrent-exactness"), recurrent_section), (("decode", "decode-accuracy"), decode_section),
+            (("train", "compiled-step"), training_section), (("model",), model_section), (("qdq",), qdq_section),
+            (("comparison",), comparisons_section))
+
+
+def render(records, unmeasured) -> str:
+    machines = {}
+    for r in records:
+        key = (r["machine"], tuple(sorted(r["versions"].items())))
+        machines.setdefault(key, []).append(r["run"])
+    out = ["# Performance", "",
+           "Generated by `python examples/benchmarks/results/render.py` from the records in "
+           "`examples/benchmarks/results/*.jsonl` (one line per measured row of a run: machine, versions, commit, "
+           "command, shape, dtype, figures); do not edit by hand. Each table shows the latest record of each row and "
+           "the run it comes from: run ids are `date-NN`, chronological. A row's figures are as good as its run: "
+           "rows last measured before later kernel changes keep their date. `examples/benchmarks/results/README.md` "
+           "says how to add a run.", ""]
+    for (machine, versions), runs in sorted(machines.items()):
+        v = ", ".join(f"{k} {x}" for k, x in versions) or "versions not recorded"
+        span = runs[0] if min(runs) == max(runs) else f"{min(runs)} to {max(runs)}"
+        out.append(f"Machine: {machine}; {v}; runs {span}.  ")
+    out.append("")
+    for benchmarks, section in SECTIONS:
+        if any(r["benchmark"] in benchmarks for r in records):
+            out += section(records)
+    if unmeasured:
+        out += unmeasured_section(unmeasured)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from what the records render")
+    args = parser.parse_args(argv)
+    text = render(load(), json.loads((HERE / "unmeasured.json").read_text()))
+    if args.check:
+        if PAGE.read_text() != text:
+            print(f"{PAGE} is out of date: run python examples/benchmarks/results/render.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

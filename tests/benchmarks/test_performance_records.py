@@ -1,0 +1,155 @@
+"""The measurement records (examples/benchmarks/results/*.jsonl), the page rendered from them (docs/performance.md),
+the converter from a GPU run's JSON to records, and the GPU suites' commands (examples/benchmarks/run_gpu.sh)."""
+import ast
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "examples" / "benchmarks" / "results"
+sys.path.insert(0, str(RESULTS))
+import record  # noqa: E402
+import render  # noqa: E402
+
+
+def unmeasured():
+    return json.loads((RESULTS / "unmeasured.json").read_text())
+
+
+def test_the_page_is_what_the_records_render():
+    assert (REPO / "docs" / "performance.md").read_text() == render.render(render.load(), unmeasured()), \
+        "docs/performance.md is out of date: run python examples/benchmarks/results/render.py"
+
+
+def test_every_record_is_complete_and_names_no_place_outside_the_repository():
+    records = render.load()
+    assert len(records) > 500
+    for r in records:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-\d{2}", r["run"]) and r["figures"], r
+        assert r["command"].strip()
+        for script in re.findall(r"(?:examples|tests)/[\w/]+\.(?:py|sh)", r["command"]):
+            assert (REPO / script).exists(), (script, r["run"])
+        text = json.dumps(r)
+        assert not re.search(r"session|/tmp/|/home/|/root/|/work/", text, re.IGNORECASE), text[:300]
+        if r["benchmark"] == "chunk":
+            assert r["kind"] in ("gdn", "kda") and len(r["shape"]) == 4 and r["row"]
+
+
+def write(folder, name, records):
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+HEAD = {"machine": "GPU X", "versions": {"torch": "9"}, "commit": "abc", "command": "python3 x.py"}
+
+
+def chunk(run, fb, row="laqat exact"):
+    return {"benchmark": "chunk", "run": run, "date": run[:10], **HEAD, "kind": "gdn", "shape": [8, 4096, 16, 128],
+            "dtype": "bfloat16", "row": row, "figures": {"fb_ms": fb, "fb_x_fla": fb / 4.0}}
+
+
+def test_the_latest_run_of_a_row_is_shown_and_a_broken_record_is_named(tmp_path):
+    write(tmp_path, "chunk.jsonl", [chunk("2026-12-02-01", 4.25), chunk("2026-12-01-07", 9.75),
+                                     chunk("2026-12-01-07", 3.5, "FLA exact")])
+    page = render.render(render.load(tmp_path), [{"what": "a thing", "command": "run it"}])
+    assert "| laqat exact | - | - | 4.25 | 1.06 | - | 2026-12-02-01 |" in page
+    assert "9.75" not in page and "| FLA exact | - | - | 3.50 | 0.88 |" in page
+    assert "- a thing (`run it`)" in page
+    broken = chunk("2026-12-03-01", 1.0)
+    del broken["command"]
+    write(tmp_path, "chunk.jsonl", [chunk("2026-12-02-01", 4.25), broken])
+    with pytest.raises(render.RecordError, match=r"chunk.jsonl:2: missing command"):
+        render.load(tmp_path)
+    write(tmp_path, "chunk.jsonl", [{**chunk("2026-12-02-01", 4.25), "date": "2026-12-01"}])
+    with pytest.raises(render.RecordError, match="does not start with its date"):
+        render.load(tmp_path)
+
+
+def test_a_gpu_runs_json_becomes_records_once(tmp_path):
+    out = tmp_path / "out"
+    (out / "chunk-gdn" / "table").mkdir(parents=True)
+    (out / "machine.json").write_text(json.dumps({"device": "GPU X", "torch": "2.11", "triton": "3.6",
+                                                  "fla": "0.6.0", "commit": "1234567"}))
+    (out / "chunk-gdn" / "table" / "command.txt").write_text("python3 examples/benchmarks/chunk_bench.py --kinds gdn\n")
+    bench = {"device": "GPU X", "torch": "2.11", "triton": "3.6", "exactness": [
+        {"index": 4, "case": {"kind": "gdn", "state": "kv", "B": 1, "T": 300, "H": 2, "HV": 4, "K": 128, "V": 128,
+                              "cu": [0, 100, 300], "quant": {"state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"}},
+         "rel_l2": {"o": 1e-7, "dg": 3e-6}, "tol": 1e-3, "ok": True}],
+        "fla_equality": [{"kind": "kda", "shape": [1, 4096, 16, 128], "rel_l2": {"o": 2.7e-3},
+                          "rel_l2_vs_fp64_reference": {"laqat": {"o": 3.8e-3}, "FLA": {"o": 3.9e-3}}}],
+        "timing": [{"kind": "gdn", "shape": [8, 4096, 16, 128], "rows": {
+            "FLA exact": {"ms_fwd": 1.0, "ms_fwd_bwd": 4.0, "mib_fwd_bwd": 1621.4, "x_fla_fwd": 1.0,
+                          "x_fla_fwd_bwd": 1.0, "note": "guard lifted"},
+            "laqat exact": {"ms_fwd": 0.5, "ms_fwd_bwd": 4.4, "mib_fwd_bwd": 1554.2, "x_fla_fwd": 0.5,
+                            "x_fla_fwd_bwd": 1.1, "kernels_ms": {"bwd intra": 2.1, "fwd h": 0.8}},
+            "laqat NVFP4 operands": {"error_fwd": "OutOfMemoryError: CUDA out of memory"}}}]}
+    (out / "chunk-gdn" / "table" / "chunk_bench.json").write_text(json.dumps(bench))
+    records = record.collect(out, "2026-12-05-01")
+    by = {(r["benchmark"], r.get("row"), r.get("against")): r for r in records}
+    ours = by[("chunk", "laqat exact", None)]
+    assert ours["figures"] == {"fwd_ms": 0.5, "fwd_x_fla": 0.5, "fb_ms": 4.4, "fb_x_fla": 1.1, "fb_mib": 1554}
+    assert ours["command"] == "python3 examples/benchmarks/chunk_bench.py --kinds gdn"
+    assert ours["versions"] == {"torch": "2.11", "triton": "3.6", "fla": "0.6.0"} and ours["commit"] == "1234567"
+    assert by[("chunk", "FLA exact", None)]["note"] == "guard lifted"
+    assert by[("chunk", "laqat NVFP4 operands", None)]["figures"] == {"fwd_error": "OutOfMemoryError: CUDA out of memory"}
+    assert by[("chunk-kernels", "laqat exact", None)]["figures"]["kernels_ms"] == {"bwd intra": 2.1, "fwd h": 0.8}
+    exact = by[("chunk-exactness", None, None)]
+    assert exact["case"] == 4 and exact["figures"] == {"max_rel_l2": 3e-6, "worst": "dg", "tol": 1e-3}
+    assert {(r["row"], r["against"]) for r in records if r["benchmark"] == "fla-equality"} == {
+        ("laqat exact", "FLA"), ("laqat exact", "fp64 reference"), ("FLA exact", "fp64 reference")}
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    shutil.copy(RESULTS / "chunk.jsonl", folder / "chunk.jsonl")
+    counts = record.append(records, folder)
+    assert counts == {"chunk.jsonl": 3, "chunk_kernels.jsonl": 1, "chunk_exactness.jsonl": 1, "fla_equality.jsonl": 3}
+    page = render.render(render.load(folder), [])
+    assert "| laqat exact | 0.50 | 0.50 | 4.40 | 1.10 | 1554 | 2026-12-05-01 |" in page
+    with pytest.raises(ValueError, match="run 2026-12-05-01 is in"):
+        record.append(records, folder)
+    with pytest.raises(ValueError, match="--run"):
+        record.collect(out, "2026-12-05")
+
+
+def literal_keys(tree, name):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return node.value
+    raise AssertionError(name)
+
+
+def test_the_gpu_suites_call_existing_scripts_with_rows_and_cases_they_know():
+    script = REPO / "examples" / "benchmarks" / "run_gpu.sh"
+    listing = subprocess.run(["bash", str(script), "--list"], capture_output=True, text=True, check=True).stdout
+    suites = [line for line in listing.splitlines() if not line.startswith(" ")]
+    assert suites == ["exactness", "chunk-gdn", "chunk-kda", "decode", "recurrent", "model", "train"]
+    dry = subprocess.run(["bash", str(script), "--dry-run", *suites], capture_output=True, text=True, check=True).stdout
+    parts = [line.strip() for line in listing.splitlines() if line.startswith(" ")]
+    commands = dry.strip().splitlines()
+    assert [c.split(" ")[0] for c in commands] == parts
+    tree = ast.parse((REPO / "examples" / "benchmarks" / "chunk_bench.py").read_text())
+    policies = {k.value for k in literal_keys(tree, "POLICIES").keys} | {"FLA exact"}
+    cases = len(literal_keys(tree, "EXACT_CASES").elts)
+    for line in commands:
+        words = shlex.split(line.split("): ", 1)[1])
+        program = next(w for w in words if w.endswith(".py") or w == "pytest")
+        assert program == "pytest" or (REPO / program).exists(), line
+        if program.endswith("chunk_bench.py"):
+            for option in ("--policies", "--profile"):
+                if option in words:
+                    named = set(words[words.index(option) + 1].split(","))
+                    assert named <= policies, (line, named - policies)
+            if "--exact-cases" in words:
+                assert all(int(i) < cases for i in words[words.index("--exact-cases") + 1].split(","))
+    covered = {int(i) for line in commands if "--exact-cases" in line
+               for i in shlex.split(line)[shlex.split(line).index("--exact-cases") + 1].split(",")}
+    assert covered == set(range(cases)), "every exactness case runs in the exactness suite"
+    bad = subprocess.run(["bash", str(script), "--dry-run", "chunk-gdn:nothing"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no part 'nothing'" in bad.stderr
+    bad = subprocess.run(["bash", str(script), "speed"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown suite 'speed'" in bad.stderr

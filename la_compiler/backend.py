@@ -3,6 +3,10 @@
     torch.compile(model, backend="laqat", options={"policy": ..., "compiler": "inductor" | "eager",
                                                    "verify": False})
 
+Without a ``policy`` option (or with None) a graph gets the policy attached to the compiled module
+(``la_compiler.attach_policy``; also when a bound method such as ``model.loss`` is compiled), else exact
+numerics.
+
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
 (FLA substitutions) before Dynamo traces anything.
@@ -20,6 +24,7 @@ from la_compiler.passes.frontends import install_trace_frontends
 from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
 from la_compiler.policy import Policy, load_policy
+from la_compiler.policy_attach import attached_policy_source
 from la_compiler.record import CompileRecord
 
 COMPILERS = ("inductor", "eager")
@@ -31,7 +36,7 @@ class BackendOptionsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
-    policy: Policy
+    policy: Policy | None  # None: not given (the attached policy, else exact numerics)
     compiler: str = "inductor"  # what runs the rewritten graph; "eager" for bisecting
     verify: bool = False  # graph frontends check each rewrite numerically at compile time
 
@@ -52,7 +57,17 @@ class BackendOptions:
         verify = options.get("verify", False)
         if not isinstance(verify, bool):
             raise BackendOptionsError(f"options['verify'] must be a bool, got {verify!r}")
-        return BackendOptions(policy=load_policy(options.get("policy")), compiler=compiler, verify=verify)
+        policy = options.get("policy")
+        return BackendOptions(policy=None if policy is None else load_policy(policy), compiler=compiler, verify=verify)
+
+
+def policy_for(option: Policy | None, root: torch.nn.Module | None) -> tuple[Policy, str]:
+    """The policy a graph compiles with and where it came from: the option wins over the policy attached to the
+    compiled module; neither gives exact numerics."""
+    if option is not None:
+        return option, "option"
+    attached = attached_policy_source(root)
+    return attached if attached is not None else (Policy.exact(), "default exact")
 
 
 install_trace_frontends()
@@ -90,11 +105,14 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         raise BackendOptionsError(f"torch.compile(mode={mode!r}) is not supported by the laqat backend")
     opts = BackendOptions.from_user(options)
     sink = _record or _ACTIVE_RECORD[-1]
+    root = compiled_root_module()
+    policy, policy_source = policy_for(opts.policy, root)
 
     def rewrite(graph: torch.fx.GraphModule, prefixes: dict[str, str]) -> torch.fx.GraphModule:
         record = sink.new_graph()
         record.graph_break = graph_break_of(gm)
-        run_pipeline(graph, opts.policy, record, verify=opts.verify, module_prefixes=prefixes)
+        record.policy, record.policy_source = policy.name, policy_source
+        run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes)
         return graph
 
     def hand_off(graph: torch.fx.GraphModule, inputs) -> Callable:
@@ -110,7 +128,6 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
             return compile_fx(graph, inputs)
 
-    root = compiled_root_module()
     prefixes = root_prefixes(gm, root)
     if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
         return ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)

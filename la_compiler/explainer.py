@@ -3,6 +3,7 @@
     report = la_compiler.explain(model, batch, policy="state_fp8")
     report.matches       # every rewritten site: .kind .frontend .module .spec .kernel
     report.near_misses   # candidate regions left untouched, with the check that failed
+    report.policy        # "state_fp8 (attached to MyModel)": the policy used and where it came from
     print(report)        # a readable report with the rewritten graphs
 """
 from __future__ import annotations
@@ -17,6 +18,9 @@ from la_compiler.record import CompileRecord, GraphRecord, Match, NearMiss
 
 class NothingMatchedWarning(UserWarning):
     """explain() found no GDN/KDA recurrence to rewrite."""
+
+
+_SOURCES = {"default exact": "default exact: no policy option, none attached"}
 
 
 @dataclasses.dataclass
@@ -39,12 +43,20 @@ class ExplainReport:
         return [g.graph_break for g in self.graphs if g.graph_break]
 
     @property
+    def policy(self) -> str:
+        """The policy the graphs were compiled with and its source: "<name> (option)", "<name> (attached to
+        <module class>)" or "exact (default exact: ...)"."""
+        used = dict.fromkeys(f"{g.policy} ({_SOURCES.get(g.policy_source, g.policy_source)})"
+                             for g in self.graphs if g.policy_source)
+        return "; ".join(used) or "none (no graph was compiled)"
+
+    @property
     def notes(self) -> list[str]:
         return [n for g in self.graphs for n in g.notes]
 
     def __str__(self) -> str:
         out = [f"laqat explain: {len(self.matches)} recurrence(s) rewritten in {len(self.graphs)} graph(s), "
-               f"{self.graph_breaks} graph break(s)"]
+               f"{self.graph_breaks} graph break(s)", f"policy: {self.policy}"]
         for i, m in enumerate(self.matches):
             out.append(f"\n[{i}] {m.kind.upper()} at {m.module or '<top>'} (frontend: {m.frontend}, node {m.node}"
                        + (f", replaced {m.region_size} nodes" if m.region_size else "") + ")")
@@ -80,7 +92,8 @@ def _unwrap(model_or_fn):
 def explain(model_or_fn, *args, policy=None, compiler: str = "eager", **kwargs) -> ExplainReport:
     """Compiles ``model_or_fn`` with the laqat backend, runs it once on ``args``/``kwargs`` and
     reports every rewritten site. ``compiler`` picks what runs the rest of the graph ("eager"
-    by default: the laqat passes, and so the report, are the same under Inductor)."""
+    by default: the laqat passes, and so the report, are the same under Inductor). ``policy=None``: the
+    policy attached to the module (``la_compiler.attach_policy``), else exact numerics."""
     from la_compiler.backend import laqat_backend
 
     record = CompileRecord()

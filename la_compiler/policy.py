@@ -207,6 +207,9 @@ class Policy:
         check_mapping(config, "policy", _TOP_KEYS)
         version = config.get("version", POLICY_VERSION)
         if version != POLICY_VERSION:
+            if _schema_number(version) > _schema_number(POLICY_VERSION):
+                raise PolicyError(f"version: {version!r} was written by a newer laqat; this laqat reads policies of "
+                                  f"version {POLICY_VERSION!r} (upgrade laqat to read it)")
             raise PolicyError(f"version: this laqat reads policies of version {POLICY_VERSION!r}, got {version!r}")
         if config.get("algorithm") is not None:
             raise PolicyError(f"algorithm: laqat scales are dynamic (no calibration): must be null/None, "
@@ -338,6 +341,14 @@ class Policy:
 
 # ---- helpers ---------------------------------------------------------------------------------
 
+def _schema_number(version) -> int:
+    """N of "laqat.policy/N"; -1 for anything else."""
+    prefix = POLICY_VERSION.rsplit("/", 1)[0] + "/"
+    if isinstance(version, str) and version.startswith(prefix) and version[len(prefix):].isdigit():
+        return int(version[len(prefix):])
+    return -1
+
+
 def _list(value, key: str) -> list:
     if value is None:
         return []
@@ -437,8 +448,9 @@ def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where
     return tuple(sorted(extra.items()))
 
 
-def load_policy(policy) -> Policy:
-    """None (exact) | Policy | dict | path to .yaml/.json | shipped recipe name -> Policy."""
+def load_policy(policy, *, key: str = "options['policy']") -> Policy:
+    """None (exact) | Policy | dict | path to .yaml/.json | shipped recipe name -> Policy. ``key`` names the
+    argument in error messages."""
     if policy is None:
         return Policy.exact()
     if isinstance(policy, Policy):
@@ -453,7 +465,7 @@ def load_policy(policy) -> Policy:
             return Policy.from_file(recipe_path(text))
         if Path(text).suffix in (".yaml", ".yml", ".json") or os.sep in text:
             return Policy.from_file(text)
-        raise PolicyError(f"options['policy']: {text!r} is neither a recipe name nor a .yaml/.json file; "
+        raise PolicyError(f"{key}: {text!r} is neither a recipe name nor a .yaml/.json file; "
                           f"recipes: {recipe_names()}")
-    raise PolicyError(f"options['policy']: must be None, a Policy, a dict, a path or a recipe name, "
+    raise PolicyError(f"{key}: must be None, a Policy, a dict, a path or a recipe name, "
                       f"got {type(policy).__name__}")

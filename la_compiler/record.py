@@ -37,6 +37,8 @@ class GraphRecord:
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # e.g. policy rules matching no site
     graph_break: str = ""  # why Dynamo ended this graph at a graph break, and where ("" if it did not)
+    policy: str = ""  # the name of the policy the graph was compiled with
+    policy_source: str = ""  # "option", "attached to <module class>" or "default exact"
     pass_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 

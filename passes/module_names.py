@@ -54,15 +54,25 @@ def _root_of(path: str) -> str:
 
 
 def compiled_root_module() -> torch.nn.Module | None:
-    """The module the user passed to ``torch.compile``: the outermost compile wrapper on the call stack
-    (None when a function, not a module, was compiled)."""
+    """The module the user compiled: that of the outermost compile wrapper on the call stack, whether it wraps
+    the module (``torch.compile(model)``, ``model.compile()``) or a bound method of it
+    (``torch.compile(model.loss)``); None when a function was compiled."""
     frame, found = sys._getframe(1), None
     while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
-            found = owner
+        found = _compiled_module_of(frame) or found
         frame = frame.f_back
-    return None if found is None else found._orig_mod
+    return found
+
+
+def _compiled_module_of(frame) -> torch.nn.Module | None:
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+        return owner._orig_mod
+    if isinstance(owner, torch._dynamo.eval_frame._TorchDynamoContext):  # its wrapper, calling ``fn``
+        target = getattr(frame.f_locals.get("fn"), "__self__", None)
+        if isinstance(target, torch.nn.Module):
+            return target
+    return None
 
 
 def root_prefixes(gm: torch.fx.GraphModule, root: torch.nn.Module | None) -> dict[str, str]:

@@ -48,8 +48,8 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
         return LaunchConfig(8, 1)
     if stage == "fwd_pairs" and BK >= 64 and not rounds_operands:
         # the exact forward's row-block products ([C x BK] tiles): LAQAT_AUTOTUNE on the H200 (KDA [8,4096,16,128])
-        # chose four warps, one stage (1.44 ms for both calls; eight warps, one stage: 1.81). sm_90: 228 registers,
-        # no spills (three stages: 200 B of spills)
+        # chose four warps, one stage (1.44 ms for both calls; eight warps, one stage: 1.81; comparisons.jsonl,
+        # topic kda-row-block-pairs). sm_90: 228 registers, no spills (three stages: 200 B of spills)
         return LaunchConfig(4, 1)
     if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
         return LaunchConfig(4, 3)
@@ -57,16 +57,17 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
     if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not nvfp4_operands:
         # LAQAT_AUTOTUNE on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
-        # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills).
+        # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills;
+        # examples/benchmarks/results/comparisons.jsonl, topic autotune-launch-table).
         # With rounded operands too, although four warps spill there on sm_90 (all FP8 sites: 632 B (h), 336 B
-        # (o), 3.5 KB (dh)): on the H200 at [8, 4096, 16, 128] bf16 (eleventh session) the h stage took 1.50 ms
-        # per call at four warps against 2.09 at eight (GDN; KDA 1.33 / 1.98), dh 1.79 / 2.09 (KDA 2.06 / 2.27),
-        # o 0.96 / 1.02. Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh) per
-        # thread on sm_90; nor with NVFP4 operands (KDA, all NVFP4 sites, H200: dh 3.66 ms at eight warps against
-        # 5.10 at four, o 3.56 / 3.66; their h stage holds all of V)
+        # (o), 3.5 KB (dh)): on the H200 at [8, 4096, 16, 128] bf16 the h stage takes 1.50 ms per call at four
+        # warps against 2.09 at eight (GDN; KDA 1.33 / 1.98), dh 1.79 / 2.09 (KDA 2.06 / 2.27), o 0.96 / 1.02
+        # (topic launch-probe). Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh)
+        # per thread on sm_90; nor with NVFP4 operands (KDA, all NVFP4 sites, H200: dh 3.66 ms at eight warps
+        # against 5.10 at four, o 3.56 / 3.66; their h stage holds all of V)
         warps, stages = 4, 2 if stage == "fwd_o" else 1
     if stage == "bwd_intra" and C * BK >= 2048:
-        warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (H200, autotuned)
+        warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (topic autotune-launch-table)
     if stage in ("fwd_h", "bwd_dh"):
         stages = serial_stages_override() or stages
     return LaunchConfig(warps, stages)
@@ -75,7 +76,7 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
 def serial_stages_override() -> int | None:
     """LAQAT_CHUNK_SERIAL_STAGES=<n>: pipeline depth of the serial h / dh loops (benchmarks compare it:
     at K = 128, two stages prefetch the next chunk's W, U, K at 112 KB (h) / 177 KB (dh) of shared memory
-    with 80 / 584 B of spills against none / 936 B at one stage; unmeasured on a GPU so far)."""
+    with 80 / 584 B of spills against none / 936 B at one stage; not measured on a GPU: docs/performance.md)."""
     text = os.environ.get("LAQAT_CHUNK_SERIAL_STAGES")
     if text is None:
         return None
@@ -86,8 +87,8 @@ def serial_stages_override() -> int | None:
 
 # Key columns per step of the key-blocked stages (forward intra; KDA's split backward intra and pairs):
 # whole rows up to 64 columns, blocks of 32 above. On the H200 at KDA [8, 4096, 16, 128] blocks of 32
-# beat 64 and 16 in both directions (fwd+bwd 30.63 ms vs 33.88 at 64 / 64; docs/gpu-results.md, fourth
-# session).
+# beat 64 and 16 in both directions with fp32 GEMM operands (fwd+bwd 30.63 ms vs 33.88 at 64 / 64;
+# examples/benchmarks/results/comparisons.jsonl, topic kda-key-blocks).
 WHOLE_ROWS_UP_TO = 64
 KEY_BLOCK = 32
 FWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
@@ -97,16 +98,16 @@ BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
 
 # KDA's split backward (intra and pairs stages) with 16-bit GEMMs: blocks of 64 beat 32 on the H200 at
 # [8, 4096, 16, 128] bf16 (f+b 10.95 ms against 11.96; backward intra 1.99 / 2.50, pairs 1.75 / 2.24;
-# docs/gpu-results.md, seventh session). With fp32 GEMM operands 32 stays (fourth session); GDN is unmeasured.
+# comparisons.jsonl, topic kda-key-blocks). With fp32 GEMM operands 32 stays (the same topic); GDN is unmeasured.
 BWD_KEY_BLOCK_16BIT = 64
 # GDN's backward intra stage with 16-bit GEMMs (dT, hence dA, complete before its key loop): whole rows of 128
-# beat blocks of 64 and 32 on the H200 at [8, 4096, 16, 128] bf16 (2.39 / 2.54 / 2.94 ms; docs/gpu-results.md,
-# tenth session).
+# beat blocks of 64 and 32 on the H200 at [8, 4096, 16, 128] bf16 (2.39 / 2.54 / 2.94 ms; comparisons.jsonl,
+# topic gdn-bwd-intra-key-block).
 GDN_BWD_KEY_BLOCK_16BIT = 128
 # GDN's backward intra stage over whole key rows (a rounded pair product or key-side operand: one key block)
 # steps through V in blocks of 32: 8.42 ms against 8.74 at 64 on the H200 (all FP8 sites, [8, 4096, 16, 128]
-# bf16, eleventh session). The key-blocked form keeps 64 (2.11 ms against 2.40 at 32 there, exact), and so
-# does KDA's (7.03 against 7.18 at 32, all FP8 sites).
+# bf16; comparisons.jsonl, topic launch-probe). The key-blocked form keeps 64 (2.11 ms against 2.40 at 32 there,
+# exact), and so does KDA's (7.03 against 7.18 at 32, all FP8 sites).
 GDN_WHOLE_ROW_BWD_VALUE_BLOCK = 32
 
 

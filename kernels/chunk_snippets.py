@@ -138,9 +138,10 @@ _GRID = {"fp8_e4m3": "quant_fp8_e4m3", "int8": "quant_int8"}  # grid values of t
 
 def factored_scales() -> bool:
     """LAQAT_CHUNK_FACTORED_SCALES (default 1): the forward stages multiply products whose two operands are rounded
-    per row (FP8 / INT8) as grid values with the scales applied to the result (``factored``). Measured on the H200
-    at [8, 4096, 16, 128] bf16, all FP8 sites f+b: GDN 17.61 -> 17.41 ms, KDA 37.74 -> 37.28; the o stage 0.97 ->
-    0.83 ms. 0 multiplies the dequantized operands (before session 12)."""
+    per row (FP8 / INT8) as grid values with the scales applied to the result (``factored``). On the H200 at
+    [8, 4096, 16, 128] bf16, all FP8 sites f+b: GDN 17.61 -> 17.41 ms, KDA 37.74 -> 37.28; the o stage 0.97 ->
+    0.83 ms (examples/benchmarks/results/comparisons.jsonl, topics residual and factored-scales). 0 multiplies the
+    dequantized operands."""
     text = os.environ.get(FACTORED_ENV, "1")
     if text not in ("0", "1"):
         raise ValueError(f"{FACTORED_ENV} must be 0 or 1, got {text!r}")

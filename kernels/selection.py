@@ -77,7 +77,7 @@ def _fla_chunk(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
 
 def _laqat_kda_chunk_is_faster(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     """KDA's exact training step runs faster on laqat's chunk kernels than on FLA's (H200, bf16,
-    [8,4096,16,128]: fwd+bwd 7.45 ms against FLA's 10.3, docs/gpu-results.md), at the same accuracy; FLA's
+    [8,4096,16,128]: fwd+bwd 7.45 ms against FLA's 10.3, docs/performance.md), at the same accuracy; FLA's
     kernel stays the choice where the chunk kernels cannot run the spec."""
     if spec.kind != "kda" or _chunk(spec, ctx) is not None:
         return None

@@ -1,6 +1,6 @@
 """On CUDA: the FLA frontend's opaque ops and whole FLA layers, laqat vs FLA's own kernels.
 
-    OUT=./out python examples/benchmarks/fla_frontend_gpu_check.py    (after `pip install -e .`, as run_gpu.sh does)
+    OUT=./out python examples/benchmarks/fla_frontend_gpu_check.py    (after `pip install -e .`, as gpu_chores.sh setup does)
 
 1. ``laqat::causal_conv1d`` (FLA's causal_conv1d_fwd/bwd on CUDA) against its fp32 torch reference
    (the CPU path): output, final state and every gradient, with bias, residual, initial state,

@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def compile_for_sm90(launch: dict, warps: int, stages: int, cuobjdump: Path) -> 
     except Exception as e:  # noqa: BLE001 -- a refusal (shared memory, say) is a result, reported
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     seconds = time.time() - started
-    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"laqat_sm90_{os.getpid()}.cubin"
+    cubin = Path(tempfile.gettempdir()) / f"laqat_sm90_{os.getpid()}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
     cubin.unlink()

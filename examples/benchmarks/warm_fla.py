@@ -1,7 +1,7 @@
 """Compiles (and autotunes) FLA's KDA kernels for the shapes and dtypes the other GPU scripts use, so
 that they find them in Triton's disk cache (FLA caches its autotune results there too). Run it in the
-background at the start of a GPU session (run_gpu.sh's `warm` stage starts one process per group, as
-the groups compile different kernels); it times nothing.
+background on a fresh GPU machine (`examples/benchmarks/gpu_chores.sh warm` starts one process per group,
+as the groups compile different kernels); it times nothing.
 
     python warm_fla.py [--group bf16-128|bf16-64|fp32-64] ...
 """

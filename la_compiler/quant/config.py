@@ -14,7 +14,7 @@ limited to ``[\\w./:,+-]``)::
     .../clip             suffix: clipped straight-through gradient instead of identity
 
 This module imports nothing (not even torch), so every layer of the project may use it.
-The numerics behind each form are in docs/numerics.md and /work/shared/NUMERICS.md.
+The numerics behind each form are in docs/numerics.md and the project's NUMERICS.md.
 """
 from __future__ import annotations
 

@@ -49,8 +49,9 @@ except ImportError:
     fla_version = None
 commit = os.environ.get("LAQAT_COMMIT") or subprocess.run(
     ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-        "triton": triton.__version__, "fla": fla_version, "commit": commit}
+cuda = torch.cuda.is_available()
+info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version, "commit": commit}
 open(sys.argv[1], "w").write(json.dumps(info, indent=1))
 print(" ".join(f"{k} {v}" for k, v in info.items()))
 EOF

@@ -78,7 +78,7 @@ def test_the_latest_run_of_a_row_is_shown_and_a_broken_record_is_named(tmp_path)
 def test_a_gpu_runs_json_becomes_records_once(tmp_path):
     out = tmp_path / "out"
     (out / "chunk-gdn" / "table").mkdir(parents=True)
-    (out / "machine.json").write_text(json.dumps({"device": "GPU X", "torch": "2.11", "triton": "3.6",
+    (out / "machine.json").write_text(json.dumps({"device": "GPU X", "gpus": 1, "torch": "2.11", "triton": "3.6",
                                                   "fla": "0.6.0", "commit": "1234567"}))
     (out / "chunk-gdn" / "table" / "command.txt").write_text("python3 examples/benchmarks/chunk_bench.py --kinds gdn\n")
     bench = {"device": "GPU X", "torch": "2.11", "triton": "3.6", "exactness": [
@@ -94,17 +94,25 @@ def test_a_gpu_runs_json_becomes_records_once(tmp_path):
                             "x_fla_fwd_bwd": 1.1, "kernels_ms": {"bwd intra": 2.1, "fwd h": 0.8}},
             "laqat NVFP4 operands": {"error_fwd": "OutOfMemoryError: CUDA out of memory"}}}]}
     (out / "chunk-gdn" / "table" / "chunk_bench.json").write_text(json.dumps(bench))
+    qdq = out / "exactness" / "qdq-division-rn"
+    qdq.mkdir(parents=True)
+    (qdq / "command.txt").write_text("LAQAT_QDQ_DIVISION=rn python3 -m pytest -q tests/kernels/test_qdq_triton.py\n")
+    (qdq / "junit.xml").write_text('<testsuites><testsuite name="pytest" tests="16" failures="1" errors="0" '
+                                   'skipped="2"/></testsuites>')
     records = record.collect(out, "2026-12-05-01")
     by = {(r["benchmark"], r.get("row"), r.get("against")): r for r in records}
     ours = by[("chunk", "laqat exact", None)]
     assert ours["figures"] == {"fwd_ms": 0.5, "fwd_x_fla": 0.5, "fb_ms": 4.4, "fb_x_fla": 1.1, "fb_mib": 1554}
     assert ours["command"] == "python3 examples/benchmarks/chunk_bench.py --kinds gdn"
     assert ours["versions"] == {"torch": "2.11", "triton": "3.6", "fla": "0.6.0"} and ours["commit"] == "1234567"
+    assert ours["machine"] == "GPU X (one GPU)"
     assert by[("chunk", "FLA exact", None)]["note"] == "guard lifted"
     assert by[("chunk", "laqat NVFP4 operands", None)]["figures"] == {"fwd_error": "OutOfMemoryError: CUDA out of memory"}
     assert by[("chunk-kernels", "laqat exact", None)]["figures"]["kernels_ms"] == {"bwd intra": 2.1, "fwd h": 0.8}
     exact = by[("chunk-exactness", None, None)]
     assert exact["case"] == 4 and exact["figures"] == {"max_rel_l2": 3e-6, "worst": "dg", "tol": 1e-3}
+    assert by[("qdq", None, None)]["setting"] == "LAQAT_QDQ_DIVISION=rn"
+    assert by[("qdq", None, None)]["figures"] == {"passed": 13, "failed": 1, "skipped": 2}
     assert {(r["row"], r["against"]) for r in records if r["benchmark"] == "fla-equality"} == {
         ("laqat exact", "FLA"), ("laqat exact", "fp64 reference"), ("FLA exact", "fp64 reference")}
 
@@ -112,7 +120,8 @@ def test_a_gpu_runs_json_becomes_records_once(tmp_path):
     folder.mkdir()
     shutil.copy(RESULTS / "chunk.jsonl", folder / "chunk.jsonl")
     counts = record.append(records, folder)
-    assert counts == {"chunk.jsonl": 3, "chunk_kernels.jsonl": 1, "chunk_exactness.jsonl": 1, "fla_equality.jsonl": 3}
+    assert counts == {"chunk.jsonl": 3, "chunk_kernels.jsonl": 1, "chunk_exactness.jsonl": 1, "fla_equality.jsonl": 3,
+                      "qdq.jsonl": 1}
     page = render.render(render.load(folder), [])
     assert "| laqat exact | 0.50 | 0.50 | 4.40 | 1.10 | 1554 | 2026-12-05-01 |" in page
     with pytest.raises(ValueError, match="run 2026-12-05-01 is in"):

@@ -217,8 +217,10 @@ def collect(out: Path, run: str, commit: str | None = None) -> list[dict]:
             data = {}
         else:
             data = json.loads(path.read_text())
+        device = machine.get("device") or data.get("device", "unknown device")
+        gpus = machine.get("gpus")
         head = {"run": run, "date": run[:10],
-                "machine": f"{machine.get('device') or data.get('device', 'unknown device')} (one GPU)",
+                "machine": f"{device} ({'one GPU' if gpus == 1 else f'{gpus} GPUs'})" if gpus else device,
                 "versions": _drop_none({"torch": machine.get("torch") or data.get("torch"),
                                         "triton": machine.get("triton") or data.get("triton"),
                                         "fla": machine.get("fla")}),

@@ -81,7 +81,7 @@ def _laqat_kda_chunk_is_faster(spec: RecurrenceSpec, ctx: SelectionContext) -> s
     kernel stays the choice where the chunk kernels cannot run the spec."""
     if spec.kind != "kda" or _chunk(spec, ctx) is not None:
         return None
-    return "laqat's chunk kernels run KDA's exact fwd+bwd faster on CUDA (0.72x FLA's, docs/gpu-results.md)"
+    return "laqat's chunk kernels run KDA's exact fwd+bwd faster on CUDA (0.72x FLA's, docs/performance.md)"
 
 
 def _fla_gdn_backward_blocked(spec: RecurrenceSpec) -> str | None:

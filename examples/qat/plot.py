@@ -1,0 +1,54 @@
+"""A PNG of the training curves in a metrics JSONL: training loss (a moving average) and held-out NLL against
+the step, one line per run. Needs matplotlib; without it, says so and writes nothing."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)", flush=True)
+        return None
+    train, heldout = defaultdict(list), defaultdict(list)
+    for r in records:
+        if r.get("kind") == "train" and isinstance(r.get("loss"), float):
+            train[r["run"]].append((r["step"], r["loss"]))
+        elif r.get("kind") == "eval" and isinstance(r.get("nll"), float):
+            heldout[r["run"]].append((r["step"], r["nll"]))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run, points in sorted(train.items()):
+        steps, losses = zip(*points)
+        left.plot(steps, moving_average(list(losses), max(1, len(losses) // 20)), label=run, linewidth=1)
+    for run, points in sorted(heldout.items()):
+        steps, nlls = zip(*points)
+        right.plot(steps, nlls, marker="o", markersize=3, label=run, linewidth=1)
+    left.set(xlabel="step", ylabel="training loss (moving average)", title="training")
+    right.set(xlabel="step", ylabel="held-out NLL (nats / byte)", title="held-out")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+    if len(train) + len(heldout) <= 16:
+        right.legend(fontsize=6)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

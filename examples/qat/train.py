@@ -1,0 +1,489 @@
+"""QAT and QAD of a GDN + KDA language model under a laqat policy, on the Python standard library's source.
+
+    python examples/qat/train.py --policy exact --steps 2000 --out runs/pretrain            # from scratch
+    python examples/qat/train.py --policy state_fp8 --init runs/pretrain/checkpoint.pt --steps 300 --out runs/qat
+    python examples/qat/train.py --policy state_fp8 --mode qad --init runs/pretrain/checkpoint.pt --out runs/qad
+    python examples/qat/train.py --resume runs/qat/checkpoint.pt --steps 600 --out runs/qat   # go on training
+
+- QAT: the language-model loss (next-byte cross-entropy) of the model compiled under the policy.
+- QAD: a frozen exact teacher (the starting weights, compiled with exact numerics);
+  loss = T^2 KL(teacher || student) at temperature T on the student's logits, plus ``--kd-lm-weight`` times
+  the LM loss.
+- A policy with a decode mode (``decode_token_state_fp8``) trains decode-phase: each batch runs inside
+  ``la_compiler.phase(prefill_lengths=[P])`` with P = ``--prefill-fraction`` x seq_len, forward and backward,
+  and every loss (and the held-out NLL) is taken on the suffix positions [P, T), the tokens the serving
+  stack decodes from its rounded state.
+- The policy is attached to the model (``la_compiler.attach_policy``), so the checkpoint carries it;
+  ``--resume`` trains on under the checkpoint's policy.
+- ``--out`` receives metrics.jsonl (a record per step and per evaluation), checkpoint.pt and curves.png.
+
+Each model instance is compiled once, under its policy: held-out evaluation runs the training graph (grad
+enabled, outputs detached), because ``torch.no_grad`` would compile a second graph; the model therefore
+must have no active dropout (it is refused). examples/qat/study.py builds the quality study from these pieces.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # laqat's Triton kernels run in the CPU interpreter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import la_compiler  # noqa: E402
+from checkpoint import read_checkpoint, restore_weights, save_checkpoint  # noqa: E402
+from corpus import VOCAB_SIZE, Corpus, eval_batches, load_corpus, train_batch  # noqa: E402
+from metrics import MetricsLog, Progress  # noqa: E402
+from plot import plot_curves  # noqa: E402
+
+MODES = ("qat", "qad")
+KERNEL_FAMILIES = ("auto", "torch")
+COMPILERS = ("inductor", "eager")
+
+
+class TrainConfigError(ValueError):
+    """A training argument that is out of range or contradicts another; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    mode: str = "qat"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 512
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay from lr to min_lr_ratio * lr at the last step
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0  # the training batches are a function of (seed, step)
+    kd_temperature: float = 1.0
+    kd_lm_weight: float = 0.0  # QAD: loss = KD + kd_lm_weight * LM
+    prefill_fraction: float = 0.5  # decode-phase policies: the prefix is this fraction of seq_len
+    eval_every: int = 0  # 0: evaluate at the end only
+    checkpoint_every: int = 0  # 0: at the end only (when a checkpoint path is given)
+    log_every: int = 10  # plain progress lines (where no tqdm bar is shown)
+    budget_s: float | None = None  # shrink the schedule, once, so that the run ends inside this wall time
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise TrainConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("steps", "batch_size", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise TrainConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise TrainConfigError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise TrainConfigError(f"seq_len must be an int >= 2, got {self.seq_len!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise TrainConfigError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr!r}, {self.min_lr_ratio!r}")
+        if not 0 < self.prefill_fraction < 1:
+            raise TrainConfigError(f"prefill_fraction must be in (0, 1), got {self.prefill_fraction!r}")
+        if not self.kd_temperature > 0 or self.kd_lm_weight < 0:
+            raise TrainConfigError(f"kd_temperature must be > 0 and kd_lm_weight >= 0, got "
+                                   f"{self.kd_temperature!r}, {self.kd_lm_weight!r}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise TrainConfigError(f"budget_s must be > 0 seconds, got {self.budget_s!r}")
+
+
+# ---- the model under a policy -------------------------------------------------------------------
+
+def prepare_dynamo(recompile_limit: int = 64) -> None:
+    """Before the first compile. einops caches a backend per tensor type on first use, and Dynamo guards on
+    that cache's size: FLA's layers hand einops a Parameter during the first trace, which adds an entry and
+    makes the second call recompile. Registering both types now keeps the first graph valid. Every policy's
+    instance is one cache entry of the same forward: raise Dynamo's limit of 8 entries per frame."""
+    import einops
+
+    einops.rearrange(torch.zeros(1, 1), "a b -> b a")
+    einops.rearrange(torch.nn.Parameter(torch.zeros(1, 1)), "a b -> b a")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompile_limit)
+
+
+def is_decode_policy(policy) -> bool:
+    return any(rule.cfg.decode.mode != "none" for rule in la_compiler.load_policy(policy).linear_attention)
+
+
+def with_kernel_family(policy, family: str):
+    """``policy`` with every module restricted to one kernel family (``solve`` / ``decode`` ``implementation``):
+    the same numerics, other kernels. ``torch`` selects laqat's fp64 torch references, which run on the CPU in
+    milliseconds where the Triton interpreter takes seconds a call."""
+    if family not in KERNEL_FAMILIES:
+        raise TrainConfigError(f"kernel_family must be one of {KERNEL_FAMILIES}, got {family!r}")
+    policy = la_compiler.load_policy(policy)
+    if family == "auto":
+        return policy
+    config = policy.to_dict()
+    rules = config["linear_attention"]
+    for rule in rules:
+        rule["cfg"].setdefault("solve", {})["implementation"] = family
+        if rule["cfg"].get("decode", {}).get("mode", "none") != "none":
+            rule["cfg"]["decode"]["implementation"] = family
+    # modules no rule matches get the family from a first catch-all rule (a later match replaces it whole)
+    config["linear_attention"] = [{"module_name": "*", "cfg": {"solve": {"implementation": family}}}] + rules
+    return la_compiler.Policy.from_dict(config)
+
+
+def logits_of(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits  # transformers / FLA model outputs
+
+
+def check_no_dropout(model: torch.nn.Module) -> None:
+    active = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+              and m.p > 0]
+    if active:
+        raise TrainConfigError(f"model: dropout is active in {active[:3]}: held-out evaluation runs the training "
+                               f"graph (one compile per policy), which would drop units; set dropout to 0")
+
+
+class CompiledModel:
+    """One model instance with a policy attached, compiled once (``fullgraph``, laqat backend). Weights are
+    copied in with ``load_weights`` (in place), so Dynamo keeps the compiled graph."""
+
+    def __init__(self, model: torch.nn.Module, policy, *, compiler: str = "inductor", kernel_family: str = "auto"):
+        if compiler not in COMPILERS:
+            raise TrainConfigError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        check_no_dropout(model)
+        self.model = la_compiler.attach_policy(model.train(), policy)
+        self.policy = la_compiler.policy_of(model)
+        self.decode = is_decode_policy(self.policy)
+        options = {"compiler": compiler}
+        if kernel_family != "auto":  # an explicit policy option wins over the attached policy
+            options["policy"] = with_kernel_family(self.policy, kernel_family)
+        self.forward = torch.compile(model, backend="laqat", fullgraph=True, options=options)
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def prefill_tokens(self, seq_len: int, fraction: float) -> int | None:
+        """Where the decode suffix starts (None: no decode phase, every position counts)."""
+        return max(1, min(seq_len - 1, int(fraction * seq_len))) if self.decode else None
+
+    def phase(self, prefill: int | None):
+        return contextlib.nullcontext() if prefill is None else la_compiler.phase(prefill_lengths=[prefill])
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.forward(inputs))
+
+    def load_weights(self, weights: dict) -> None:
+        self.model.load_state_dict(weights)
+
+
+# ---- losses and evaluation ----------------------------------------------------------------------
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions [start, T)."""
+    return F.cross_entropy(logits[:, start:].flatten(0, 1).float(), targets[:, start:].flatten())
+
+
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, start: int = 0, temperature: float = 1.0):
+    """T^2 KL(teacher || student) of the softened distributions, averaged over the positions [start, T)."""
+    s = F.log_softmax(student[:, start:].flatten(0, 1).float() / temperature, dim=-1)
+    t = F.log_softmax(teacher[:, start:].flatten(0, 1).float() / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+@dataclasses.dataclass
+class EvalResult:
+    nll: float  # mean NLL (nats per byte) over every scored token
+    per_sequence: list[float]  # each sequence's mean NLL, for paired comparisons
+    tokens: int
+    start: int  # the first scored position
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    def to_dict(self) -> dict:
+        return {"nll": self.nll, "ppl": self.ppl, "tokens": self.tokens, "start": self.start,
+                "per_sequence": self.per_sequence}
+
+
+def evaluate(compiled: CompiledModel, batches: list[torch.Tensor], prefill: int | None = None,
+             start: int | None = None) -> EvalResult:
+    """Held-out NLL through the training graph. ``prefill`` runs a decode phase; ``start`` (default: the
+    prefill length, else 0) is the first scored position."""
+    start = (prefill or 0) if start is None else start
+    per_sequence, total, count = [], 0.0, 0
+    with torch.enable_grad():
+        for tokens in batches:
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            with compiled.phase(prefill):
+                logits = compiled.logits(inputs)
+            nll = F.cross_entropy(logits[:, start:].float().transpose(1, 2), targets[:, start:],
+                                  reduction="none").detach()
+            per_sequence += nll.mean(1).tolist()
+            total += nll.sum().item()
+            count += nll.numel()
+    return EvalResult(total / count, per_sequence, count, start)
+
+
+# ---- optimizer and schedule ---------------------------------------------------------------------
+
+class MixedPrecisionAdamW:
+    """AdamW over fp32 master copies of low-precision (bf16) parameters: the model's weights are the masters
+    rounded after every step, so small updates accumulate. fp32 parameters are their own masters."""
+
+    def __init__(self, params, lr: float, weight_decay: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
+                        for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in (*self.params, *self.masters):
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.inner.state_dict(),
+                "masters": [m.detach().clone() if m is not p else None for p, m in zip(self.params, self.masters)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["adamw"])
+        with torch.no_grad():
+            for m, saved in zip(self.masters, state["masters"]):
+                if saved is not None:
+                    m.copy_(saved)
+
+
+def learning_rate(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warm-up, then a cosine from lr down to min_lr_ratio * lr at ``total``."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TrainResult:
+    label: str
+    steps: int  # the last step trained
+    planned_steps: int  # cfg.steps, or fewer where the budget shrank the schedule
+    losses: list[float]
+    lm_losses: list[float]
+    step_seconds: list[float]  # wall time of each step, loss.item() included (the first one may compile)
+    evals: list[dict]
+    final: EvalResult | None
+
+    @property
+    def seconds_per_step(self) -> float:
+        """Mean wall time of the steps after the first."""
+        later = self.step_seconds[1:]
+        return sum(later) / len(later) if later else float("nan")
+
+
+def train(student: CompiledModel, corpus: Corpus, cfg: TrainConfig, *, teacher: CompiledModel | None = None,
+          batches: list[torch.Tensor] | None = None, log: MetricsLog | None = None,
+          checkpoint_path: str | Path | None = None, resume_state: dict | None = None, label: str = "",
+          model_config: dict | None = None, extra: dict | None = None) -> TrainResult:
+    """Trains ``student`` from its current weights (or from ``resume_state``'s optimizer and step: load the
+    weights first with ``checkpoint.restore_weights``) for ``cfg.steps`` steps in all."""
+    if cfg.mode == "qad" and teacher is None:
+        raise TrainConfigError("mode 'qad' needs a teacher (the frozen exact model)")
+    if teacher is not None and teacher.decode:
+        raise TrainConfigError(f"teacher: must run exact numerics, not the decode policy {teacher.name!r}")
+    label = label or f"{student.name}/{cfg.mode}/seed{cfg.seed}"
+    log = log or MetricsLog(None, label)
+    optimizer = MixedPrecisionAdamW(student.model.parameters(), cfg.lr, cfg.weight_decay)
+    first = 1
+    if resume_state is not None:
+        optimizer.load_state_dict(resume_state["optimizer"])
+        first = resume_state["step"] + 1
+    total = cfg.steps
+    prefill = student.prefill_tokens(cfg.seq_len, cfg.prefill_fraction)
+    start = prefill or 0
+    result = TrainResult(label, first - 1, total, [], [], [], [], None)
+    progress = Progress(total, first - 1, label, cfg.log_every)
+    began = time.perf_counter()
+
+    def save(step):
+        if checkpoint_path is not None:
+            save_checkpoint(checkpoint_path, student.model, step=step, optimizer=optimizer,
+                            train_config=dataclasses.asdict(cfg), model_config=model_config, extra=extra)
+
+    step = first - 1
+    while step < total:
+        step += 1
+        t0 = time.perf_counter()
+        tokens = train_batch(corpus, step, cfg.seed, cfg.batch_size, cfg.seq_len)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        lr = learning_rate(step, cfg, total)
+        optimizer.set_lr(lr)
+        target_logits = teacher.logits(inputs).detach() if cfg.mode == "qad" else None
+        with student.phase(prefill):
+            logits = student.logits(inputs)
+            lm = lm_loss(logits, targets, start)
+            loss = lm if target_logits is None else (
+                kd_loss(logits, target_logits, start, cfg.kd_temperature) + cfg.kd_lm_weight * lm)
+            loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(student.model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        loss_value, lm_value = loss.item(), lm.item()
+        seconds = time.perf_counter() - t0
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"{label}: the loss is {loss_value} at step {step}")
+        result.losses.append(loss_value)
+        result.lm_losses.append(lm_value)
+        result.step_seconds.append(seconds)
+        result.steps = step
+        log.write(kind="train", step=step, loss=loss_value, lm_loss=lm_value, lr=lr, grad_norm=grad_norm.item(),
+                  seconds=seconds)
+        progress.update(step, loss=loss_value, lr=lr)
+        if cfg.budget_s is not None and step - first == 10:
+            total = _fit_budget(cfg, step, total, time.perf_counter() - began, result.step_seconds[1:], progress)
+            result.planned_steps = total
+        if batches is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total):
+            evaluation = evaluate(student, batches, prefill)
+            result.evals.append(log.write(kind="eval", step=step, nll=evaluation.nll, ppl=evaluation.ppl))
+            result.final = evaluation
+            progress.note(f"step {step}: held-out NLL {evaluation.nll:.4f} (PPL {evaluation.ppl:.3f})")
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != total:
+            save(step)
+    save(step)
+    progress.close()
+    return result
+
+
+def _fit_budget(cfg: TrainConfig, step: int, total: int, elapsed: float, measured: list[float], progress) -> int:
+    per_step = sum(measured) / len(measured)
+    fits = step + int((cfg.budget_s - elapsed) / per_step)
+    if fits >= total:
+        return total
+    fits = max(step, fits)
+    progress.note(f"{per_step * 1e3:.1f} ms a step: {fits} of {total} steps fit the {cfg.budget_s:.0f} s budget")
+    return fits
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def build_model(model_config: dict, device, dtype) -> torch.nn.Module:
+    from la_compiler.tiny_models import TinyConfig, TinyHybridLM
+
+    config = dict(model_config)
+    config["layers"] = tuple(config["layers"])
+    return TinyHybridLM(TinyConfig(**config)).to(device=device, dtype=dtype)
+
+
+def model_config_of(args) -> dict:
+    return {"vocab_size": VOCAB_SIZE, "hidden_size": args.hidden, "num_heads": args.heads,
+            "head_dim": args.head_dim, "layers": list(args.layers.split(",")), "use_short_conv": True}
+
+
+def default_dtype(device: str) -> torch.dtype:
+    # fp32 Triton dots compile as slow IEEE loops on CUDA: train in bf16 there (fp32 masters in the optimizer)
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+TRAIN_FLAGS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+RESUMABLE = ("steps", "eval_every", "checkpoint_every", "log_every", "budget_s")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--policy", default=None, help="recipe name, .yaml/.json path (default: the --resume "
+                                                  "checkpoint's policy, else exact)")
+    p.add_argument("--init", default=None, help="start from this checkpoint's weights (and model config); "
+                                                "QAD's teacher")
+    p.add_argument("--resume", default=None, help="go on from this checkpoint (weights, policy, optimizer, step)")
+    p.add_argument("--out", default="runs/qat", help="metrics.jsonl, checkpoint.pt and curves.png go here")
+    for name, field in TRAIN_FLAGS.items():
+        kind = {"budget_s": float}.get(name, type(field.default) if field.default is not None else float)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"default {field.default}" + (" (choices: qat, qad)" if name == "mode" else ""))
+    p.add_argument("--eval-sequences", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", default="gdn,kda,gdn,kda")
+    p.add_argument("--compiler", default="inductor", choices=COMPILERS)
+    p.add_argument("--kernel-family", default=None, choices=KERNEL_FAMILIES,
+                   help="auto on CUDA; torch (laqat's torch references, same numerics) on the CPU")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def train_config_of(args, stored: dict | None) -> TrainConfig:
+    given = {name: getattr(args, name) for name in TRAIN_FLAGS if getattr(args, name) is not None}
+    if stored is None:
+        return TrainConfig(**given)
+    fixed = sorted(set(given) - set(RESUMABLE))
+    if fixed:
+        raise TrainConfigError(f"--{fixed[0].replace('_', '-')}: a resumed run keeps its checkpoint's training "
+                               f"config; only {['--' + n.replace('_', '-') for n in RESUMABLE]} may change")
+    return TrainConfig(**{**stored, **given})
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    resume = read_checkpoint(args.resume) if args.resume else None
+    init = read_checkpoint(args.init) if args.init else None
+    cfg = train_config_of(args, resume and resume["train_config"])
+    source = resume or init
+    model_config = source["model_config"] if source and source["model_config"] else model_config_of(args)
+    device, dtype = args.device, default_dtype(args.device)
+    family = args.kernel_family or ("auto" if device == "cuda" else "torch")
+    prepare_dynamo()
+    corpus = load_corpus().to(device)
+    held_out = eval_batches(corpus, args.eval_sequences, cfg.seq_len, cfg.batch_size)
+
+    model = build_model(model_config, device, dtype)
+    if resume is not None:
+        policy = restore_weights(model, resume, expected_policy=args.policy)
+    else:
+        if init is not None:
+            restore_weights(model, init)
+        policy = args.policy or "exact"
+    student = CompiledModel(model, policy, compiler=args.compiler, kernel_family=family)
+    teacher = None
+    if cfg.mode == "qad":
+        teacher_source = init or (resume["extra"].get("init") and read_checkpoint(resume["extra"]["init"]))
+        if not teacher_source:
+            raise TrainConfigError("--init: QAD needs the teacher's (the starting) weights")
+        teacher_model = build_model(model_config, device, dtype)
+        restore_weights(teacher_model, teacher_source)
+        teacher = CompiledModel(teacher_model, "exact", compiler=args.compiler, kernel_family=family)
+    print(f"policy {student.name}: {cfg.mode}, {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, {dtype}, {device}"
+          + (f", decode phase from token {student.prefill_tokens(cfg.seq_len, cfg.prefill_fraction)}"
+             if student.decode else ""), flush=True)
+    log = MetricsLog(out / "metrics.jsonl", f"{student.name}/{cfg.mode}", resume_step=resume and resume["step"])
+    result = train(student, corpus, cfg, teacher=teacher, batches=held_out, log=log,
+                   checkpoint_path=out / "checkpoint.pt", resume_state=resume, label=log.run,
+                   model_config=model_config, extra={"init": args.init or (resume and resume["extra"].get("init"))})
+    print(f"{result.steps} steps, {result.seconds_per_step * 1e3:.1f} ms a step; held-out NLL "
+          f"{result.final.nll:.4f} (PPL {result.final.ppl:.3f}); checkpoint {out / 'checkpoint.pt'}", flush=True)
+    plot_curves(log.records, out / "curves.png", title=log.run)
+
+
+if __name__ == "__main__":
+    main()

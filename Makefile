@@ -7,11 +7,14 @@ STAMP := $(VENV)/.laqat-installed
 
 .PHONY: demo test bench-rewrite clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[fla,test]'
+	# Megatron-Core for tests/megatron: its cp311 wheel declares Python >= 3.12; its dependencies (torch,
+	# numpy, packaging) are in place by now. psutil: its checkpoint writer imports it.
+	$(PY) -m pip install -q --ignore-requires-python megatron-core==0.19.2 psutil
 	touch $(STAMP)
 
 # Generated kernels are cached in the repo (LAQAT_CACHE_DIR), so `make clean` removes them too.

@@ -2,14 +2,17 @@
 
 Two kinds:
 - trace-time frontends substitute a library's functions while Dynamo traces
-  (``fla.py``: FLA op calls, via ``torch._dynamo.substitute_in_graph``); installed once, when
-  the backend module is imported;
+  (``fla.py``: FLA op calls, via ``torch._dynamo.substitute_in_graph``; ``megatron.py``: what keeps
+  Megatron-Core's GDN path in one graph); installed once, when the backend module is imported
+  (Megatron's when ``megatron.core`` is imported, before or after that);
 - graph frontends rewrite the traced FX graph (``torch code`` matched on the dataflow).
   Each is ``rewrite(gm, record, verify=...) -> int`` and is listed in ``GRAPH_FRONTENDS``.
 """
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
 
 GRAPH_FRONTENDS: list = []  # callables (gm, record, *, verify: bool) -> int, run in order
 
@@ -34,3 +37,41 @@ def install_trace_frontends() -> None:
     _INSTALLED = True
     if importlib.util.find_spec("fla") is not None:
         from la_compiler.passes.frontends import fla  # noqa: F401  (registers on import)
+    if importlib.util.find_spec("megatron") is not None:
+        _when_imported("megatron.core", _install_megatron)
+
+
+def _install_megatron() -> None:
+    from la_compiler.passes.frontends import megatron  # noqa: F401  (registers on import)
+
+
+def _when_imported(name: str, install) -> None:
+    """``install()`` now if module ``name`` is imported, else right after its first import completes
+    (Megatron takes seconds to import: a process that never imports it must not pay for it)."""
+    if name in sys.modules:
+        install()
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, install))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``name`` with the other finders and runs ``install`` once its module has executed."""
+
+    def __init__(self, name: str, install):
+        self.name, self.install = name, install
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, install = spec.loader.exec_module, self.install
+
+        def exec_then_install(module):
+            exec_module(module)
+            install()
+
+        spec.loader.exec_module = exec_then_install
+        return spec

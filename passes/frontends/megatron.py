@@ -1,0 +1,112 @@
+"""Megatron-Core frontend: what Megatron's GDN path needs so that Dynamo traces it in one graph.
+
+Megatron-Core (0.19.2) runs its GatedDeltaNet recurrence through FLA's ``chunk_gated_delta_rule``
+(the FLA frontend's substitution turns it into a laqat node) or, with ``deterministic_mode=True``,
+through its torch fallback ``torch_chunk_gated_delta_rule`` (the torch frontend matches it), so the
+recurrence itself needs nothing here. What breaks the graph is Megatron's warnings, since Dynamo
+cannot trace ``warnings.warn``:
+
+- ``RowParallelLinear.forward`` passes ``tp_group=None`` to ``linear_with_grad_accumulation_and_async_allreduce``,
+  whose ``get_tensor_model_parallel_group_if_none`` then warns (a deprecation) on rank 0 at every forward:
+  every row-parallel linear (each layer's ``out_proj`` and MLP ``linear_fc2``) ended a graph;
+- with tensor parallelism, ``linear_with_grad_accumulation_and_async_allreduce`` advises setting
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` once per process (``allreduce_dgrad`` or ``sequence_parallel``).
+
+Both functions are substituted (``torch._dynamo.substitute_in_graph``, keyed on Megatron's function
+objects, so every module that imported them is covered) by the same functions, whose warnings go through
+functions registered in ``torch._dynamo.config.reorderable_logging_functions``: Dynamo calls those after
+the graph instead of breaking it. The warnings keep Megatron's messages, categories and once-per-process
+flag; eager calls run Megatron's originals.
+
+Megatron's own compile points (``megatron.core.jit.jit_fuser``, i.e. ``torch.compile``, on
+``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta`` and ``_apply_gated_norm``) need
+nothing: Dynamo inlines a ``torch.compile``d function called inside a frame it is tracing.
+
+Imported once, when ``megatron.core.utils`` has been imported (``install_trace_frontends``), so a
+process that never uses Megatron never imports it.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import torch
+from megatron.core import parallel_state
+from megatron.core import utils as megatron_utils
+from megatron.core.tensor_parallel import layers as megatron_layers
+
+TP_GROUP_DEPRECATION = ("Warning: tp_group is None, using default tp group. "
+                        "Passing tp_group will be mandatory soon")  # Megatron-Core 0.19.2's text
+
+
+def _tp_group_deprecation(message: str) -> None:
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+
+
+def tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    """``megatron.core.utils.get_tensor_model_parallel_group_if_none`` (0.19.2), its warning reorderable."""
+    if not torch.distributed.is_initialized():
+        return None
+    if not parallel_state.is_initialized():
+        return tp_group
+    if tp_group is None:
+        if torch.distributed.get_rank() == 0:
+            _tp_group_deprecation(TP_GROUP_DEPRECATION)
+        if is_expert:
+            tp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+        else:
+            tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+    return tp_group
+
+
+def _cuda_max_connections_advice(sequence_parallel: bool, allreduce_dgrad: bool) -> None:
+    """Megatron's advice, as ``linear_with_grad_accumulation_and_async_allreduce`` (0.19.2) gives it: once per
+    process (its ``warned`` flag), unless ``CUDA_DEVICE_MAX_CONNECTIONS`` is 1."""
+    original = megatron_layers.linear_with_grad_accumulation_and_async_allreduce
+    if original.warned or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return
+    for on, what in ((sequence_parallel, "sequence parallelism"), (allreduce_dgrad, "async grad allreduce")):
+        if on:
+            warnings.warn(f"When using {what} it is recommended to set the environment variable "
+                          f"CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", stacklevel=2)
+            original.warned = True
+
+
+def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
+                                                      allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
+                                                      wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1):
+    """``megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (0.19.2),
+    its advice reorderable."""
+    tp_group = tensor_model_parallel_group_if_none(tp_group)
+    _cuda_max_connections_advice(sequence_parallel, allreduce_dgrad)
+    return megatron_layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, grad_output_buffer,
+        wgrad_deferral_limit, tp_group, gtp_remat_size)
+
+
+SUBSTITUTED: dict = {}  # Megatron's function object -> the replacement Dynamo traces instead
+
+# (module, function name, its parameters in Megatron-Core 0.19.2, the replacement, its reorderable warning)
+_SUBSTITUTIONS = (
+    (megatron_utils, "get_tensor_model_parallel_group_if_none", ["tp_group", "is_expert", "check_initialized"],
+     tensor_model_parallel_group_if_none, _tp_group_deprecation),
+    (megatron_layers, "linear_with_grad_accumulation_and_async_allreduce",
+     ["input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+      "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size"],
+     linear_with_grad_accumulation_and_async_allreduce, _cuda_max_connections_advice),
+)
+
+
+def _install() -> None:
+    for module, name, parameters, replacement, warning in _SUBSTITUTIONS:
+        original = getattr(module, name, None)
+        if original is None or list(inspect.signature(original).parameters) != parameters:
+            continue  # another Megatron-Core: its own function runs (a graph break, never other numerics)
+        torch._dynamo.config.reorderable_logging_functions.add(warning)
+        if original not in SUBSTITUTED:
+            torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(replacement)
+            SUBSTITUTED[original] = replacement
+
+
+_install()

@@ -25,6 +25,7 @@ from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
 from la_compiler.policy import Policy, load_policy
 from la_compiler.policy_attach import attached_policy_source
+from la_compiler.policy_guard import PolicyGuardedGraph
 from la_compiler.record import CompileRecord
 
 COMPILERS = ("inductor", "eager")
@@ -130,5 +131,9 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
 
     prefixes = root_prefixes(gm, root)
     if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
-        return ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)
-    return hand_off(rewrite(gm, prefixes), example_inputs)
+        compiled = ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)
+    else:
+        compiled = hand_off(rewrite(gm, prefixes), example_inputs)
+    if policy_source == "option" or root is None:
+        return compiled
+    return PolicyGuardedGraph(compiled, root, policy)  # runs only for a module with this policy

@@ -104,7 +104,18 @@ def _attached(module: torch.nn.Module) -> tuple[Policy, str] | None:
     return None
 
 
+def stored_object(module: torch.nn.Module):
+    """The object holding the attached policy (the buffer, else the config entry): replaced whenever it changes."""
+    stored = module._buffers.get(POLICY_KEY)
+    if stored is None:
+        config = _transformers_config(module)
+        stored = getattr(config, POLICY_KEY, None) if config is not None else None
+    return stored
+
+
 def _store(module: torch.nn.Module, policy: Policy) -> None:
+    if module._buffers.get(POLICY_KEY) is not None and policy_of(module) == policy:
+        return  # the same policy (a checkpoint of this run loaded): the same buffer object (policy_guard.py)
     encoded = _encode(policy, _device_of(module))
     module.register_buffer(POLICY_KEY, encoded, persistent=True)
     config = _transformers_config(module)

@@ -218,6 +218,31 @@ def test_explicit_option_wins_and_explain_names_the_source():
     assert la_compiler.explain(TwoLayers(), *inputs).policy.startswith("exact (default exact")
 
 
+def test_a_compiled_graph_runs_only_for_a_module_with_its_policy():
+    """Dynamo reuses a compiled graph for another instance of the class and after a policy is attached anew: the
+    graph runs where the module's policy is its own, and raises where it is another."""
+    inputs = make_inputs()
+    model = la_compiler.attach_policy(TwoLayers(), FP8_CHUNK4)
+    compiled = torch.compile(model, backend="laqat", options=EAGER)
+    compiled(*inputs)
+    model.load_state_dict(model.state_dict())  # the same policy again: runs on
+    la_compiler.attach_policy(model, FP8_CHUNK4)
+    compiled(*inputs)
+    twin = TwoLayers()
+    la_compiler.load_state_dict(twin, model.state_dict())
+    n = len(last_record().graphs)
+    torch.compile(twin, backend="laqat", options=EAGER)(*inputs)
+    assert len(last_record().graphs) == n  # Dynamo reused the graph: the same policy, so it runs
+    compiled_for = r"this graph was compiled with the policy 'fp8_chunk4' and now runs for a TwoLayers whose policy is"
+    with pytest.raises(PolicyError, match=f"{compiled_for} 'exact'"):
+        torch.compile(TwoLayers(), backend="laqat", options=EAGER)(*inputs)
+    la_compiler.attach_policy(model, "state_int8_block32")
+    with pytest.raises(PolicyError, match=f"{compiled_for} 'state_int8_block32'"):
+        compiled(*inputs)
+    torch.compile(TwoLayers(), backend="laqat", options={**EAGER, "policy": on_reference("exact")})(*inputs)
+    assert [g.policy_source for g in graphs_since(n)] == ["option"]  # an option: a graph of its own
+
+
 def _state_with(config_or_bytes) -> dict:
     data = config_or_bytes if isinstance(config_or_bytes, bytes) else json.dumps(config_or_bytes).encode()
     return {POLICY_KEY: torch.tensor(list(data), dtype=torch.uint8)}

@@ -121,10 +121,11 @@ def train_batch(corpus: Corpus, step: int, seed: int, batch_size: int, seq_len: 
 
 def eval_batches(corpus: Corpus, sequences: int, seq_len: int, batch_size: int) -> list[torch.Tensor]:
     """``sequences`` windows of ``seq_len + 1`` held-out tokens, evenly spaced over the held-out stream (so
-    that every held-out module weighs by its size), in batches of at most ``batch_size``."""
+    that every held-out module weighs by its size), in batches of ``batch_size``."""
     _check_shape(corpus.heldout, seq_len, "held-out")
-    if sequences < 1 or batch_size < 1:
-        raise CorpusError(f"sequences and batch_size must be >= 1, got {sequences} and {batch_size}")
+    if sequences < 1 or batch_size < 1 or sequences % batch_size:
+        raise CorpusError(f"sequences must be a positive multiple of batch_size (one batch shape, one compiled "
+                          f"graph), got {sequences} and {batch_size}")
     last = corpus.heldout.numel() - seq_len - 1
     starts = torch.linspace(0, last, sequences).round().long()
     return [_windows(corpus.heldout, starts[i:i + batch_size], seq_len) for i in range(0, sequences, batch_size)]

@@ -1,5 +1,6 @@
-"""A PNG of the training curves in a metrics JSONL: training loss (a moving average) and held-out NLL against
-the step, one line per run. Needs matplotlib; without it, says so and writes nothing."""
+"""A PNG of the training curves in a metrics JSONL: the training batches' LM loss (a moving average; for QAD
+too, so that the modes compare) and the held-out NLL against the step, one colour per run. Needs matplotlib;
+without it, says so and writes nothing."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -27,23 +28,26 @@ def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path 
         return None
     train, heldout = defaultdict(list), defaultdict(list)
     for r in records:
-        if r.get("kind") == "train" and isinstance(r.get("loss"), float):
-            train[r["run"]].append((r["step"], r["loss"]))
+        if r.get("kind") == "train" and isinstance(r.get("lm_loss", r.get("loss")), float):
+            train[r["run"]].append((r["step"], r.get("lm_loss", r.get("loss"))))
         elif r.get("kind") == "eval" and isinstance(r.get("nll"), float):
             heldout[r["run"]].append((r["step"], r["nll"]))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    runs = sorted(set(train) | set(heldout))
+    colour = {run: plt.get_cmap("tab20")(i % 20) for i, run in enumerate(runs)}
     for run, points in sorted(train.items()):
         steps, losses = zip(*points)
-        left.plot(steps, moving_average(list(losses), max(1, len(losses) // 20)), label=run, linewidth=1)
+        left.plot(steps, moving_average(list(losses), max(1, len(losses) // 20)), label=run, linewidth=1,
+                  color=colour[run])
     for run, points in sorted(heldout.items()):
         steps, nlls = zip(*points)
-        right.plot(steps, nlls, marker="o", markersize=3, label=run, linewidth=1)
-    left.set(xlabel="step", ylabel="training loss (moving average)", title="training")
+        right.plot(steps, nlls, marker="o", markersize=3, label=run, linewidth=1, color=colour[run])
+    left.set(xlabel="step", ylabel="LM loss of the training batches (moving average)", title="training")
     right.set(xlabel="step", ylabel="held-out NLL (nats / byte)", title="held-out")
     for axis in (left, right):
         axis.grid(alpha=0.3)
-    if len(train) + len(heldout) <= 16:
-        right.legend(fontsize=6)
+    if len(runs) <= 32:
+        left.legend(fontsize=5, ncol=1 + len(runs) // 12)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

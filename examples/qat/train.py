@@ -303,9 +303,10 @@ class TrainResult:
 def train(student: CompiledModel, corpus: Corpus, cfg: TrainConfig, *, teacher: CompiledModel | None = None,
           batches: list[torch.Tensor] | None = None, log: MetricsLog | None = None,
           checkpoint_path: str | Path | None = None, resume_state: dict | None = None, label: str = "",
-          model_config: dict | None = None, extra: dict | None = None) -> TrainResult:
+          model_config: dict | None = None, extra: dict | None = None, stop_at: int | None = None) -> TrainResult:
     """Trains ``student`` from its current weights (or from ``resume_state``'s optimizer and step: load the
-    weights first with ``checkpoint.restore_weights``) for ``cfg.steps`` steps in all."""
+    weights first with ``checkpoint.restore_weights``) for ``cfg.steps`` steps in all. ``stop_at`` ends the run
+    after that step of the same schedule (and checkpoints it), as a run that was interrupted there."""
     if cfg.mode == "qad" and teacher is None:
         raise TrainConfigError("mode 'qad' needs a teacher (the frozen exact model)")
     if teacher is not None and teacher.decode:
@@ -330,7 +331,7 @@ def train(student: CompiledModel, corpus: Corpus, cfg: TrainConfig, *, teacher: 
                             train_config=dataclasses.asdict(cfg), model_config=model_config, extra=extra)
 
     step = first - 1
-    while step < total:
+    while step < min(total, stop_at or total):
         step += 1
         t0 = time.perf_counter()
         tokens = train_batch(corpus, step, cfg.seed, cfg.batch_size, cfg.seq_len)

@@ -1,0 +1,201 @@
+"""The quality study's table: held-out NLL / PPL per policy before QAT, after QAT, after QAD and for the control,
+the degradation recovered, the spread over seeds, the time per step, and what is inside the noise.
+
+Definitions (docs/qat-study.md repeats them):
+- every NLL is in nats per byte on the held-out windows; PPL = exp(NLL). A decode-phase policy is scored on the
+  decode suffix of each window, and so are the numbers it is compared with (exact, control);
+- a seed chooses the fine-tuning batches; QAT, QAD and the control of one seed see the same batches;
+- control: the pretrained model trained on with exact numerics for the same steps, then evaluated under the
+  policy (the model that served without QAT) and under exact numerics (what the extra steps alone give);
+- recovered = 100 x (control under the policy - QAT) / (control under the policy - control exact), per seed;
+- a difference between two models is paired over the same held-out windows; its uncertainty sigma combines the
+  windows' standard error and the seed-to-seed variance, and a difference is inside the noise when
+  |mean| <= 2 sigma.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    mean: float
+    sigma: float
+
+    @property
+    def inside_noise(self) -> bool:
+        return abs(self.mean) <= 2 * self.sigma
+
+    def text(self) -> str:
+        return f"{self.mean:+.4f} ± {2 * self.sigma:.4f}"
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of a - b over paired windows, and its standard error."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired comparison of {len(a)} and {len(b)} windows")
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
+    return mean, math.sqrt(var / len(d))
+
+
+def combine(per_seed: list[tuple[float, float]]) -> Difference:
+    """One difference from per-seed (mean, standard error) pairs: the seeds' mean, with sigma^2 = the mean
+    squared standard error / S + the seeds' variance / S."""
+    means = [m for m, _ in per_seed]
+    S = len(means)
+    mean = sum(means) / S
+    seed_var = sum((m - mean) ** 2 for m in means) / (S - 1) if S > 1 else 0.0
+    return Difference(mean, math.sqrt(sum(se ** 2 for _, se in per_seed) / S / S + seed_var / S))
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / 2 if values else float("nan")
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class Evals:
+    """Lookup over the study's evaluation records."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+
+    def find(self, model: str, under: str, scoring: str, seed=None, trained_under=None) -> dict | None:
+        for r in self.records:
+            if (r["model"], r["under"], r["scoring"], r.get("seed"), r.get("trained_under")) == (
+                    model, under, scoring, seed, trained_under):
+                return r
+        return None
+
+    def seeds(self, model: str, under: str, scoring: str, seeds, trained_under=None) -> dict[int, dict]:
+        found = {s: self.find(model, under, scoring, s, trained_under) for s in seeds}
+        return {s: r for s, r in found.items() if r is not None}
+
+
+@dataclasses.dataclass
+class Row:
+    policy: str
+    scoring: str
+    exact: dict
+    before: dict | None
+    control: dict[int, dict]  # seed -> the control evaluated under the policy
+    control_exact: dict[int, dict]  # seed -> the control under exact numerics
+    qat: dict[int, dict]
+    qad: dict[int, dict]
+    ms_qat: list[float]
+    ms_qad: list[float]
+
+    def gap(self) -> Difference | None:
+        """What the policy costs the pretrained model (no QAT - exact)."""
+        return None if self.before is None else Difference(*paired(self.before["per_sequence"],
+                                                                   self.exact["per_sequence"]))
+
+    def versus_control(self, trained: dict[int, dict]) -> Difference | None:
+        seeds = sorted(set(trained) & set(self.control))
+        if not seeds:
+            return None
+        return combine([paired(trained[s]["per_sequence"], self.control[s]["per_sequence"]) for s in seeds])
+
+    def control_gap(self) -> Difference | None:
+        seeds = sorted(set(self.control) & set(self.control_exact))
+        if not seeds:
+            return None
+        return combine([paired(self.control[s]["per_sequence"], self.control_exact[s]["per_sequence"])
+                        for s in seeds])
+
+    def recovered(self, trained: dict[int, dict]) -> list[float]:
+        out = []
+        for s in sorted(set(trained) & set(self.control) & set(self.control_exact)):
+            denominator = self.control[s]["nll"] - self.control_exact[s]["nll"]
+            if denominator != 0:
+                out.append(100 * (self.control[s]["nll"] - trained[s]["nll"]) / denominator)
+        return out
+
+
+def rows(results: dict) -> list[Row]:
+    evals = Evals(results["evals"])
+    seeds = results["config"]["seeds"]
+    out = []
+    for policy in results["config"]["policies"]:
+        scoring = "suffix" if policy in results["decode_policies"] else "full"
+        runs = [r for r in results["runs"] if r["policy"] == policy]
+        out.append(Row(
+            policy, scoring,
+            exact=evals.find("pretrained", "exact", scoring),
+            before=evals.find("pretrained", policy, scoring),
+            control=evals.seeds("control", policy, scoring, seeds, "exact"),
+            control_exact=evals.seeds("control", "exact", scoring, seeds, "exact"),
+            qat=evals.seeds("qat", policy, scoring, seeds, policy),
+            qad=evals.seeds("qad", policy, scoring, seeds, policy),
+            ms_qat=[1e3 * r["seconds_per_step"] for r in runs if r["mode"] == "qat"],
+            ms_qad=[1e3 * r["seconds_per_step"] for r in runs if r["mode"] == "qad"]))
+    return out
+
+
+def _cell(records: dict[int, dict] | dict | None) -> str:
+    if not records:
+        return "not run"
+    if "nll" in records:  # one record
+        return f"{records['nll']:.4f} ({records['ppl']:.3f})"
+    nlls = [r["nll"] for r in records.values()]
+    text = f"{mean(nlls):.4f} ± {spread(nlls):.4f} ({math.exp(mean(nlls)):.3f})"
+    return text if len(nlls) > 1 else text.replace(" ± 0.0000", "")
+
+
+def _percent(values: list[float], gap: Difference | None) -> str:
+    if not values:
+        return "not run"
+    if gap is not None and gap.inside_noise:
+        return "— (gap inside the noise)"
+    return f"{mean(values):.0f} % ± {spread(values):.0f}"
+
+
+def _ms(values: list[float]) -> str:
+    return f"{mean(values):.1f}" if values else "—"
+
+
+HEADER = ("| policy | scored | exact | no QAT | control | after QAT | after QAD | recovered by QAT "
+          "| recovered by QAD | ms/step QAT | ms/step QAD |")
+
+
+def table(results: dict) -> str:
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for row in rows(results):
+        gap = row.control_gap()
+        lines.append(f"| {row.policy} | {row.scoring} | {_cell(row.exact)} | {_cell(row.before)} | "
+                     f"{_cell(row.control)} | {_cell(row.qat)} | {_cell(row.qad)} | {_percent(row.recovered(row.qat), gap)} | "
+                     f"{_percent(row.recovered(row.qad), gap)} | {_ms(row.ms_qat)} | {_ms(row.ms_qad)} |")
+    return "\n".join(lines)
+
+
+def _verdict(diff: Difference | None, what: str) -> str | None:
+    if diff is None:
+        return None
+    where = "inside the noise" if diff.inside_noise else "beyond the noise"
+    return f"{what} {diff.text()} nats: {where}"
+
+
+def noise_statements(results: dict) -> list[str]:
+    """One plain line per policy: which of its differences are inside the noise (|mean| <= 2 sigma)."""
+    lines = []
+    for row in rows(results):
+        parts = [_verdict(row.gap(), "no QAT - exact"),
+                 _verdict(row.control_gap(), "control under the policy - control exact"),
+                 _verdict(row.versus_control(row.qat), "QAT - control"),
+                 _verdict(row.versus_control(row.qad), "QAD - control")]
+        if row.qat and row.qad:
+            seeds = sorted(set(row.qat) & set(row.qad))
+            parts.append(_verdict(combine([paired(row.qad[s]["per_sequence"], row.qat[s]["per_sequence"])
+                                           for s in seeds]), "QAD - QAT"))
+        lines.append(f"- **{row.policy}**: " + "; ".join(p for p in parts if p) + ".")
+    return lines
+
+
+def markdown(results: dict) -> str:
+    return "\n".join([table(results), "", "Differences (mean ± 2 sigma, nats per byte):", "",
+                      *noise_statements(results)])

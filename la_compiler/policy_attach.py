@@ -120,15 +120,21 @@ def _store(module: torch.nn.Module, policy: Policy) -> None:
     module.register_buffer(POLICY_KEY, encoded, persistent=True)
     config = _transformers_config(module)
     if config is not None:
-        setattr(config, POLICY_KEY, policy.to_dict())
+        setattr(config, POLICY_KEY, _as_json_data(policy))
         # the config carries the policy: the weight files stay what transformers expects of the architecture
         ignored = getattr(module, "_keys_to_ignore_on_save", None)
         module._keys_to_ignore_on_save = {*(ignored or ()), POLICY_KEY}
 
 
 def _encode(policy: Policy, device: torch.device) -> torch.Tensor:
-    text = json.dumps(policy.to_dict(), sort_keys=True, separators=(",", ":"))
+    text = json.dumps(policy.to_dict(), separators=(",", ":"))
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8, device=device)
+
+
+def _as_json_data(policy: Policy) -> dict:
+    """``to_dict()`` as JSON gives it back: integer keys (NVFP4's ``block_sizes: {-1: 16, ...}``) as strings, which
+    ``from_dict`` reads, so that a writer that sorts keys (transformers' config.json) can."""
+    return json.loads(json.dumps(policy.to_dict()))
 
 
 def _decode(stored, where: str) -> Policy:

@@ -16,6 +16,7 @@ import la_compiler
 from la_compiler.backend import last_record
 from la_compiler.policy import PolicyError, load_policy
 from la_compiler.policy_attach import POLICY_KEY
+from la_compiler.recipes import recipe_names
 from la_compiler.spec import RecurrenceSpec
 from tests.passes.test_annotate_policy import (FP8_STATE, K, Attention, TwoLayers, _grads, assert_matches_oracle,
                                                make_inputs, on_reference, oracle)
@@ -97,6 +98,14 @@ def test_attach_returns_the_model_and_policy_of_reads_it_back(form, tmp_path):
     assert la_compiler.policy_of(model) == la_compiler.policy_of(compiled) == load_policy("state_fp8")
     la_compiler.attach_policy(model, None)
     assert la_compiler.policy_of(model) is None and POLICY_KEY not in model.state_dict()
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_every_recipe_round_trips_through_the_state_dict(recipe, tmp_path):
+    model = la_compiler.attach_policy(TwoLayers(), recipe)
+    fresh = TwoLayers()
+    la_compiler.load_state_dict(fresh, saved_and_loaded(model.state_dict(), tmp_path))
+    assert la_compiler.policy_of(fresh) == load_policy(recipe)
 
 
 def test_module_names_and_graph_do_not_change():

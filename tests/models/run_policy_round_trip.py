@@ -13,6 +13,7 @@ Prints one JSON line:
   bit for bit; the eager (uncompiled) loss, from which the policy moves it;
 - ``state_dict``: the policy and weights after ``torch.save`` / ``torch.load(weights_only=True)`` and
   ``la_compiler.load_state_dict`` into a fresh instance built from a config without a policy;
+- ``nvfp4_equal``: whether ``prefill_operands_nvfp4`` (integer keys in its cfg) comes back equal from config.json;
 - ``newer``: the error ``policy_of`` raises for a config.json whose policy has a newer schema version.
 """
 from __future__ import annotations
@@ -90,6 +91,11 @@ def main() -> dict:
                              "policy": la_compiler.policy_of(fresh).to_dict(),
                              "config_entry": getattr(fresh.config, POLICY_KEY, None),
                              "same_weights": same_weights(fresh, model)}
+
+        nvfp4 = Path(tmp, "nvfp4")  # block_sizes {-1: 16, ...}: integer keys in a config that is written sorted
+        la_compiler.attach_policy(build(CASE), "prefill_operands_nvfp4").save_pretrained(nvfp4)
+        out["nvfp4_equal"] = la_compiler.policy_of(transformers.AutoModelForCausalLM.from_pretrained(nvfp4)) \
+            == load_policy("prefill_operands_nvfp4")
 
         config = json.loads((saved / "config.json").read_text())
         config[POLICY_KEY]["version"] = "laqat.policy/2"

@@ -36,5 +36,6 @@ def test_policy_round_trips_through_save_pretrained_and_state_dict():
     assert state["before"] is None and state["policy"] == policy and state["config_entry"] == policy
     assert state["same_weights"]
 
+    assert result["nvfp4_equal"]
     assert result["newer"] is not None and "config.laqat_policy: version: 'laqat.policy/2' was written by a " \
                                           "newer laqat" in result["newer"]

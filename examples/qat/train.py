@@ -158,9 +158,10 @@ class CompiledModel:
         self.model = la_compiler.attach_policy(model.train(), policy)
         self.policy = la_compiler.policy_of(model)
         self.decode = is_decode_policy(self.policy)
-        options = {"compiler": compiler}
-        if kernel_family != "auto":  # an explicit policy option wins over the attached policy
-            options["policy"] = with_kernel_family(self.policy, kernel_family)
+        # The policy goes in as an option too, although the backend would find the attached one: Dynamo tells
+        # compiles apart by their options, and with equal options it would reuse one instance's graph for the
+        # next instance of the class (laqat then refuses to run it under another policy).
+        options = {"compiler": compiler, "policy": with_kernel_family(self.policy, kernel_family)}
         self.forward = torch.compile(model, backend="laqat", fullgraph=True, options=options)
 
     @property

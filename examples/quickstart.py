@@ -76,10 +76,11 @@ def main():
     show_sites(exact, quantized, name)
 
     loss_exact, loss_quantized = exact.output.item(), quantized.output.item()
-    carried = "the rounded state carried from chunk to chunk" if chunks > 1 else \
-        "one chunk: no rounded state is carried into a next one; try --seq-len 128"
-    print(f"\n2. Loss of the compiled model\n   {'exact':<12} {loss_exact:.6f}\n   {name:<12} {loss_quantized:.6f}   "
-          f"({loss_quantized - loss_exact:+.1e} from exact: {carried})")
+    carried = ": the rounded state carried from chunk to chunk" if chunks > 1 else \
+        "; with one chunk no rounded state is carried into a next one: try --seq-len 128"
+    width = max(len(name), 5) + 2
+    print(f"\n2. Loss of the compiled model\n   {'exact':<{width}} {loss_exact:.6f}\n"
+          f"   {name:<{width}} {loss_quantized:.6f}   ({loss_quantized - loss_exact:+.1e} from exact{carried})")
 
     la_compiler.attach_policy(model, args.policy)
     compiled = compiled_loss(model, compiler)  # no policy option: the attached one

@@ -5,7 +5,7 @@
 #   examples/qat/gpu_study.sh pretrain   set-up; pretraining with exact numerics (~3 min) while background processes
 #                                        compile every policy at the study's shapes; then the compile caches in
 #                                        $OUT/caches.tgz.* (at most CACHE_MB MB, 15 MB pieces). Returns
-#                                        pretrained.pt, pretrain.json, logs.tgz and the cache pieces.
+#                                        pretrained.pt, pretrain.json, logs.tgz (logs, curves) and the cache pieces.
 #   examples/qat/gpu_study.sh finetune   set-up with the carried caches; the finetune stage from
 #                                        .gpu-cache/pretrained.pt: the table, study.json, study.md, runs.jsonl,
 #                                        curves.png, study.log.
@@ -42,8 +42,8 @@ case $stage in
     python3 examples/qat/study.py --stage pretrain --out "$OUT" "$@" 2>&1 | tee "$OUT/study.log"
     status=${PIPESTATUS[0]}
     pack_caches
-    (cd "$OUT" && tar czf logs.tgz study.log pretrain.jsonl warm*.log install.log machine.json 2>/dev/null
-     rm -f warm*.log pretrain.jsonl install.log machine.json study.log)
+    (cd "$OUT" && tar czf logs.tgz study.log pretrain.jsonl pretrain.png warm*.log install.log machine.json 2>/dev/null
+     rm -f warm*.log pretrain.jsonl pretrain.png install.log machine.json study.log)
     ls -l "$OUT"
     echo "command seconds: $SECONDS"
     exit "$status"

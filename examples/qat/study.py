@@ -44,8 +44,13 @@ MODES = ("qat", "qad")
 
 GPU_DEFAULTS = dict(hidden=384, heads=6, head_dim=64, layers="gdn,kda,gdn,kda", seq_len=512, batch_size=32,
                     eval_sequences=512, pretrain_steps=8000, pretrain_lr=2e-3, pretrain_warmup=200,
-                    pretrain_budget_s=180.0, finetune_steps=200, finetune_lr=3e-4, finetune_warmup=20,
+                    pretrain_budget_s=200.0, finetune_steps=200, finetune_lr=3e-4, finetune_warmup=20,
                     seeds="0,1", policies=",".join(POLICIES), modes="qat,qad", budget_s=480.0, warm_processes=3)
+HELP = {"pretrain_budget_s": "pretraining ends inside this many seconds (its compile included)",
+        "budget_s": "wall seconds from the start of the process: runs that would end later are skipped",
+        "warm_processes": "pretrain stage on CUDA: processes compiling every policy in the background",
+        "seeds": "comma-separated; a seed chooses the fine-tuning batches", "policies": "comma-separated recipes",
+        "modes": "comma-separated: qat, qad", "layers": "comma-separated: gdn, kda"}
 SMOKE = dict(hidden=32, heads=2, head_dim=8, layers="gdn,kda", seq_len=32, batch_size=2, eval_sequences=4,
              pretrain_steps=8, pretrain_lr=3e-3, pretrain_warmup=2, pretrain_budget_s=None, finetune_steps=4,
              finetune_lr=3e-3, finetune_warmup=1, seeds="0,1", policies="decode_token_state_fp8", modes="qat,qad",
@@ -69,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "out/qat-study"))
     for name, value in GPU_DEFAULTS.items():
         kind = type(value) if value is not None else float
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {value}")
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=" ".join(filter(None, [HELP.get(name), f"(default {value})"])))
     p.add_argument("--kd-temperature", type=float, default=1.0)
     p.add_argument("--kd-lm-weight", type=float, default=0.0)
     p.add_argument("--prefill-fraction", type=float, default=0.5)
@@ -78,6 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--kernel-family", default=None, choices=qat.KERNEL_FAMILIES,
                    help="default auto on CUDA, torch on the CPU")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=qat.DTYPES, help="auto: bfloat16 on CUDA, float32 elsewhere")
     args = p.parse_args(argv)
     defaults = {**GPU_DEFAULTS, "compiler": "inductor", "kernel_family": None, "device": None}
     if args.smoke:
@@ -157,7 +164,8 @@ class Zoo:
 
     def get(self, policy: str) -> qat.CompiledModel:
         if policy not in self.instances:
-            model = qat.build_model(self.model_config, self.args.device, qat.default_dtype(self.args.device))
+            model = qat.build_model(self.model_config, self.args.device, qat.model_dtype(self.args.dtype,
+                                                                                         self.args.device))
             self.instances[policy] = qat.CompiledModel(model, policy, compiler=self.args.compiler,
                                                        kernel_family=self.args.kernel_family)
         return self.instances[policy]
@@ -177,18 +185,19 @@ def pretrain(args, corpus, zoo: Zoo, out: Path) -> dict:
     held_out = eval_batches(corpus, args.eval_sequences, args.seq_len, args.batch_size)
     warmers = start_warm_processes(args, out)
     began = time.perf_counter()
-    result = qat.train(exact, corpus, cfg, batches=held_out, log=MetricsLog(out / "pretrain.jsonl", "pretrain"),
-                       label="pretrain")
+    log = MetricsLog(out / "pretrain.jsonl", "pretrain")
+    result = qat.train(exact, corpus, cfg, batches=held_out, log=log, label="pretrain")
     seconds = time.perf_counter() - began
     summary = {"steps": result.steps, "planned_steps": result.planned_steps, "seconds": seconds,
                "first_step_seconds": result.step_seconds[0], "seconds_per_step": result.seconds_per_step,
                "tokens": result.steps * args.batch_size * args.seq_len, "nll": result.final.nll,
                "ppl": result.final.ppl,
                "parameters": sum(p.numel() for p in exact.model.parameters() if p.requires_grad),
-               "dtype": str(qat.default_dtype(args.device)), "train_config": dataclasses.asdict(cfg)}
+               "dtype": str(qat.model_dtype(args.dtype, args.device)), "train_config": dataclasses.asdict(cfg)}
     save_checkpoint(out / "pretrained.pt", exact.model, step=result.steps, train_config=dataclasses.asdict(cfg),
                     model_config=model_config, extra={"pretrain": summary})
     summary["warm"] = finish_warm_processes(warmers)
+    plot_curves(log.records, out / "pretrain.png", title="pretraining, exact numerics")
     (out / "pretrain.json").write_text(json.dumps({"environment": environment(args), "corpus": corpus.describe(),
                                                    "model_config": model_config, "pretrain": summary}, indent=1))
     print(f"pretrained: {result.steps} steps ({result.planned_steps} planned) in {seconds:.0f} s, "
@@ -233,7 +242,7 @@ def finish_warm_processes(procs, timeout_s: float = 240.0) -> list[dict]:
 
 def size_flags(args) -> list[str]:
     names = ("hidden", "heads", "head_dim", "layers", "seq_len", "batch_size", "eval_sequences", "compiler",
-             "kernel_family", "device", "prefill_fraction")
+             "kernel_family", "device", "dtype", "prefill_fraction")
     return [x for n in names for x in ("--" + n.replace("_", "-"), str(getattr(args, n)))]
 
 

@@ -400,9 +400,17 @@ def model_config_of(args) -> dict:
             "head_dim": args.head_dim, "layers": list(args.layers.split(",")), "use_short_conv": True}
 
 
-def default_dtype(device: str) -> torch.dtype:
-    # fp32 Triton dots compile as slow IEEE loops on CUDA: train in bf16 there (fp32 masters in the optimizer)
-    return torch.bfloat16 if device == "cuda" else torch.float32
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def model_dtype(name: str, device: str) -> torch.dtype:
+    """``auto``: bf16 on CUDA, where fp32 Triton dots compile as slow IEEE loops (fp32 masters in the
+    optimizer), fp32 elsewhere."""
+    if name not in DTYPES:
+        raise TrainConfigError(f"dtype must be one of {DTYPES}, got {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
 
 
 TRAIN_FLAGS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -430,6 +438,7 @@ def parse_args(argv=None):
     p.add_argument("--kernel-family", default=None, choices=KERNEL_FAMILIES,
                    help="auto on CUDA; torch (laqat's torch references, same numerics) on the CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on CUDA, float32 elsewhere")
     return p.parse_args(argv)
 
 
@@ -452,7 +461,7 @@ def main(argv=None) -> None:
     cfg = train_config_of(args, resume and resume["train_config"])
     source = resume or init
     model_config = source["model_config"] if source and source["model_config"] else model_config_of(args)
-    device, dtype = args.device, default_dtype(args.device)
+    device, dtype = args.device, model_dtype(args.dtype, args.device)
     family = args.kernel_family or ("auto" if device == "cuda" else "torch")
     prepare_dynamo()
     corpus = load_corpus().to(device)

@@ -1,6 +1,6 @@
 """The quality study: what each serving policy costs a small GDN + KDA model, and how much QAT and QAD recover.
 
-    python examples/qat/study.py --smoke --out /tmp/qat-smoke                    # the whole pipeline on the CPU
+    python examples/qat/study.py --smoke --out out/qat-smoke                     # the whole pipeline on the CPU
     python examples/qat/study.py --stage pretrain --out $OUT                     # H200, command 1
     python examples/qat/study.py --stage finetune --from $OUT/pretrained.pt --out $OUT   # H200, command 2
     python examples/qat/study.py --out $OUT                                      # both stages in one process

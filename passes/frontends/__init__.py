@@ -55,23 +55,29 @@ def _when_imported(name: str, install) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``name`` with the other finders and runs ``install`` once its module has executed."""
+    """Finds ``name`` with the other finders and runs ``install`` once its module has executed. It stays in
+    ``sys.meta_path`` until then: ``importlib.util.find_spec(name)`` also asks it, without importing."""
 
     def __init__(self, name: str, install):
-        self.name, self.install = name, install
+        self.name, self.install, self.finding = name, install, False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self.finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_module, install = spec.loader.exec_module, self.install
+        exec_module = spec.loader.exec_module
 
         def exec_then_install(module):
             exec_module(module)
-            install()
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+                self.install()
 
-        spec.loader.exec_module = exec_then_install
+        spec.loader.exec_module = exec_then_install  # this spec's own loader object
         return spec

@@ -13,10 +13,12 @@ cannot trace ``warnings.warn``:
   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` once per process (``allreduce_dgrad`` or ``sequence_parallel``).
 
 Both functions are substituted (``torch._dynamo.substitute_in_graph``, keyed on Megatron's function
-objects, so every module that imported them is covered) by the same functions, whose warnings go through
-functions registered in ``torch._dynamo.config.reorderable_logging_functions``: Dynamo calls those after
-the graph instead of breaking it. The warnings keep Megatron's messages, categories and once-per-process
-flag; eager calls run Megatron's originals.
+objects, so every module that imported them is covered) by the same functions, whose warnings are issued
+by ``torch._dynamo.assume_constant_result`` helpers: Dynamo runs those while it traces, so under
+``torch.compile`` each warning is issued when the call is traced (at compile time) instead of breaking the
+graph. (Dynamo's ``reorderable_logging_functions`` would move the call after the graph, but Dynamo 2.13
+drops such calls made inside inlined functions, i.e. the warning would vanish.) The warnings keep
+Megatron's messages, categories and once-per-process flag; eager calls run Megatron's originals.
 
 Megatron's own compile points (``megatron.core.jit.jit_fuser``, i.e. ``torch.compile``, on
 ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta`` and ``_apply_gated_norm``) need
@@ -40,12 +42,14 @@ TP_GROUP_DEPRECATION = ("Warning: tp_group is None, using default tp group. "
                         "Passing tp_group will be mandatory soon")  # Megatron-Core 0.19.2's text
 
 
-def _tp_group_deprecation(message: str) -> None:
+@torch._dynamo.assume_constant_result
+def _tp_group_deprecation(message: str) -> bool:
     warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return True
 
 
 def tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
-    """``megatron.core.utils.get_tensor_model_parallel_group_if_none`` (0.19.2), its warning reorderable."""
+    """``megatron.core.utils.get_tensor_model_parallel_group_if_none`` (0.19.2), its warning issued while Dynamo traces."""
     if not torch.distributed.is_initialized():
         return None
     if not parallel_state.is_initialized():
@@ -60,24 +64,26 @@ def tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initial
     return tp_group
 
 
-def _cuda_max_connections_advice(sequence_parallel: bool, allreduce_dgrad: bool) -> None:
+@torch._dynamo.assume_constant_result
+def _cuda_max_connections_advice(sequence_parallel: bool, allreduce_dgrad: bool) -> bool:
     """Megatron's advice, as ``linear_with_grad_accumulation_and_async_allreduce`` (0.19.2) gives it: once per
     process (its ``warned`` flag), unless ``CUDA_DEVICE_MAX_CONNECTIONS`` is 1."""
     original = megatron_layers.linear_with_grad_accumulation_and_async_allreduce
     if original.warned or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        return
+        return True
     for on, what in ((sequence_parallel, "sequence parallelism"), (allreduce_dgrad, "async grad allreduce")):
         if on:
             warnings.warn(f"When using {what} it is recommended to set the environment variable "
                           f"CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", stacklevel=2)
             original.warned = True
+    return True
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
                                                       allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
                                                       wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1):
     """``megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (0.19.2),
-    its advice reorderable."""
+    its advice issued while Dynamo traces."""
     tp_group = tensor_model_parallel_group_if_none(tp_group)
     _cuda_max_connections_advice(sequence_parallel, allreduce_dgrad)
     return megatron_layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
@@ -87,23 +93,22 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
 
 SUBSTITUTED: dict = {}  # Megatron's function object -> the replacement Dynamo traces instead
 
-# (module, function name, its parameters in Megatron-Core 0.19.2, the replacement, its reorderable warning)
+# (module, function name, its parameters in Megatron-Core 0.19.2, the replacement)
 _SUBSTITUTIONS = (
     (megatron_utils, "get_tensor_model_parallel_group_if_none", ["tp_group", "is_expert", "check_initialized"],
-     tensor_model_parallel_group_if_none, _tp_group_deprecation),
+     tensor_model_parallel_group_if_none),
     (megatron_layers, "linear_with_grad_accumulation_and_async_allreduce",
      ["input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
       "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size"],
-     linear_with_grad_accumulation_and_async_allreduce, _cuda_max_connections_advice),
+     linear_with_grad_accumulation_and_async_allreduce),
 )
 
 
 def _install() -> None:
-    for module, name, parameters, replacement, warning in _SUBSTITUTIONS:
+    for module, name, parameters, replacement in _SUBSTITUTIONS:
         original = getattr(module, name, None)
         if original is None or list(inspect.signature(original).parameters) != parameters:
             continue  # another Megatron-Core: its own function runs (a graph break, never other numerics)
-        torch._dynamo.config.reorderable_logging_functions.add(warning)
         if original not in SUBSTITUTED:
             torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(replacement)
             SUBSTITUTED[original] = replacement

@@ -12,6 +12,9 @@ frontend's tests use (tests/passes/fla_oracle.py, which shares no code with laqa
   With ``deterministic_mode=True`` the recurrence is Megatron's own torch fallback
   (``torch_chunk_gated_delta_rule``) or, for the KDA test layer, FLA's ``naive_chunk_kda``: unchanged.
 
+``eager_megatron(model, recurrence=fn)`` runs ``fn`` as every layer's recurrence instead (the decode-phase
+test gives it laqat's fp64 decode reference, kernels/decode_reference.py).
+
 Megatron's ``jit_fuser`` (``torch.compile``) methods run eagerly inside ``eager_megatron`` (compiler stance
 ``force_eager``), so the oracle is never an Inductor build of Megatron's code.
 """
@@ -43,7 +46,7 @@ NAIVE_RECURRENCE = {chunk_gated_delta_rule: _naive_gdn, chunk_kda: _naive_kda}
 
 
 @contextlib.contextmanager
-def eager_megatron(model):
+def eager_megatron(model, recurrence=None):
     import megatron.core.ssm.gated_delta_net.common as gdn_common
     import megatron.core.ssm.gated_delta_net.gdn as gdn_forward
 
@@ -53,7 +56,7 @@ def eager_megatron(model):
     try:
         gdn_common.l2norm, gdn_forward.causal_conv1d = _l2norm, conv1d_oracle
         for layer in layers:
-            layer.gated_delta_rule = NAIVE_RECURRENCE.get(layer.gated_delta_rule, layer.gated_delta_rule)
+            layer.gated_delta_rule = recurrence or NAIVE_RECURRENCE.get(layer.gated_delta_rule, layer.gated_delta_rule)
         with torch.compiler.set_stance("force_eager"):
             yield
     finally:

@@ -167,9 +167,10 @@ def table(results: dict) -> str:
     lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     for row in rows(results):
         gap = row.control_gap()
-        lines.append(f"| {row.policy} | {row.scoring} | {_cell(row.exact)} | {_cell(row.before)} | "
-                     f"{_cell(row.control)} | {_cell(row.qat)} | {_cell(row.qad)} | {_percent(row.recovered(row.qat), gap)} | "
-                     f"{_percent(row.recovered(row.qad), gap)} | {_ms(row.ms_qat)} | {_ms(row.ms_qad)} |")
+        cells = [row.policy, row.scoring, _cell(row.exact), _cell(row.before), _cell(row.control), _cell(row.qat),
+                 _cell(row.qad), _percent(row.recovered(row.qat), gap), _percent(row.recovered(row.qad), gap),
+                 _ms(row.ms_qat), _ms(row.ms_qad)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ MODES = ("qat", "qad")
 GPU_DEFAULTS = dict(hidden=384, heads=6, head_dim=64, layers="gdn,kda,gdn,kda", seq_len=512, batch_size=32,
                     eval_sequences=512, pretrain_steps=8000, pretrain_lr=2e-3, pretrain_warmup=200,
                     pretrain_budget_s=200.0, finetune_steps=200, finetune_lr=3e-4, finetune_warmup=20,
-                    seeds="0,1", policies=",".join(POLICIES), modes="qat,qad", budget_s=480.0, warm_processes=3)
+                    seeds="0,1", policies=",".join(POLICIES), modes="qat,qad", budget_s=460.0, warm_processes=3)
 HELP = {"pretrain_budget_s": "pretraining ends inside this many seconds (its compile included)",
         "budget_s": "wall seconds from the start of the process: runs that would end later are skipped",
         "warm_processes": "pretrain stage on CUDA: processes compiling every policy in the background",
@@ -119,11 +119,6 @@ def _check(args) -> None:
         raise StudyError("--smoke runs every stage: leave --stage out")
 
 
-def model_config_of(args) -> dict:
-    return qat.model_config_of(argparse.Namespace(hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
-                                                  layers=args.layers))
-
-
 def train_config(args, *, stage: str, seed: int, mode: str = "qat", **overrides) -> qat.TrainConfig:
     pre = stage == "pretrain"
     return qat.TrainConfig(
@@ -144,9 +139,13 @@ def environment(args) -> dict:
         fla_version = getattr(fla, "__version__", "unknown")
     except ImportError:
         fla_version = None
-    commit = os.environ.get("LAQAT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip() or None
+    commit = os.environ.get("LAQAT_COMMIT")
+    if not commit:
+        try:  # a copied tree (a GPU machine) may have no .git, or no git
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
             "python": sys.version.split()[0], "commit": commit, "compiler": args.compiler,
@@ -224,7 +223,7 @@ def start_warm_processes(args, out: Path) -> list:
     return procs
 
 
-def finish_warm_processes(procs, timeout_s: float = 240.0) -> list[dict]:
+def finish_warm_processes(procs, timeout_s: float = 150.0) -> list[dict]:
     done = []
     deadline = time.perf_counter() + timeout_s
     for group, proc, started, log in procs:
@@ -247,7 +246,7 @@ def size_flags(args) -> list[str]:
 
 
 def warm(args, corpus) -> None:
-    zoo = Zoo(args, model_config_of(args))
+    zoo = Zoo(args, qat.model_config_of(args))
     for policy in args.policy_list:
         began = time.perf_counter()
         instance = zoo.get(policy)
@@ -270,6 +269,7 @@ class Study:
         self.evals: list[dict] = []
         self.runs: list[dict] = []
         self.skipped: list[dict] = []
+        self.pretrain = state["extra"].get("pretrain")
         self.log_path = out / "runs.jsonl"
         if self.log_path.exists():
             self.log_path.unlink()
@@ -345,7 +345,7 @@ class Study:
         first_batch = [train_batch(self.corpus, 1, seed, cfg.batch_size, cfg.seq_len)]
         result = qat.train(instance, self.corpus, cfg, teacher=self.exact if mode == "qad" else None,
                            batches=self.held_out if mode != "control" else None,
-                           log=MetricsLog(self.log_path, label, resume_step=0), label=label)
+                           log=MetricsLog(self.log_path, label), label=label)
         self.runs.append({
             "policy": policy, "mode": mode, "seed": seed, "steps": result.steps,
             "seconds_per_step": result.seconds_per_step, "first_step_seconds": result.step_seconds[0],
@@ -361,8 +361,9 @@ class Study:
                         trained_under=policy)
         print(f"{label}: {result.steps} steps, {1e3 * result.seconds_per_step:.1f} ms a step"
               + ("" if result.final is None else f", held-out NLL {result.final.nll:.4f}"), flush=True)
+        write_results(self.results(), self.out, final=False)  # a command cut short still leaves its table
 
-    def results(self, pretrain_summary: dict | None) -> dict:
+    def results(self) -> dict:
         decode = [p for p in self.args.policy_list if self.zoo.get(p).decode]
         return {
             "config": {"seeds": self.args.seed_list, "policies": self.args.policy_list, "modes": self.args.mode_list,
@@ -371,7 +372,7 @@ class Study:
                        "eval_sequences": self.args.eval_sequences, "prefill_fraction": self.args.prefill_fraction,
                        "kd_temperature": self.args.kd_temperature, "kd_lm_weight": self.args.kd_lm_weight,
                        "budget_s": self.args.budget_s, "model_config": self.zoo.model_config},
-            "environment": environment(self.args), "corpus": self.corpus.describe(), "pretrain": pretrain_summary,
+            "environment": environment(self.args), "corpus": self.corpus.describe(), "pretrain": self.pretrain,
             "decode_policies": decode, "prefill": self.prefill, "evals": self.evals, "runs": self.runs,
             "skipped": self.skipped, "seconds": self.elapsed, "command": " ".join(sys.argv),
             "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
@@ -387,19 +388,23 @@ def finetune(args, corpus, zoo: Zoo, state: dict, out: Path) -> Study:
         for mode in args.mode_list:
             for seed in args.seed_list:
                 study.run(policy, mode, seed)
-    study.summary = study.results(state["extra"].get("pretrain"))
+    study.summary = study.results()
     write_results(study.summary, out)
     return study
 
 
-def write_results(results: dict, out: Path) -> None:
+def write_results(results: dict, out: Path, final: bool = True) -> None:
+    """study.json and study.md; at the end also the table on stdout and curves.png."""
     (out / "study.json").write_text(json.dumps(results))
     text = markdown(results)
     env = results["environment"]
     head = (f"{env['device']}, torch {env['torch']}, Triton {env['triton']}, FLA {env['fla']}, Python "
-            f"{env['python']}, commit {env['commit']}; {results['seconds']:.0f} s for this stage")
+            f"{env['python']}, commit {env['commit']}; {results['seconds']:.0f} s from the start of the process"
+            + ("" if final else " (in progress)"))
     skipped = "".join(f"\n- skipped (budget): {s['run']}" for s in results["skipped"])
     (out / "study.md").write_text(f"{head}\n\n{text}\n{skipped}\n")
+    if not final:
+        return
     print(f"\n{head}\n\n{text}{skipped}\n", flush=True)
     records = read_records(out / "runs.jsonl") if (out / "runs.jsonl").exists() else []
     plot_curves(records, out / "curves.png", title="QAT / QAD / control runs")
@@ -458,9 +463,9 @@ def main(argv=None) -> None:
     print(f"corpus: {corpus.describe()}", flush=True)
     if args.stage == "warm":
         return warm(args, corpus)
-    zoo, summary = Zoo(args, model_config_of(args)), None
+    zoo = Zoo(args, qat.model_config_of(args))
     if args.stage in ("all", "pretrain"):
-        summary = pretrain(args, corpus, zoo, out)
+        pretrain(args, corpus, zoo, out)
     if args.stage in ("all", "finetune"):
         state = read_checkpoint(args.pretrained or out / "pretrained.pt")
         if state["model_config"] != zoo.model_config:
@@ -471,4 +476,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (StudyError, *qat.USER_ERRORS) as e:
+        sys.exit(f"study.py: {type(e).__name__}: {e}")

@@ -1,9 +1,9 @@
 """QAT and QAD of a GDN + KDA language model under a laqat policy, on the Python standard library's source.
 
-    python examples/qat/train.py --policy exact --steps 2000 --out runs/pretrain            # from scratch
-    python examples/qat/train.py --policy state_fp8 --init runs/pretrain/checkpoint.pt --steps 300 --out runs/qat
-    python examples/qat/train.py --policy state_fp8 --mode qad --init runs/pretrain/checkpoint.pt --out runs/qad
-    python examples/qat/train.py --resume runs/qat/checkpoint.pt --steps 600 --out runs/qat   # go on training
+    python examples/qat/train.py --policy exact --steps 2000 --out out/pretrain            # from scratch
+    python examples/qat/train.py --policy state_fp8 --init out/pretrain/checkpoint.pt --steps 300 --out out/qat
+    python examples/qat/train.py --policy state_fp8 --mode qad --init out/pretrain/checkpoint.pt --out out/qad
+    python examples/qat/train.py --resume out/qat/checkpoint.pt --steps 600 --out out/qat   # go on training
 
 - QAT: the language-model loss (next-byte cross-entropy) of the model compiled under the policy.
 - QAD: a frozen exact teacher (the starting weights, compiled with exact numerics);
@@ -41,8 +41,8 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import la_compiler  # noqa: E402
-from checkpoint import read_checkpoint, restore_weights, save_checkpoint  # noqa: E402
-from corpus import VOCAB_SIZE, Corpus, eval_batches, load_corpus, train_batch  # noqa: E402
+from checkpoint import CheckpointError, read_checkpoint, restore_weights, save_checkpoint  # noqa: E402
+from corpus import VOCAB_SIZE, Corpus, CorpusError, eval_batches, load_corpus, train_batch  # noqa: E402
 from metrics import MetricsLog, Progress  # noqa: E402
 from plot import plot_curves  # noqa: E402
 
@@ -395,9 +395,24 @@ def build_model(model_config: dict, device, dtype) -> torch.nn.Module:
     return TinyHybridLM(TinyConfig(**config)).to(device=device, dtype=dtype)
 
 
-def model_config_of(args) -> dict:
-    return {"vocab_size": VOCAB_SIZE, "hidden_size": args.hidden, "num_heads": args.heads,
-            "head_dim": args.head_dim, "layers": list(args.layers.split(",")), "use_short_conv": True}
+MODEL_FLAGS = {"hidden": ("hidden_size", 256), "heads": ("num_heads", 4), "head_dim": ("head_dim", 64),
+               "layers": ("layers", "gdn,kda,gdn,kda")}
+
+
+def model_config_of(args, stored: dict | None = None) -> dict:
+    """The model's size from the flags, or the checkpoint's (``stored``), which a given flag may not contradict."""
+    given = {flag: getattr(args, flag) for flag in MODEL_FLAGS if getattr(args, flag, None) is not None}
+    values = {flag: given.get(flag, default) for flag, (_, default) in MODEL_FLAGS.items()}
+    config = {"vocab_size": VOCAB_SIZE, "hidden_size": values["hidden"], "num_heads": values["heads"],
+              "head_dim": values["head_dim"], "layers": list(str(values["layers"]).split(",")), "use_short_conv": True}
+    if stored is None:
+        return config
+    for flag in given:
+        key = MODEL_FLAGS[flag][0]
+        if config[key] != stored[key]:
+            raise TrainConfigError(f"--{flag.replace('_', '-')}: the checkpoint's model has {key}={stored[key]!r}, "
+                                   f"not {config[key]!r}; leave the flag out")
+    return stored
 
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -424,16 +439,15 @@ def parse_args(argv=None):
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (and model config); "
                                                 "QAD's teacher")
     p.add_argument("--resume", default=None, help="go on from this checkpoint (weights, policy, optimizer, step)")
-    p.add_argument("--out", default="runs/qat", help="metrics.jsonl, checkpoint.pt and curves.png go here")
+    p.add_argument("--out", default="out/qat", help="metrics.jsonl, checkpoint.pt and curves.png go here")
     for name, field in TRAIN_FLAGS.items():
         kind = {"budget_s": float}.get(name, type(field.default) if field.default is not None else float)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                        help=f"default {field.default}" + (" (choices: qat, qad)" if name == "mode" else ""))
     p.add_argument("--eval-sequences", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--layers", default="gdn,kda,gdn,kda")
+    for flag, (key, default) in MODEL_FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), type=type(default), default=None,
+                       help=f"model {key} (default {default}; from --init / --resume: the checkpoint's)")
     p.add_argument("--compiler", default="inductor", choices=COMPILERS)
     p.add_argument("--kernel-family", default=None, choices=KERNEL_FAMILIES,
                    help="auto on CUDA; torch (laqat's torch references, same numerics) on the CPU")
@@ -460,7 +474,7 @@ def main(argv=None) -> None:
     init = read_checkpoint(args.init) if args.init else None
     cfg = train_config_of(args, resume and resume["train_config"])
     source = resume or init
-    model_config = source["model_config"] if source and source["model_config"] else model_config_of(args)
+    model_config = model_config_of(args, source and source["model_config"])
     device, dtype = args.device, model_dtype(args.dtype, args.device)
     family = args.kernel_family or ("auto" if device == "cuda" else "torch")
     prepare_dynamo()
@@ -491,10 +505,16 @@ def main(argv=None) -> None:
     result = train(student, corpus, cfg, teacher=teacher, batches=held_out, log=log,
                    checkpoint_path=out / "checkpoint.pt", resume_state=resume, label=log.run,
                    model_config=model_config, extra={"init": args.init or (resume and resume["extra"].get("init"))})
-    print(f"{result.steps} steps, {result.seconds_per_step * 1e3:.1f} ms a step; held-out NLL "
-          f"{result.final.nll:.4f} (PPL {result.final.ppl:.3f}); checkpoint {out / 'checkpoint.pt'}", flush=True)
+    held = "" if result.final is None else f"; held-out NLL {result.final.nll:.4f} (PPL {result.final.ppl:.3f})"
+    print(f"{result.steps} steps, {result.seconds_per_step * 1e3:.1f} ms a step{held}; checkpoint "
+          f"{out / 'checkpoint.pt'}", flush=True)
     plot_curves(log.records, out / "curves.png", title=log.run)
 
 
+USER_ERRORS = (TrainConfigError, CheckpointError, CorpusError, la_compiler.PolicyError)
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except USER_ERRORS as e:
+        sys.exit(f"train.py: {type(e).__name__}: {e}")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import la_compiler
 
@@ -160,6 +159,15 @@ def test_a_resumed_run_keeps_its_training_config():
     assert train.train_config_of(args, stored) == train.TrainConfig(seed=3, steps=50)
     with pytest.raises(train.TrainConfigError, match="--lr"):
         train.train_config_of(train.parse_args(["--lr", "1e-3"]), stored)
+
+
+def test_the_model_size_comes_from_the_checkpoint_and_a_flag_may_not_contradict_it():
+    stored = train.model_config_of(train.parse_args(["--hidden", "32", "--heads", "2"]))
+    assert stored["hidden_size"] == 32 and stored["num_heads"] == 2 and stored["layers"] == ["gdn", "kda"] * 2
+    assert train.model_config_of(train.parse_args([]), stored) == stored
+    assert train.model_config_of(train.parse_args(["--hidden", "32"]), stored) == stored
+    with pytest.raises(train.TrainConfigError, match="--head-dim: the checkpoint's model has head_dim=64, not 8"):
+        train.model_config_of(train.parse_args(["--head-dim", "8"]), stored)
 
 
 @pytest.mark.parametrize("bad, match", [({"mode": "kd"}, "mode"), ({"prefill_fraction": 1.0}, "prefill_fraction"),

@@ -28,18 +28,18 @@ from checkpoint import read_checkpoint  # noqa: E402
 POLICY = "decode_token_state_fp8"
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qat-smoke")
+def test_the_smoke_study(tmp_path):
+    """One test (pytest-xdist would run a shared fixture once per worker): the run, then the checks below."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(QAT / "study.py"), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(QAT / "study.py"), "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return out, proc.stdout, json.loads((out / "study.json").read_text())
+    results = json.loads((tmp_path / "study.json").read_text())
+    check_the_run_and_the_table(tmp_path, proc.stdout, results)
+    check_the_exact_nll_against_an_eager_evaluation_of_the_saved_weights(tmp_path, results)
 
 
-def test_the_smoke_run_passes_its_checks_and_writes_the_table(smoke):
-    out, stdout, results = smoke
+def check_the_run_and_the_table(out, stdout, results):
     assert "smoke checks passed" in stdout
     table = (out / "study.md").read_text()
     assert "| policy | scored | exact | no QAT | control | after QAT | after QAD |" in table
@@ -61,8 +61,7 @@ def _eager_per_sequence(model, batches, start):
     return torch.tensor(out, dtype=torch.float64)
 
 
-def test_exact_nll_equals_an_eager_evaluation_of_the_saved_weights(smoke):
-    out, _, results = smoke
+def check_the_exact_nll_against_an_eager_evaluation_of_the_saved_weights(out, results):
     state = read_checkpoint(out / "pretrained.pt")
     model = train.build_model(state["model_config"], "cpu", torch.float32)
     la_compiler.load_state_dict(model, state["model"])

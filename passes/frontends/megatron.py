@@ -12,6 +12,16 @@ cannot trace ``warnings.warn``:
 - with tensor parallelism, ``linear_with_grad_accumulation_and_async_allreduce`` advises setting
   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` once per process (``allreduce_dgrad`` or ``sequence_parallel``).
 
+A third thing breaks the graph under tensor parallelism: the backward of Megatron's
+``LinearWithGradAccumulationAndAsyncCommunication`` (every column-parallel linear) all-reduces the input
+gradient with ``async_op=True``, to overlap it with the weight-gradient GEMM, and Dynamo cannot trace an
+asynchronous collective: each column-parallel linear became a graph break, its autograd.Function run
+eagerly. Where the call uses none of that function's other machinery (no gradient-accumulation fusion, no
+sequence parallelism, no deferred weight gradients, no GTP remat), the substituted
+``linear_with_grad_accumulation_and_async_allreduce`` applies ``_LinearAllReduceDgrad`` instead: the same
+matmuls in the same order and the same all-reduce, issued synchronously (only the overlap is lost; the
+values are the same). Any other call applies Megatron's own function (a graph break, Megatron's numerics).
+
 Both functions are substituted (``torch._dynamo.substitute_in_graph``, keyed on Megatron's function
 objects, so every module that imported them is covered) by the same functions, whose warnings are issued
 by ``torch._dynamo.assume_constant_result`` helpers: Dynamo runs those while it traces, so under
@@ -37,6 +47,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.tensor_parallel import layers as megatron_layers
+from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 TP_GROUP_DEPRECATION = ("Warning: tp_group is None, using default tp group. "
                         "Passing tp_group will be mandatory soon")  # Megatron-Core 0.19.2's text
@@ -79,13 +90,41 @@ def _cuda_max_connections_advice(sequence_parallel: bool, allreduce_dgrad: bool)
     return True
 
 
+class _LinearAllReduceDgrad(torch.autograd.Function):
+    """``LinearWithGradAccumulationAndAsyncCommunication`` (0.19.2) without gradient-accumulation fusion, sequence
+    parallelism, deferred weight gradients and GTP remat, its input-gradient all-reduce synchronous."""
+
+    @staticmethod
+    @megatron_layers.custom_fwd
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias, ctx.allreduce_dgrad, ctx.tp_group = bias is not None, allreduce_dgrad, tp_group
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    @megatron_layers.custom_bwd
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        grad_weight = grad_output.t().matmul(total_input)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
                                                       allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
                                                       wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1):
     """``megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (0.19.2),
-    its advice issued while Dynamo traces."""
+    its advice issued while Dynamo traces, its plain calls through ``_LinearAllReduceDgrad``."""
     tp_group = tensor_model_parallel_group_if_none(tp_group)
     _cuda_max_connections_advice(sequence_parallel, allreduce_dgrad)
+    if not (gradient_accumulation_fusion or sequence_parallel or grad_output_buffer is not None
+            or gtp_remat_size != 1):
+        return _LinearAllReduceDgrad.apply(input, weight, bias, allreduce_dgrad, tp_group)
     return megatron_layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, grad_output_buffer,
         wgrad_deferral_limit, tp_group, gtp_remat_size)

@@ -14,7 +14,7 @@ Scenarios (each rank runs the same code; both ranks hold the same TP=1 reference
   it, Megatron 0.19.2 leaves the two ranks' gradients of that weight different (``out_norm_grad_ranks_differ``).
 - ``cp``: context parallelism 2 (Megatron's GDN all-to-alls from sequence shards to head shards around the
   recurrence), against the TP=1 model on the tokens of this rank, gradients summed over the CP group.
-- ``checkpoint``: a TP=2 model trained two SGD steps under laqat's ``state_fp8`` is saved with Megatron's
+- ``checkpoint``: a TP=2 model trained one SGD step under laqat's ``state_fp8`` is saved with Megatron's
   ``dist_checkpointing`` (the policy in the checkpoint's common state), restored at TP=2 and at TP=1 into
   freshly initialized models, recompiled from the restored policy; the next batch's loss, and the loss after
   one more SGD step, at each.
@@ -131,7 +131,8 @@ def scenario_tp(rank, world):
                 for name, p in model.named_parameters():
                     p.copy_(shards[name])
             graphs = []
-            compiled = torch.compile(model, backend=_capturing_laqat({"policy": policy, "compiler": "eager"}, graphs))
+            compiled = torch.compile(model, backend=_capturing_laqat({"policy": policy, "compiler": "eager"}, graphs),
+                                     fullgraph=True)
             loss, grads = _run(model, compiled, *data)
             local_norm_grad = grads[OUT_NORM].clone()
             grads = _reduce_grads(model, grads, group, OUT_NORM)
@@ -167,7 +168,7 @@ def scenario_cp(rank, world):
             for name, p in model.named_parameters():
                 p.copy_(state[name])
         graphs = []
-        compiled = torch.compile(model, backend=_capturing_laqat({"compiler": "eager"}, graphs))
+        compiled = torch.compile(model, backend=_capturing_laqat({"compiler": "eager"}, graphs), fullgraph=True)
         local = get_batch_on_this_cp_rank({"ids": ids, "pos": pos, "labels": labels, "positions": pos.clone(),
                                            "cu_seqlens": None}, is_hybrid_cp=False, cp_group=group)
         loss, grads = _run(model, compiled, local["ids"], local["pos"], local["labels"])
@@ -205,7 +206,7 @@ def scenario_checkpoint(rank, world, out_dir):
         torch._dynamo.reset()
         model = tiny_gpt(_config(tp=2), seed=2)
         compiled = torch.compile(model, backend="laqat", options={"policy": policy, "compiler": "eager"})
-        trained = [_sgd_step(model, compiled, data[i], group).mean().item() for i in range(2)]
+        trained = [_sgd_step(model, compiled, data[i], group).mean().item() for i in range(1)]
         with torch.no_grad():
             before = compiled(*data[2][:2], None, labels=data[2][2])
             unstepped = compiled(*data[3][:2], None, labels=data[3][2])  # the next batch without the next step

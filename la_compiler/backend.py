@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from la_compiler.ddp_buckets import check_pieces
 from la_compiler.errors import is_laqat_error, through_dynamo
 from la_compiler.module_specialize import ModuleSpecializedGraph
 from la_compiler.passes.frontends import install_trace_frontends
@@ -107,6 +108,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
     opts = BackendOptions.from_user(options)
     sink = _record or _ACTIVE_RECORD[-1]
     root = compiled_root_module()
+    check_pieces(root)  # under DDPOptimizer: no recurrence split across two graph pieces
     policy, policy_source = policy_for(opts.policy, root)
 
     def rewrite(graph: torch.fx.GraphModule, prefixes: dict[str, str]) -> torch.fx.GraphModule:

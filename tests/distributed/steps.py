@@ -1,0 +1,130 @@
+"""One training step of a tiny model, in a rank of a data-parallel group or in one process, and what it produced.
+
+A step compiles the model (wrapped as its test asks) with the laqat backend, runs it on this rank's slice of a
+global batch, backpropagates, and returns a ``StepResult``: the loss averaged over the ranks (the global batch's
+loss), every parameter's gradient by the model's own parameter names (full tensors, after the gradient
+all-reduce or reduce-scatter), what laqat rewrote, how many graphs the backend compiled and Dynamo's graph
+breaks. ``single_process`` runs the same step on the whole batch in one process: what every data-parallel run
+must equal.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed import models
+
+RANK_BATCH, SEQ_LEN = 1, 6  # sequences per rank, tokens per sequence
+OPTIONS = {"exact": {"compiler": "eager"}, "state_fp8": {"policy": "state_fp8", "compiler": "eager"}}
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    matches: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)  # module, frontend, kind, spec
+    graphs: int = 0  # graphs the backend compiled (DDPOptimizer's pieces each count)
+    breaks: dict[str, int] = dataclasses.field(default_factory=dict)  # Dynamo's graph-break reasons -> count
+    break_lines: list[str] = dataclasses.field(default_factory=list)  # laqat's record: why and where each broke
+    error: tuple[str, str] | None = None  # (exception class, message) when compiling or running raised
+    node_input_types: set[str] = dataclasses.field(default_factory=set)  # tensor types the laqat nodes read
+
+
+def new_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(models, name)()
+
+
+def global_batch(model: torch.nn.Module, world_size: int):
+    return models.make_batch(RANK_BATCH * world_size, SEQ_LEN, model)
+
+
+def rank_slice(batch, rank: int):
+    x, states = batch
+    rows = slice(rank * RANK_BATCH, (rank + 1) * RANK_BATCH)
+    return x[rows], tuple(s[rows] for s in states)
+
+
+def _break_counts() -> dict[str, int]:
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+class LaqatBackend:
+    """The laqat backend with ``options`` (what ``backend="laqat", options=options`` calls), noting the tensor
+    types that the laqat nodes of the graphs it rewrites read (plain tensors, or DTensors)."""
+
+    def __init__(self, options: dict):
+        self.options, self.node_input_types = options, set()
+
+    def __call__(self, gm, example_inputs):
+        from la_compiler.backend import laqat_backend
+        from la_compiler.ir import is_delta_rule
+
+        compiled = laqat_backend(gm, example_inputs, options=self.options)
+        for node in gm.graph.nodes:
+            if is_delta_rule(node):
+                for arg in node.all_input_nodes:
+                    value = arg.meta.get("example_value", arg.meta.get("val"))
+                    if isinstance(value, torch.Tensor):
+                        self.node_input_types.add(type(value).__name__)
+        return compiled
+
+
+def step(model: torch.nn.Module, wrapped: torch.nn.Module, batch, *, backend, full_grad=lambda g: g,
+         world_size: int = 1, compile_model: bool = True) -> StepResult:
+    """Compiles ``wrapped`` (``model`` or its data-parallel wrapper) with ``backend`` unless ``compile_model`` is
+    False (the test compiled parts of it), runs one forward and backward on ``batch``."""
+    import la_compiler.backend
+    from la_compiler.record import CompileRecord
+
+    result = StepResult()
+    record = CompileRecord()
+    la_compiler.backend._ACTIVE_RECORD.append(record)
+    breaks_before = _break_counts()
+    try:
+        run = torch.compile(wrapped, backend=backend) if compile_model else wrapped
+        loss = run(*batch)
+        loss.backward()
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        result.error = (type(e).__name__, str(e))
+        return result
+    finally:
+        la_compiler.backend._ACTIVE_RECORD.pop()
+        after = _break_counts()
+        result.breaks = {k: n - breaks_before.get(k, 0) for k, n in after.items() if n != breaks_before.get(k, 0)}
+    loss = loss.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(loss)
+        loss /= world_size
+    result.loss = loss
+    result.grads = {name: full_grad(p.grad).detach().clone() for name, p in model.named_parameters()}
+    result.matches = [(m.module, m.frontend, m.kind, m.spec) for g in record.graphs for m in g.matches]
+    result.graphs = len(record.graphs)
+    result.break_lines = [g.graph_break for g in record.graphs if g.graph_break and "DDPOptimizer" not in g.graph_break]
+    result.node_input_types = set(getattr(backend, "node_input_types", ()))
+    return result
+
+
+def single_process(model_name: str, policy: str, world_size: int = 2) -> StepResult:
+    """The step on the whole global batch in this process, compiled with laqat as the data-parallel runs are."""
+    torch._dynamo.reset()
+    model = new_model(model_name)
+    return step(model, model, global_batch(model, world_size), backend=LaqatBackend(OPTIONS[policy]))
+
+
+def eager(model_name: str, world_size: int = 2) -> StepResult:
+    """The uncompiled model on the whole batch (FLA's kernels swapped for FLA's torch references)."""
+    model = new_model(model_name)
+    oracle = contextlib.nullcontext()
+    if model_name.startswith("Fla"):
+        from tests.passes.fla_oracle import naive_fla
+
+        oracle = naive_fla()
+    with oracle:
+        loss = model(*global_batch(model, world_size))
+    loss.backward()
+    return StepResult(loss=loss.detach(), grads={n: p.grad.detach().clone() for n, p in model.named_parameters()})

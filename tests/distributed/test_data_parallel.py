@@ -1,0 +1,217 @@
+"""laqat under ``DistributedDataParallel`` and FSDP2 (``fully_shard``): two gloo processes on the CPU.
+
+Each rank trains on one sequence of a two-sequence batch. Two models, one per frontend: ``TorchGDNNet`` (GDN
+token loops written in torch: the graph frontend) and ``FlaNet`` (FLA's ``GatedDeltaNet`` layer and a
+``chunk_kda`` call: the FLA call substitution), with exact numerics and with the ``state_fp8`` recipe. In every
+case each recurrence becomes one laqat node named as in the model, and the loss and every gradient (all-reduced
+by DDP; reduce-scattered by FSDP2 and gathered with ``full_tensor()``) equal the same compiled step on the whole
+batch in one process; with exact numerics also the uncompiled model (FLA's kernels replaced by FLA's torch
+references). fp32, relative L2 <= 1e-5: the data-parallel run and the one-process run compute every
+per-sequence value with the same kernels, and differ only in how the batch sums are associated (per-rank
+partial sums, then the reduction over ranks), an error of a few fp32 ulps.
+
+- DDP: ``torch.compile(DDP(model))`` with a bucket cap so small that DDPOptimizer cuts the graph at every
+  parameter read (a dozen graph pieces). laqat compiles the same pieces and meets the same graph breaks (DDP's
+  own two) as Dynamo's ``eager`` backend. A recurrence that a bucket boundary cuts (``GatedTorchGDNNet``
+  reads a parameter inside it) is refused with ``RecurrenceSplitError``; with one bucket it is rewritten.
+- FSDP2: ``fully_shard`` on each layer and on the root, then ``torch.compile(model)``; and each layer compiled
+  (``layer.compile``) before it is sharded. The laqat nodes read plain tensors (FSDP2 all-gathers the
+  parameters before the forward), never DTensors.
+
+All cases run in one pair of processes (the module fixture); each test asserts on its part.
+"""
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+pytest.importorskip("fla")
+
+from tests.distributed import steps  # noqa: E402
+from tests.distributed.ranks import run_ranks  # noqa: E402
+from tests.helpers import assert_close_rel, rel_l2  # noqa: E402
+
+TOL = 1e-5
+TINY_BUCKET_MB = 1e-6  # every parameter read fills a bucket: one graph piece per parameter read
+ONE_BUCKET_MB = 25.0  # DDP's default
+MODELS_AND_POLICIES = [("TorchGDNNet", "exact"), ("TorchGDNNet", "state_fp8"), ("FlaNet", "exact"),
+                       ("FlaNet", "state_fp8")]
+# (engine, model, policy, how): every case the ranks run; "plain_eager" is Dynamo's eager backend
+CASES = [("ddp", model, policy, TINY_BUCKET_MB) for model, policy in MODELS_AND_POLICIES] + [
+    ("ddp", "GatedTorchGDNNet", "exact", TINY_BUCKET_MB),
+    ("ddp", "GatedTorchGDNNet", "exact", ONE_BUCKET_MB),
+    ("ddp", "TorchGDNNet", "plain_eager", TINY_BUCKET_MB),
+    ("ddp", "FlaNet", "plain_eager", TINY_BUCKET_MB),
+] + [("fsdp", model, policy, "root") for model, policy in MODELS_AND_POLICIES] + [
+    ("fsdp", "TorchGDNNet", "exact", "layers"),
+    ("fsdp", "TorchGDNNet", "plain_eager", "root"),
+    ("fsdp", "FlaNet", "plain_eager", "root"),
+]
+MATCHES = {
+    "TorchGDNNet": [("layers.0", "torch", "gdn"), ("layers.1", "torch", "gdn")],
+    "GatedTorchGDNNet": [("layers.0", "torch", "gdn"), ("layers.1", "torch", "gdn")],
+    "FlaNet": [("layers.0.attn", "fla", "gdn"), ("layers.1", "fla", "kda")],
+}
+
+
+@contextlib.contextmanager
+def _first_bucket_at_most(bucket_mb):
+    """DDP, and DDPOptimizer when it compiles, refuse a first bucket larger than the others."""
+    import torch.distributed as dist
+
+    saved = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = min(saved, int(bucket_mb * 2 ** 20))
+    try:
+        yield
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved
+
+
+def _ddp_step(rank, world_size, model, batch, backend, bucket_mb):
+    from torch.nn.parallel import DistributedDataParallel
+
+    with _first_bucket_at_most(bucket_mb):
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        return steps.step(model, ddp, batch, backend=backend, world_size=world_size)
+
+
+def _fsdp_step(rank, world_size, model, batch, backend, where, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        if where == "layers":
+            layer.compile(backend=backend)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return steps.step(model, model, batch, backend=backend, world_size=world_size, compile_model=where == "root",
+                      full_grad=lambda grad: grad.full_tensor())
+
+
+def _worker(rank, world_size):
+    import la_compiler.backend  # noqa: F401  (installs the FLA substitutions)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    for engine, model_name, policy, how in CASES:
+        torch._dynamo.reset()
+        model = steps.new_model(model_name)
+        batch = steps.rank_slice(steps.global_batch(model, world_size), rank)
+        if policy == "plain_eager":
+            backend = torch._dynamo.testing.CompileCounterWithBackend("eager")
+        else:
+            backend = steps.LaqatBackend(steps.OPTIONS[policy])
+        if engine == "ddp":
+            result = _ddp_step(rank, world_size, model, batch, backend, how)
+        else:
+            result = _fsdp_step(rank, world_size, model, batch, backend, how, mesh)
+        if policy == "plain_eager":
+            result.graphs = backend.frame_count
+        results[engine, model_name, policy, how] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_worker, timeout=600)
+
+
+@functools.cache
+def _single(model_name, policy):
+    return steps.single_process(model_name, policy)
+
+
+@functools.cache
+def _eager(model_name):
+    return steps.eager(model_name)
+
+
+def _assert_same_step(got, expected, tol, what):
+    assert got.error is None, got.error
+    assert_close_rel(got.loss, expected.loss, tol, f"{what}: loss")
+    assert sorted(got.grads) == sorted(expected.grads)
+    for name, grad in expected.grads.items():
+        assert_close_rel(got.grads[name], grad, tol, f"{what}: d{name}")
+
+
+def _assert_equals_single_process(ranks, key):
+    _, model_name, policy, _ = key
+    got = ranks[0][key]
+    assert got.error is None, got.error
+    single = _single(model_name, policy)
+    assert [m[:3] for m in single.matches] == MATCHES[model_name]
+    _assert_same_step(got, single, TOL, f"{key} vs one process")
+    _assert_same_step(ranks[1][key], got, 0.0, f"{key}: rank 1 vs rank 0")
+    eager = _eager(model_name)
+    if policy == "exact":
+        _assert_same_step(got, eager, TOL, f"{key} vs eager")
+    else:  # the policy moved the numbers: the equality above is not that of two exact runs
+        assert all("q.state=fp8_e4m3/tile64" in m[3] for m in got.matches), got.matches
+        assert rel_l2(got.loss, eager.loss) > TOL
+        assert max(rel_l2(got.grads[n], g) for n, g in eager.grads.items()) > 100 * TOL
+    return got
+
+
+# ---- DDP ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_name,policy", MODELS_AND_POLICIES)
+def test_ddp_step_equals_single_process(ranks, model_name, policy):
+    got = _assert_equals_single_process(ranks, ("ddp", model_name, policy, TINY_BUCKET_MB))
+    assert got.graphs > 4  # DDPOptimizer did cut the graph
+    assert [m[:3] for m in got.matches] == MATCHES[model_name]  # the model's names, not DDP's module.*
+
+
+def _assert_no_graph_and_no_break_added(ranks, engine, how):
+    """The same run under Dynamo's eager backend: the same graphs (DDPOptimizer's pieces), the same graph
+    breaks. (The FLA substitution is installed process-wide once laqat is imported, so the eager backend
+    traces FLA's calls as laqat ops too instead of breaking at them.)"""
+    for model_name, policy in MODELS_AND_POLICIES:
+        plain = ranks[0][engine, model_name, "plain_eager", how]
+        assert plain.error is None, plain.error
+        got = ranks[0][engine, model_name, policy, how]
+        assert got.breaks == plain.breaks, (model_name, policy, got.breaks, plain.breaks)
+        assert got.graphs == plain.graphs, (model_name, policy)
+        assert got.break_lines == [], got.break_lines  # laqat's record: no graph laqat compiled ended at a break
+    return plain
+
+
+def test_ddp_adds_no_graph_and_no_graph_break(ranks):
+    plain = _assert_no_graph_and_no_break_added(ranks, "ddp", TINY_BUCKET_MB)
+    # DDP's own forward breaks (Dynamo skips its internals), under any backend
+    assert plain.breaks and all("DistributedDataParallel" in r or "Logger" in r for r in plain.breaks), plain.breaks
+
+
+def test_ddp_refuses_a_recurrence_cut_by_a_bucket_boundary(ranks):
+    got = ranks[0]["ddp", "GatedTorchGDNNet", "exact", TINY_BUCKET_MB]
+    assert got.error is not None and got.error[0] == "RecurrenceSplitError", got.error
+    message = got.error[1]
+    assert "module 'layers.0'" in message and "gate = self.gate_proj(x).sigmoid()" in message, message
+    assert "bucket_cap_mb" in message and "optimize_ddp" in message
+
+
+def test_ddp_rewrites_the_same_recurrence_in_one_bucket(ranks):
+    got = ranks[0]["ddp", "GatedTorchGDNNet", "exact", ONE_BUCKET_MB]
+    assert got.error is None, got.error
+    assert got.graphs == 1
+    assert [m[:3] for m in got.matches] == MATCHES["GatedTorchGDNNet"]
+    _assert_same_step(got, _eager("GatedTorchGDNNet"), TOL, "DDP (one bucket) vs eager")
+
+
+# ---- FSDP2 ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_name,policy", MODELS_AND_POLICIES)
+def test_fsdp2_step_equals_single_process(ranks, model_name, policy):
+    got = _assert_equals_single_process(ranks, ("fsdp", model_name, policy, "root"))
+    assert [m[:3] for m in got.matches] == MATCHES[model_name]
+    assert got.node_input_types == {"FakeTensor"}, got.node_input_types  # not DTensor
+
+
+def test_fsdp2_layers_compiled_before_sharding(ranks):
+    """Each layer compiled on its own: its recurrence is named relative to the layer (the compiled module)."""
+    got = _assert_equals_single_process(ranks, ("fsdp", "TorchGDNNet", "exact", "layers"))
+    assert got.matches and all(m[:3] == ("", "torch", "gdn") for m in got.matches), got.matches
+    assert got.node_input_types == {"FakeTensor"}, got.node_input_types
+
+
+def test_fsdp2_adds_no_graph_and_no_graph_break(ranks):
+    _assert_no_graph_and_no_break_added(ranks, "fsdp", "root")

@@ -14,10 +14,11 @@ Scenarios (each rank runs the same code; both ranks hold the same TP=1 reference
   it, Megatron 0.19.2 leaves the two ranks' gradients of that weight different (``out_norm_grad_ranks_differ``).
 - ``cp``: context parallelism 2 (Megatron's GDN all-to-alls from sequence shards to head shards around the
   recurrence), against the TP=1 model on the tokens of this rank, gradients summed over the CP group.
-- ``checkpoint``: a TP=2 model trained one SGD step under laqat's ``state_fp8`` is saved with Megatron's
-  ``dist_checkpointing`` (the policy in the checkpoint's common state), restored at TP=2 and at TP=1 into
-  freshly initialized models, recompiled from the restored policy; the next batch's loss, and the loss after
-  one more SGD step, at each.
+- ``checkpoint``: a TP=2 model with an FP8-state policy attached (``la_compiler.attach_policy``: a buffer, so
+  in Megatron's sharded state dict) trained one SGD step under laqat is saved with Megatron's
+  ``dist_checkpointing``, restored at TP=2 and at TP=1 into freshly initialized models (the policy read from
+  the checkpoint first, ``policy_in_checkpoint``), recompiled with the attached policy; the next batch's
+  loss, and the loss after one more SGD step, at each.
 """
 from __future__ import annotations
 
@@ -190,10 +191,30 @@ def _sgd_step(model, fn, data, group):
     return loss.detach()
 
 
+def _loss(compiled, data):
+    """The per-token loss, with autograd on (a no_grad call would compile a second graph)."""
+    return compiled(*data[:2], None, labels=data[2]).detach()
+
+
+def policy_in_checkpoint(path):
+    """The policy a ``dist_checkpointing`` checkpoint holds (the attached policy's buffer, la_compiler.POLICY_KEY),
+    read on its own: a fresh model has no buffer of that length to load it into."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from la_compiler.policy_attach import POLICY_KEY, policy_of
+
+    meta = dist_checkpointing.load_tensors_metadata(path)[POLICY_KEY]
+    request = ShardedTensor.from_rank_offsets(POLICY_KEY, torch.empty(meta.global_shape, dtype=meta.dtype),
+                                              replica_id=dist.get_rank())
+    return policy_of(dist_checkpointing.load({POLICY_KEY: request}, path, validate_access_integrity=False))
+
+
 def scenario_checkpoint(rank, world, out_dir):
     from megatron.core import dist_checkpointing, parallel_state
 
-    from la_compiler.policy import Policy, load_policy
+    import la_compiler
+    from la_compiler.policy import load_policy
     from tests.helpers import rel_l2
     from tests.megatron.megatron_cpu import model_parallel
     from tests.megatron.megatron_models import batch, tiny_gpt
@@ -204,38 +225,31 @@ def scenario_checkpoint(rank, world, out_dir):
     with model_parallel(tp=2):
         group = parallel_state.get_tensor_model_parallel_group()
         torch._dynamo.reset()
-        model = tiny_gpt(_config(tp=2), seed=2)
-        compiled = torch.compile(model, backend="laqat", options={"policy": policy, "compiler": "eager"})
-        trained = [_sgd_step(model, compiled, data[i], group).mean().item() for i in range(1)]
-        with torch.no_grad():
-            before = compiled(*data[2][:2], None, labels=data[2][2])
-            unstepped = compiled(*data[3][:2], None, labels=data[3][2])  # the next batch without the next step
-        state = model.sharded_state_dict()
-        state["laqat_policy"] = policy.to_dict()
+        model = la_compiler.attach_policy(tiny_gpt(_config(tp=2), seed=2), policy)  # a buffer: in the state dict
+        compiled = torch.compile(model, backend="laqat", options={"compiler": "eager"})  # the attached policy
+        _sgd_step(model, compiled, data[0], group)
+        before, unstepped = _loss(compiled, data[2]), _loss(compiled, data[3])  # unstepped: without the next step
         if rank == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(state, path)
+        dist_checkpointing.save(model.sharded_state_dict(), path)
 
     losses = {}
     for tp in (2, 1):
         with model_parallel(tp=tp):
             group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
             torch._dynamo.reset()
-            model = tiny_gpt(_config(tp=tp), seed=3)
+            restored_policy = policy_in_checkpoint(path)
+            model = la_compiler.attach_policy(tiny_gpt(_config(tp=tp), seed=3), restored_policy)
             loaded = dist_checkpointing.load(model.sharded_state_dict(), path)
-            restored_policy = Policy.from_dict(loaded.pop("laqat_policy"))
             missing, unexpected = model.load_state_dict(loaded, strict=False)
             assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-            compiled = torch.compile(model, backend="laqat", options={"policy": restored_policy, "compiler": "eager"})
-            with torch.no_grad():
-                resumed = compiled(*data[2][:2], None, labels=data[2][2])
+            compiled = torch.compile(model, backend="laqat", options={"compiler": "eager"})
+            resumed = _loss(compiled, data[2])
             _sgd_step(model, compiled, data[2], group)
-            with torch.no_grad():
-                after = compiled(*data[3][:2], None, labels=data[3][2])
-            losses[tp] = {"resumed": resumed, "after": after, "policy": restored_policy == policy}
+            losses[tp] = {"resumed": resumed, "after": _loss(compiled, data[3]),
+                          "policy": la_compiler.policy_of(model) == policy}
     return {
-        "trained": trained,
         "resumed_tp2": rel_l2(losses[2]["resumed"], before), "resumed_tp1": rel_l2(losses[1]["resumed"], before),
         "after_tp1_vs_tp2": rel_l2(losses[1]["after"], losses[2]["after"]),
         "step_moved_tp2": rel_l2(losses[2]["after"], unstepped),

@@ -26,6 +26,10 @@ if importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec
     pytest.skip("megatron-core (and FLA) are not installed: `make test` installs megatron-core==0.19.2",
                 allow_module_level=True)
 
+# One pytest worker runs every Megatron test (`make test` distributes with --dist loadgroup): Megatron takes
+# about 8 CPU seconds to import, and a module fixture would run once per worker.
+pytestmark = pytest.mark.xdist_group("megatron")
+
 import la_compiler  # noqa: E402
 from la_compiler.backend import last_record  # noqa: E402
 from tests.helpers import rel_l2  # noqa: E402

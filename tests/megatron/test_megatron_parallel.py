@@ -19,6 +19,10 @@ if importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec
     pytest.skip("megatron-core (and FLA) are not installed: `make test` installs megatron-core==0.19.2",
                 allow_module_level=True)
 
+# One pytest worker runs every Megatron test (`make test` distributes with --dist loadgroup): Megatron takes
+# about 8 CPU seconds to import, and a module fixture would run once per worker.
+pytestmark = pytest.mark.xdist_group("megatron")
+
 TOL = 1e-5
 ROOT = Path(__file__).parents[2]
 WORLD = 2
@@ -89,10 +93,10 @@ def test_tp2_cp2_and_dist_checkpoint_on_two_ranks(ranks):
     losses equal the TP=1 model's at its tokens (Megatron's load-balanced halves); the gradients summed over
     the CP group equal the TP=1 gradients; one graph.
 
-    Checkpoint: a TP=2 model trained one SGD step under laqat's FP8 state, saved with Megatron's
-    ``dist_checkpointing`` (the policy in the common state), restores at TP=2 and TP=1: the policy comes back
-    equal, the next batch's loss is the saved model's, and one more SGD step gives the same loss at TP=1 and
-    TP=2."""
+    Checkpoint: a TP=2 model trained one SGD step under laqat's FP8 state (the policy attached: a buffer in
+    the sharded state dict), saved with Megatron's ``dist_checkpointing``, restores at TP=2 and TP=1: the
+    policy comes back equal, the next batch's loss is the saved model's, and one more SGD step gives the same
+    loss at TP=1 and TP=2."""
     failures = []
     for rank, result in enumerate(_scenario(ranks, "tp", failures)):
         for policy in ("exact", "state_fp8"):

@@ -230,3 +230,27 @@ def test_kda_test_layer(megatron, deterministic):
     compiled, graphs = _compile(model, fullgraph=True, options={"compiler": "eager"})
     _check(_run(model, compiled, *data), expected)
     assert _matches(graphs()) == _layers(1, "torch" if deterministic else "fla", "kda")
+
+
+def test_traceable_column_parallel_linear_equals_megatrons(megatron):
+    """The Megatron frontend's stand-in for ``LinearWithGradAccumulationAndAsyncCommunication`` (what a
+    column-parallel linear applies under ``torch.compile``) computes Megatron's values bit for bit: forward,
+    input, weight and bias gradients, with the input-gradient all-reduce on (over a group of one)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+
+    from la_compiler.passes.frontends.megatron import _LinearAllReduceDgrad
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    generator = torch.Generator().manual_seed(16)
+    x, w, b, dy = (torch.randn(*shape, generator=generator) for shape in ((7, 2, 24), (40, 24), (40,), (7, 2, 40)))
+    results = []
+    for apply in (lambda *a: LinearWithGradAccumulationAndAsyncCommunication.apply(*a[:3], False, True, False,
+                                                                                    None, 0, group, 1),
+                  lambda *a: _LinearAllReduceDgrad.apply(*a[:3], True, group)):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = apply(*leaves)
+        y.backward(dy)
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    for name, megatrons, ours in zip(("output", "dx", "dw", "db"), *results):
+        assert torch.equal(megatrons, ours), name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import Callable
 
 import torch
@@ -19,7 +20,19 @@ import torch.distributed as dist
 from tests.distributed import models
 
 RANK_BATCH, SEQ_LEN = 1, 6  # sequences per rank, tokens per sequence
-OPTIONS = {"exact": {"compiler": "eager"}, "state_fp8": {"policy": "state_fp8", "compiler": "eager"}}
+# what runs the rewritten graphs: eager by default (Inductor compiles each of DDPOptimizer's pieces, forward and
+# backward: minutes on a CPU with a cold cache); LAQAT_DISTRIBUTED_HAND_OFF=inductor runs every case through it
+HAND_OFF = os.environ.get("LAQAT_DISTRIBUTED_HAND_OFF", "eager")
+# state FP8 for the module the user calls layers.1, by its exact name (no glob): DDP's module.* would miss it
+LAYER1_STATE_FP8 = {"name": "layer1_state_fp8", "quant_cfg": [
+    {"quantizer_name": "*", "enable": False},
+    {"quantizer_name": "layers.1.gdn_state_quantizer", "cfg": {"num_bits": [4, 3], "type": "dynamic", "axis": [0, 1]}},
+]}
+POLICIES = {"exact": None, "state_fp8": "state_fp8", "layer1_state_fp8": LAYER1_STATE_FP8}
+
+
+def laqat_options(policy: str) -> dict:
+    return {"policy": POLICIES[policy], "compiler": HAND_OFF}
 
 
 @dataclasses.dataclass
@@ -113,7 +126,7 @@ def single_process(model_name: str, policy: str, world_size: int = 2) -> StepRes
     """The step on the whole global batch in this process, compiled with laqat as the data-parallel runs are."""
     torch._dynamo.reset()
     model = new_model(model_name)
-    return step(model, model, global_batch(model, world_size), backend=LaqatBackend(OPTIONS[policy]))
+    return step(model, model, global_batch(model, world_size), backend=LaqatBackend(laqat_options(policy)))
 
 
 def eager(model_name: str, world_size: int = 2) -> StepResult:

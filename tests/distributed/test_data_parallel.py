@@ -28,6 +28,8 @@ import torch
 import torch._dynamo.testing
 
 pytest.importorskip("fla")
+# state_fp8's KDA rule in the GDN-only model
+pytestmark = pytest.mark.filterwarnings("ignore:policy 'state_fp8'.*matched no quantizer")
 
 from tests.distributed import steps  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402
@@ -38,12 +40,17 @@ TINY_BUCKET_MB = 1e-6  # every parameter read fills a bucket: one graph piece pe
 ONE_BUCKET_MB = 25.0  # DDP's default
 MODELS_AND_POLICIES = [("TorchGDNNet", "exact"), ("TorchGDNNet", "state_fp8"), ("FlaNet", "exact"),
                        ("FlaNet", "state_fp8")]
-# (engine, model, policy, how): every case the ranks run; "plain_eager" is Dynamo's eager backend
-CASES = [("ddp", model, policy, TINY_BUCKET_MB) for model, policy in MODELS_AND_POLICIES] + [
-    ("ddp", "GatedTorchGDNNet", "exact", TINY_BUCKET_MB),
-    ("ddp", "GatedTorchGDNNet", "exact", ONE_BUCKET_MB),
-    ("ddp", "TorchGDNNet", "plain_eager", TINY_BUCKET_MB),
-    ("ddp", "FlaNet", "plain_eager", TINY_BUCKET_MB),
+# (engine, model, policy, how): every case the ranks run; policy "plain_eager" is Dynamo's eager backend.
+# DDP: "tiny-buckets" torch.compile(DDP(model)) with TINY_BUCKET_MB, "one-bucket" with ONE_BUCKET_MB,
+# "compiled-inside" DDP(torch.compile(model)) with TINY_BUCKET_MB. FSDP2: "root" fully_shard on each layer and
+# the root, then torch.compile(model); "layers" each layer compiled, then sharded.
+CASES = [("ddp", model, policy, "tiny-buckets") for model, policy in MODELS_AND_POLICIES] + [
+    ("ddp", "TorchGDNNet", "layer1_state_fp8", "tiny-buckets"),
+    ("ddp", "TorchGDNNet", "exact", "compiled-inside"),
+    ("ddp", "GatedTorchGDNNet", "exact", "tiny-buckets"),
+    ("ddp", "GatedTorchGDNNet", "exact", "one-bucket"),
+    ("ddp", "TorchGDNNet", "plain_eager", "tiny-buckets"),
+    ("ddp", "FlaNet", "plain_eager", "tiny-buckets"),
 ] + [("fsdp", model, policy, "root") for model, policy in MODELS_AND_POLICIES] + [
     ("fsdp", "TorchGDNNet", "exact", "layers"),
     ("fsdp", "TorchGDNNet", "plain_eager", "root"),
@@ -54,6 +61,7 @@ MATCHES = {
     "GatedTorchGDNNet": [("layers.0", "torch", "gdn"), ("layers.1", "torch", "gdn")],
     "FlaNet": [("layers.0.attn", "fla", "gdn"), ("layers.1", "fla", "kda")],
 }
+STATE_FP8 = "q.state=fp8_e4m3/tile64"
 
 
 @contextlib.contextmanager
@@ -69,23 +77,26 @@ def _first_bucket_at_most(bucket_mb):
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved
 
 
-def _ddp_step(rank, world_size, model, batch, backend, bucket_mb):
+def _ddp_step(rank, world_size, model, batch, backend, how):
     from torch.nn.parallel import DistributedDataParallel
 
+    bucket_mb = ONE_BUCKET_MB if how == "one-bucket" else TINY_BUCKET_MB
+    inside = how == "compiled-inside"
     with _first_bucket_at_most(bucket_mb):
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        return steps.step(model, ddp, batch, backend=backend, world_size=world_size)
+        ddp = DistributedDataParallel(torch.compile(model, backend=backend) if inside else model,
+                                      bucket_cap_mb=bucket_mb)
+        return steps.step(model, ddp, batch, backend=backend, world_size=world_size, compile_model=not inside)
 
 
-def _fsdp_step(rank, world_size, model, batch, backend, where, mesh):
+def _fsdp_step(rank, world_size, model, batch, backend, how, mesh):
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.layers:
-        if where == "layers":
+        if how == "layers":
             layer.compile(backend=backend)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return steps.step(model, model, batch, backend=backend, world_size=world_size, compile_model=where == "root",
+    return steps.step(model, model, batch, backend=backend, world_size=world_size, compile_model=how == "root",
                       full_grad=lambda grad: grad.full_tensor())
 
 
@@ -102,7 +113,7 @@ def _worker(rank, world_size):
         if policy == "plain_eager":
             backend = torch._dynamo.testing.CompileCounterWithBackend("eager")
         else:
-            backend = steps.LaqatBackend(steps.OPTIONS[policy])
+            backend = steps.LaqatBackend(steps.laqat_options(policy))
         if engine == "ddp":
             result = _ddp_step(rank, world_size, model, batch, backend, how)
         else:
@@ -148,18 +159,9 @@ def _assert_equals_single_process(ranks, key):
     if policy == "exact":
         _assert_same_step(got, eager, TOL, f"{key} vs eager")
     else:  # the policy moved the numbers: the equality above is not that of two exact runs
-        assert all("q.state=fp8_e4m3/tile64" in m[3] for m in got.matches), got.matches
         assert rel_l2(got.loss, eager.loss) > TOL
         assert max(rel_l2(got.grads[n], g) for n, g in eager.grads.items()) > 100 * TOL
     return got
-
-
-# ---- DDP ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_name,policy", MODELS_AND_POLICIES)
-def test_ddp_step_equals_single_process(ranks, model_name, policy):
-    got = _assert_equals_single_process(ranks, ("ddp", model_name, policy, TINY_BUCKET_MB))
-    assert got.graphs > 4  # DDPOptimizer did cut the graph
-    assert [m[:3] for m in got.matches] == MATCHES[model_name]  # the model's names, not DDP's module.*
 
 
 def _assert_no_graph_and_no_break_added(ranks, engine, how):
@@ -176,14 +178,36 @@ def _assert_no_graph_and_no_break_added(ranks, engine, how):
     return plain
 
 
+# ---- DDP ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_name,policy", MODELS_AND_POLICIES)
+def test_ddp_step_equals_single_process(ranks, model_name, policy):
+    got = _assert_equals_single_process(ranks, ("ddp", model_name, policy, "tiny-buckets"))
+    assert got.graphs > 4  # DDPOptimizer did cut the graph
+    assert [m[:3] for m in got.matches] == MATCHES[model_name]  # the model's names, not DDP's module.*
+    assert all((STATE_FP8 in m[3]) == (policy == "state_fp8") for m in got.matches), got.matches
+
+
+def test_ddp_policy_names_the_models_modules(ranks):
+    """A policy rule naming ``layers.1`` exactly (no glob) applies to that layer under DDP, and only to it."""
+    got = _assert_equals_single_process(ranks, ("ddp", "TorchGDNNet", "layer1_state_fp8", "tiny-buckets"))
+    assert [(m[0], STATE_FP8 in m[3]) for m in got.matches] == [("layers.0", False), ("layers.1", True)]
+
+
+def test_ddp_around_a_compiled_model(ranks):
+    """``DDP(torch.compile(model))``: DDPOptimizer cuts the graph as well; the same step, the same names."""
+    got = _assert_equals_single_process(ranks, ("ddp", "TorchGDNNet", "exact", "compiled-inside"))
+    assert got.graphs > 4
+    assert [m[:3] for m in got.matches] == MATCHES["TorchGDNNet"]
+
+
 def test_ddp_adds_no_graph_and_no_graph_break(ranks):
-    plain = _assert_no_graph_and_no_break_added(ranks, "ddp", TINY_BUCKET_MB)
+    plain = _assert_no_graph_and_no_break_added(ranks, "ddp", "tiny-buckets")
     # DDP's own forward breaks (Dynamo skips its internals), under any backend
     assert plain.breaks and all("DistributedDataParallel" in r or "Logger" in r for r in plain.breaks), plain.breaks
 
 
 def test_ddp_refuses_a_recurrence_cut_by_a_bucket_boundary(ranks):
-    got = ranks[0]["ddp", "GatedTorchGDNNet", "exact", TINY_BUCKET_MB]
+    got = ranks[0]["ddp", "GatedTorchGDNNet", "exact", "tiny-buckets"]
     assert got.error is not None and got.error[0] == "RecurrenceSplitError", got.error
     message = got.error[1]
     assert "module 'layers.0'" in message and "gate = self.gate_proj(x).sigmoid()" in message, message
@@ -191,11 +215,9 @@ def test_ddp_refuses_a_recurrence_cut_by_a_bucket_boundary(ranks):
 
 
 def test_ddp_rewrites_the_same_recurrence_in_one_bucket(ranks):
-    got = ranks[0]["ddp", "GatedTorchGDNNet", "exact", ONE_BUCKET_MB]
-    assert got.error is None, got.error
+    got = _assert_equals_single_process(ranks, ("ddp", "GatedTorchGDNNet", "exact", "one-bucket"))
     assert got.graphs == 1
     assert [m[:3] for m in got.matches] == MATCHES["GatedTorchGDNNet"]
-    _assert_same_step(got, _eager("GatedTorchGDNNet"), TOL, "DDP (one bucket) vs eager")
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------------------------------
@@ -203,6 +225,7 @@ def test_ddp_rewrites_the_same_recurrence_in_one_bucket(ranks):
 def test_fsdp2_step_equals_single_process(ranks, model_name, policy):
     got = _assert_equals_single_process(ranks, ("fsdp", model_name, policy, "root"))
     assert [m[:3] for m in got.matches] == MATCHES[model_name]
+    assert all((STATE_FP8 in m[3]) == (policy == "state_fp8") for m in got.matches), got.matches
     assert got.node_input_types == {"FakeTensor"}, got.node_input_types  # not DTensor
 
 

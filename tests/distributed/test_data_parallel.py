@@ -11,13 +11,17 @@ per-sequence value with the same kernels, and differ only in how the batch sums 
 partial sums, then the reduction over ranks), an error of a few fp32 ulps.
 
 - DDP: ``torch.compile(DDP(model))`` with a bucket cap so small that DDPOptimizer cuts the graph at every
-  parameter read (a dozen graph pieces). laqat compiles the same pieces and meets the same graph breaks (DDP's
-  own two) as Dynamo's ``eager`` backend. A recurrence that a bucket boundary cuts (``GatedTorchGDNNet``
-  reads a parameter inside it) is refused with ``RecurrenceSplitError``; with one bucket it is rewritten.
+  parameter read (a dozen graph pieces or more), and ``DDP(torch.compile(model))``. laqat compiles the same
+  pieces and meets the same graph breaks (those of DDP's own forward) as Dynamo's ``eager`` backend. A policy
+  naming ``layers.1`` exactly applies to that layer alone (the names are the model's, not DDP's ``module.*``).
+  A recurrence that a bucket boundary cuts (``GatedTorchGDNNet`` reads a parameter inside it) is refused with
+  ``RecurrenceSplitError``; in one bucket it is rewritten and equals the one-process step.
 - FSDP2: ``fully_shard`` on each layer and on the root, then ``torch.compile(model)``; and each layer compiled
   (``layer.compile``) before it is sharded. The laqat nodes read plain tensors (FSDP2 all-gathers the
   parameters before the forward), never DTensors.
 
+The rewritten graphs run eagerly (``LAQAT_DISTRIBUTED_HAND_OFF=inductor`` runs every case through Inductor
+instead: minutes with a cold Inductor cache).
 All cases run in one pair of processes (the module fixture); each test asserts on its part.
 """
 import contextlib
@@ -28,8 +32,10 @@ import torch
 import torch._dynamo.testing
 
 pytest.importorskip("fla")
-# state_fp8's KDA rule in the GDN-only model
-pytestmark = pytest.mark.filterwarnings("ignore:policy 'state_fp8'.*matched no quantizer")
+pytestmark = [
+    pytest.mark.xdist_group("distributed"),  # one worker runs the module fixture once (make test: --dist loadgroup)
+    pytest.mark.filterwarnings("ignore:policy 'state_fp8'.*matched no quantizer"),  # its KDA rule, GDN-only model
+]
 
 from tests.distributed import steps  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402

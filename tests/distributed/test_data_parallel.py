@@ -15,7 +15,8 @@ partial sums, then the reduction over ranks), an error of a few fp32 ulps.
   pieces and meets the same graph breaks (those of DDP's own forward) as Dynamo's ``eager`` backend. A policy
   naming ``layers.1`` exactly applies to that layer alone (the names are the model's, not DDP's ``module.*``).
   A recurrence that a bucket boundary cuts (``GatedTorchGDNNet`` reads a parameter inside it) is refused with
-  ``RecurrenceSplitError``; in one bucket it is rewritten and equals the one-process step.
+  ``RecurrenceSplitError``; in one bucket, or with DDPOptimizer off, it is rewritten and equals the one-process
+  step.
 - FSDP2: ``fully_shard`` on each layer and on the root, then ``torch.compile(model)``; and each layer compiled
   (``layer.compile``) before it is sharded. The laqat nodes read plain tensors (FSDP2 all-gathers the
   parameters before the forward), never DTensors.
@@ -48,13 +49,15 @@ MODELS_AND_POLICIES = [("TorchGDNNet", "exact"), ("TorchGDNNet", "state_fp8"), (
                        ("FlaNet", "state_fp8")]
 # (engine, model, policy, how): every case the ranks run; policy "plain_eager" is Dynamo's eager backend.
 # DDP: "tiny-buckets" torch.compile(DDP(model)) with TINY_BUCKET_MB, "one-bucket" with ONE_BUCKET_MB,
-# "compiled-inside" DDP(torch.compile(model)) with TINY_BUCKET_MB. FSDP2: "root" fully_shard on each layer and
+# "compiled-inside" DDP(torch.compile(model)) with TINY_BUCKET_MB, "no-ddp-optimizer" TINY_BUCKET_MB with
+# torch._dynamo.config.optimize_ddp = False (no graph split). FSDP2: "root" fully_shard on each layer and
 # the root, then torch.compile(model); "layers" each layer compiled, then sharded.
 CASES = [("ddp", model, policy, "tiny-buckets") for model, policy in MODELS_AND_POLICIES] + [
     ("ddp", "TorchGDNNet", "layer1_state_fp8", "tiny-buckets"),
     ("ddp", "TorchGDNNet", "exact", "compiled-inside"),
     ("ddp", "GatedTorchGDNNet", "exact", "tiny-buckets"),
     ("ddp", "GatedTorchGDNNet", "exact", "one-bucket"),
+    ("ddp", "GatedTorchGDNNet", "exact", "no-ddp-optimizer"),
     ("ddp", "TorchGDNNet", "plain_eager", "tiny-buckets"),
     ("ddp", "FlaNet", "plain_eager", "tiny-buckets"),
 ] + [("fsdp", model, policy, "root") for model, policy in MODELS_AND_POLICIES] + [
@@ -88,7 +91,10 @@ def _ddp_step(rank, world_size, model, batch, backend, how):
 
     bucket_mb = ONE_BUCKET_MB if how == "one-bucket" else TINY_BUCKET_MB
     inside = how == "compiled-inside"
-    with _first_bucket_at_most(bucket_mb):
+    no_split = contextlib.nullcontext()
+    if how == "no-ddp-optimizer":
+        no_split = torch._dynamo.config.patch(optimize_ddp=False)
+    with _first_bucket_at_most(bucket_mb), no_split:
         ddp = DistributedDataParallel(torch.compile(model, backend=backend) if inside else model,
                                       bucket_cap_mb=bucket_mb)
         return steps.step(model, ddp, batch, backend=backend, world_size=world_size, compile_model=not inside)
@@ -220,8 +226,10 @@ def test_ddp_refuses_a_recurrence_cut_by_a_bucket_boundary(ranks):
     assert "bucket_cap_mb" in message and "optimize_ddp" in message
 
 
-def test_ddp_rewrites_the_same_recurrence_in_one_bucket(ranks):
-    got = _assert_equals_single_process(ranks, ("ddp", "GatedTorchGDNNet", "exact", "one-bucket"))
+@pytest.mark.parametrize("how", ["one-bucket", "no-ddp-optimizer"])
+def test_ddp_rewrites_that_recurrence_in_an_unsplit_graph(ranks, how):
+    """The error's remedies: a bucket cap that holds the model, or DDPOptimizer off."""
+    got = _assert_equals_single_process(ranks, ("ddp", "GatedTorchGDNNet", "exact", how))
     assert got.graphs == 1
     assert [m[:3] for m in got.matches] == MATCHES["GatedTorchGDNNet"]
 

@@ -56,14 +56,14 @@ def _root_of(path: str) -> str:
 def compiled_root_module() -> torch.nn.Module | None:
     """The module the user compiled: that of the outermost compile wrapper on the call stack, whether it wraps
     the module (``torch.compile(model)``, ``model.compile()``) or a bound method of it
-    (``torch.compile(model.loss)``); None when a function was compiled. A data-parallel wrapper is looked
-    through: under ``torch.compile(DistributedDataParallel(model))`` module names (and the policy attached to
-    the model) are the model's own, ``layers.0.attn`` rather than DDP's ``module.layers.0.attn``."""
+    (``torch.compile(model.loss)``); None when a function was compiled. DDP is looked through: under
+    ``torch.compile(DistributedDataParallel(model))`` module names (and the policy attached to the model) are
+    the model's own, ``layers.0.attn`` rather than DDP's ``module.layers.0.attn``."""
     frame, found = sys._getframe(1), None
     while frame is not None:
         found = _compiled_module_of(frame) or found
         frame = frame.f_back
-    while isinstance(found, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+    while isinstance(found, torch.nn.parallel.DistributedDataParallel):  # Dynamo traces the model's own forward
         found = found.module
     return found
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Callable
 
 import torch
 import torch.distributed as dist

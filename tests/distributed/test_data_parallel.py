@@ -13,7 +13,8 @@ partial sums, then the reduction over ranks), an error of a few fp32 ulps.
 - DDP: ``torch.compile(DDP(model))`` with a bucket cap so small that DDPOptimizer cuts the graph at every
   parameter read (a dozen graph pieces or more), and ``DDP(torch.compile(model))``. laqat compiles the same
   pieces and meets the same graph breaks (those of DDP's own forward) as Dynamo's ``eager`` backend. A policy
-  naming ``layers.1`` exactly applies to that layer alone (the names are the model's, not DDP's ``module.*``).
+  naming ``layers.1`` exactly applies to that layer alone, given as an option or attached to the model (the
+  names are the model's, not DDP's ``module.*``).
   A recurrence that a bucket boundary cuts (``GatedTorchGDNNet`` reads a parameter inside it) is refused with
   ``RecurrenceSplitError``; in one bucket, or with DDPOptimizer off, it is rewritten and equals the one-process
   step.
@@ -50,10 +51,12 @@ MODELS_AND_POLICIES = [("TorchGDNNet", "exact"), ("TorchGDNNet", "state_fp8"), (
 # (engine, model, policy, how): every case the ranks run; policy "plain_eager" is Dynamo's eager backend.
 # DDP: "tiny-buckets" torch.compile(DDP(model)) with TINY_BUCKET_MB, "one-bucket" with ONE_BUCKET_MB,
 # "compiled-inside" DDP(torch.compile(model)) with TINY_BUCKET_MB, "no-ddp-optimizer" TINY_BUCKET_MB with
-# torch._dynamo.config.optimize_ddp = False (no graph split). FSDP2: "root" fully_shard on each layer and
+# torch._dynamo.config.optimize_ddp = False (no graph split), "tiny-buckets-attached-policy" the policy attached to
+# the model (la_compiler.attach_policy) instead of given as an option. FSDP2: "root" fully_shard on each layer and
 # the root, then torch.compile(model); "layers" each layer compiled, then sharded.
 CASES = [("ddp", model, policy, "tiny-buckets") for model, policy in MODELS_AND_POLICIES] + [
     ("ddp", "TorchGDNNet", "layer1_state_fp8", "tiny-buckets"),
+    ("ddp", "TorchGDNNet", "layer1_state_fp8", "tiny-buckets-attached-policy"),
     ("ddp", "TorchGDNNet", "exact", "compiled-inside"),
     ("ddp", "GatedTorchGDNNet", "exact", "tiny-buckets"),
     ("ddp", "GatedTorchGDNNet", "exact", "one-bucket"),
@@ -113,7 +116,7 @@ def _fsdp_step(rank, world_size, model, batch, backend, how, mesh):
 
 
 def _worker(rank, world_size):
-    import la_compiler.backend  # noqa: F401  (installs the FLA substitutions)
+    import la_compiler.backend  # installs the FLA substitutions
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -124,6 +127,9 @@ def _worker(rank, world_size):
         batch = steps.rank_slice(steps.global_batch(model, world_size), rank)
         if policy == "plain_eager":
             backend = torch._dynamo.testing.CompileCounterWithBackend("eager")
+        elif how.endswith("attached-policy"):
+            la_compiler.attach_policy(model, steps.POLICIES[policy])
+            backend = steps.LaqatBackend({"compiler": steps.HAND_OFF})
         else:
             backend = steps.LaqatBackend(steps.laqat_options(policy))
         if engine == "ddp":
@@ -199,9 +205,11 @@ def test_ddp_step_equals_single_process(ranks, model_name, policy):
     assert all((STATE_FP8 in m[3]) == (policy == "state_fp8") for m in got.matches), got.matches
 
 
-def test_ddp_policy_names_the_models_modules(ranks):
-    """A policy rule naming ``layers.1`` exactly (no glob) applies to that layer under DDP, and only to it."""
-    got = _assert_equals_single_process(ranks, ("ddp", "TorchGDNNet", "layer1_state_fp8", "tiny-buckets"))
+@pytest.mark.parametrize("how", ["tiny-buckets", "tiny-buckets-attached-policy"])
+def test_ddp_policy_names_the_models_modules(ranks, how):
+    """A policy rule naming ``layers.1`` exactly (no glob) applies to that layer under DDP, and only to it; also
+    as the policy attached to the model."""
+    got = _assert_equals_single_process(ranks, ("ddp", "TorchGDNNet", "layer1_state_fp8", how))
     assert [(m[0], STATE_FP8 in m[3]) for m in got.matches] == [("layers.0", False), ("layers.1", True)]
 
 

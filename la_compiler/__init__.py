@@ -23,6 +23,7 @@ _LAZY = {
     "PolicyError": "la_compiler.policy",
     "load_policy": "la_compiler.policy",
     "RecurrenceSpec": "la_compiler.spec",
+    "RecurrenceSplitError": "la_compiler.ddp_buckets",
     "laqat_backend": "la_compiler.backend",
 }
 

@@ -42,7 +42,7 @@ class StepResult:
     graphs: int = 0  # graphs the backend compiled (DDPOptimizer's pieces each count)
     breaks: dict[str, int] = dataclasses.field(default_factory=dict)  # Dynamo's graph-break reasons -> count
     break_lines: list[str] = dataclasses.field(default_factory=list)  # laqat's record: why and where each broke
-    error: tuple[str, str] | None = None  # (exception class, message) when compiling or running raised
+    error: tuple[str, str, tuple[str, ...]] | None = None  # (class, message, classes of its MRO) if it raised
     node_input_types: set[str] = dataclasses.field(default_factory=set)  # tensor types the laqat nodes read
 
 
@@ -102,7 +102,7 @@ def step(model: torch.nn.Module, wrapped: torch.nn.Module, batch, *, backend, fu
         loss = run(*batch)
         loss.backward()
     except Exception as e:  # noqa: BLE001 - the test asserts on it
-        result.error = (type(e).__name__, str(e))
+        result.error = (type(e).__name__, str(e), tuple(c.__name__ for c in type(e).__mro__))
         return result
     finally:
         la_compiler.backend._ACTIVE_RECORD.pop()

@@ -229,6 +229,7 @@ def test_ddp_adds_no_graph_and_no_graph_break(ranks):
 def test_ddp_refuses_a_recurrence_cut_by_a_bucket_boundary(ranks):
     got = ranks[0]["ddp", "GatedTorchGDNNet", "exact", "tiny-buckets"]
     assert got.error is not None and got.error[0] == "RecurrenceSplitError", got.error
+    assert "ValueError" in got.error[2]  # la_compiler.RecurrenceSplitError, as itself (not Dynamo's wrapper)
     message = got.error[1]
     assert "module 'layers.0'" in message and "gate = self.gate_proj(x).sigmoid()" in message, message
     assert "bucket_cap_mb" in message and "optimize_ddp" in message

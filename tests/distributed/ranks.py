@@ -2,8 +2,9 @@
 
     results = run_ranks(worker, args, world_size=2, timeout=300)   # worker(rank, world_size, *args) -> picklable
 
-The processes are spawned (``torch.multiprocessing``), meet at a free localhost port, run ``worker`` with one
-intra-op thread, and hand their return values back through files. A rank that raises fails the calling test
+The processes are spawned (``torch.multiprocessing``), set up as ``tests/conftest.py`` sets up the test process,
+meet at a free localhost port, run ``worker`` with one intra-op thread, and hand their return values back through
+files. A rank that raises fails the calling test
 with the rank's own traceback; a group that runs past ``timeout`` seconds is killed and fails the test.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ def free_port() -> int:
 
 
 def _rank_main(rank, worker, world_size, port, out_dir, timeout, args):
+    import tests.conftest  # noqa: F401  (the test session's process set-up: the interpreter, one intra-op thread)
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))

@@ -4,8 +4,8 @@
 
 The processes are spawned (``torch.multiprocessing``), set up as ``tests/conftest.py`` sets up the test process,
 meet at a free localhost port, run ``worker`` with one intra-op thread, and hand their return values back through
-files. A rank that raises fails the calling test
-with the rank's own traceback; a group that runs past ``timeout`` seconds is killed and fails the test.
+files. A rank that raises fails the calling test with the rank's own traceback; a group that runs past
+``timeout`` seconds is killed and fails the test.
 """
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.interpreter_speedups import install as install_interpreter_speedups  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    install_interpreter_speedups()  # the interpreter's repeated patching skipped; the kernels compute the same
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_reset_dynamo():

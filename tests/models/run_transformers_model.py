@@ -45,9 +45,12 @@ import la_compiler  # noqa: E402,F401  (registers the backend's frontends)
 from la_compiler.backend import last_record  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.interpreter_speedups import install as install_interpreter_speedups  # noqa: E402
 from tests.models.transformers_models import (  # noqa: E402
     BATCH, BY_NAME, LINEAR_ATTENTION_KEYS, SEQ_LEN, VOCAB, ModelCase,
 )
+
+install_interpreter_speedups()  # the interpreter's repeated patching skipped; the kernels compute the same
 
 ADAMW_STEPS = 3
 ADAMW_LR = 1e-2

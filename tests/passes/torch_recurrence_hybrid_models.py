@@ -26,6 +26,11 @@ import la_compiler  # noqa: E402
 from la_compiler.backend import _ACTIVE_RECORD  # noqa: E402
 from la_compiler.record import CompileRecord  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.interpreter_speedups import install as install_interpreter_speedups  # noqa: E402
+
+install_interpreter_speedups()  # the interpreter's repeated patching skipped; the kernels compute the same
+
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, max_position_embeddings=128,
              use_cache=False, pad_token_id=0)
 LINEAR = ["linear_attention", "linear_attention"]

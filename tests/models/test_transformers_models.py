@@ -1,8 +1,9 @@
 """Every transformers architecture with a GDN/KDA torch fallback, tiny and random, trains under laqat.
 
-For each row of transformers_models.MODELS, run_transformers_model.py (its own process: transformers must
-not see FLA) compiles the model with ``backend="laqat", fullgraph=True`` three times and prints one JSON
-line; this test asserts on it:
+For each row of transformers_models.MODELS, run_transformers_model.py (a process of its own: transformers must
+not see FLA; forked from model_processes.py's server, which has only imported what every run imports) compiles
+the model with ``backend="laqat", fullgraph=True`` three times and returns one JSON line; this test asserts on
+it:
 
 - default options (Inductor) and ``{"compiler": "eager"}``: exactly one laqat node per linear-attention
   layer, of the architecture's kind, named by the layer's fully qualified module name; the loss within
@@ -16,38 +17,38 @@ JSON (with its CPU and wall seconds) as ``<dir>/<name>.json``.
 """
 import json
 import os
-import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.models.model_processes import ModelProcesses
 from tests.models.transformers_models import LINEAR_ATTENTION_KEYS, MODELS, ModelCase
 
 TOL = 1e-5  # relative L2, exact numerics in fp32
 # state_fp8's per-token losses are farther than this (relative L2) from the exact ones: exact compiled
 # runs are 1e-8..5e-8 from eager, the FP8 state moves them by 8e-7..2e-4
 FP8_MOVES = 3e-7
-SCRIPT = Path(__file__).with_name("run_transformers_model.py")
 ROOT = Path(__file__).parents[2]
 RESULTS_ENV = "LAQAT_MODELS_RESULTS"
 RUNS = {"inductor": "default options (Inductor)", "eager_handoff": 'options={"compiler": "eager"}'}
 
 
-def run_model(name: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+@pytest.fixture(scope="session")
+def model_processes():
+    processes = ModelProcesses(dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
+    yield processes
+    processes.close()
+
+
+def run_model(processes: ModelProcesses, name: str, workdir: Path) -> dict:
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, str(SCRIPT), name], capture_output=True, text=True, env=env,
-                         timeout=1800, cwd=ROOT)
+    returncode, cpu_seconds, stdout, stderr = processes.run(name, workdir)
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    assert run.returncode == 0, f"{name}: the runner failed:\n{run.stderr[-6000:]}"
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert returncode == 0, f"{name}: the runner failed (exit code {returncode}):\n{stderr[-6000:]}"
+    result = json.loads(stdout.strip().splitlines()[-1])
     result["test_seconds"] = wall
-    result["test_cpu_seconds"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    result["test_cpu_seconds"] = cpu_seconds
     if os.environ.get(RESULTS_ENV):
         Path(os.environ[RESULTS_ENV], f"{name}.json").write_text(json.dumps(result, indent=1))
     return result
@@ -107,10 +108,17 @@ def test_table_keeps_the_linear_attention_defaults():
 
 
 @pytest.mark.parametrize("case", MODELS, ids=[case.name for case in MODELS])
-def test_transformers_model_trains_under_laqat(case: ModelCase):
-    result = run_model(case.name)
+def test_transformers_model_trains_under_laqat(case: ModelCase, model_processes, tmp_path):
+    result = run_model(model_processes, case.name, tmp_path)
     failures = [f"module {name} is not in the model" for name, cls in result["linear_attention_classes"].items()
                 if cls is None]
     failures += check_exact(case, result, "inductor") + check_exact(case, result, "eager_handoff")
     failures += check_state_fp8(case, result)
     assert not failures, f"{case.name}:\n- " + "\n- ".join(failures)
+
+
+def test_a_failing_run_is_reported_with_its_traceback(model_processes, tmp_path):
+    """A run that raises outside the compiled runs (here: no such row) exits nonzero, with its traceback."""
+    returncode, _, stdout, stderr = model_processes.run("no_such_model", tmp_path)
+    assert returncode == 1 and stdout == ""
+    assert "KeyError: 'no_such_model'" in stderr and "run_transformers_model.py" in stderr

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank, worker, world_size, port, out_dir, timeout, args):
-    import tests.conftest  # noqa: F401  (the test session's process set-up: the interpreter, one intra-op thread)
+    import tests.conftest  # noqa: F401  (the test run's process set-up: the interpreter, one intra-op thread)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,

@@ -101,8 +101,11 @@ def test_fla_path_fullgraph_inductor(megatron):
     data = megatron.batch(1, T, seed=10)
     expected = _eager(model, data)
     compiled, graphs = _compile(model, fullgraph=True)
-    # scalar C++ and no worker pool for Inductor's own kernels (as tests/models' runner): a third of the g++ time
-    with torch._inductor.config.patch({"compile_threads": 1, "cpp.vec_isa_ok": False}):
+    # No worker pool for Inductor's own kernels. Not ``cpp.vec_isa_ok=False`` here: Inductor caches the valid ISA
+    # list per process on its first call, so patched it would leave this pytest worker unable to compile the
+    # vectorized kernels that another worker's FX-graph cache entries hold (tests/models' runner may: it is a
+    # process of its own).
+    with torch._inductor.config.patch({"compile_threads": 1}):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = _run(model, compiled, *data)

@@ -1,1 +1,22 @@
-"""Kernels: generated Triton source, the code cache, launchers, autograd glue, fp64 references."""
+"""Kernels: one sub-package per family, the registry and the selection table at the bottom.
+
+    common/      what every family shares: QDQ device functions, the code cache, template rendering,
+                 input checks, autograd glue, shared selection conditions
+    chunk/       chunked (WY) Triton kernels, forward and backward, every quant site
+    recurrent/   token-by-token Triton kernels (exact numerics)
+    decode/      fused Triton kernels of decode-phase training
+    reference/   the fp64 torch references and the variants built on them
+    fla/         FLA's own kernels as a variant
+    registry.py  kernel variants: entry points, what each supports, its generated modules
+    selection.py the order in which the registered variants are tried
+    sources.py   what a spec runs, for people reading it
+
+The families register their variants here: these imports are the only ones from this package up to
+the families (docs/architecture.md, "Layers").
+"""
+from la_compiler.kernels.chunk import variant as _chunk  # noqa: F401
+from la_compiler.kernels.decode import fused as _decode_fused  # noqa: F401
+from la_compiler.kernels.fla import chunk_variant as _fla_chunk  # noqa: F401
+from la_compiler.kernels.recurrent import fused_recurrent as _fused_recurrent  # noqa: F401
+from la_compiler.kernels.reference import decode_variant as _decode_reference  # noqa: F401
+from la_compiler.kernels.reference import variant as _reference  # noqa: F401

@@ -1,12 +1,17 @@
-"""Kernel variants: named (forward, backward) implementations of one laqat recurrence node.
+"""Kernel variants: named implementations of one laqat recurrence node, each with what it supports.
 
-A variant is what the lower pass writes into a spec's ``kernel=`` field. Each takes the
-IR's canonical inputs and the parsed spec; the kernel-selection table
-(``kernels/selection.py``) decides which variant a spec gets on a device.
+A variant is what the lower pass writes into a spec's ``kernel=`` field. It carries its entry points, the
+condition under which it computes a spec exactly as NUMERICS.md defines it, and (for the families that
+generate Triton source per spec) the modules it runs. The kernel families register their variants from
+``kernels/__init__.py``; the selection table (``kernels/selection.py``) orders the registered variants and
+imports no family.
 
     forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale) -> (o, final_state)
     backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht)
         -> (dq, dk, dv, dg, dbeta, dh0 or None)
+    supports(spec, ctx: SelectionContext) -> None (it computes the spec on ctx) | why not
+    detail(spec, ctx) -> str               what a chosen variant adds to its selection reason (optional)
+    source_modules(spec) -> {role: module} the generated modules a spec runs (optional; ``kernels/sources.py``)
 
 A variant that keeps work for its backward also gives ``residual_size(spec, q, v, cu_seqlens) -> int`` (elements
 of an fp32 buffer; 0 where a spec keeps nothing); its forward then takes ``save_to=`` (the buffer to
@@ -16,9 +21,28 @@ fill) and its backward ``saved=`` (the filled buffer). Training graphs call it t
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
 from typing import Callable
 
+import torch
+
 from la_compiler.spec import RecurrenceSpec
+
+IMPLEMENTATIONS = ("triton", "torch")  # what a policy's `implementation:` key selects
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionContext:
+    device: str
+    dtype: torch.dtype
+    head_k: int
+    head_v: int
+    requested: str | None = None  # a policy's explicit `backend:` choice
+    family: str | None = None  # a policy's `implementation:` ("triton" | "torch")
+    seq_len: int | None = None  # tokens per sequence (q.shape[1]); None where unknown (symbolic): long
+
+
+Supports = Callable[[RecurrenceSpec, SelectionContext], "str | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +50,18 @@ class KernelVariant:
     name: str
     forward: Callable
     backward: Callable
-    description: str
+    description: str  # what `laqat kernels` lists
+    supports: Supports
+    summary: str  # its line in the selection table (explain)
+    implementation: str = "triton"
     residual_size: Callable | None = None
+    detail: Callable[[RecurrenceSpec, SelectionContext], str] | None = None
+    source_modules: Callable[[RecurrenceSpec], dict[str, ModuleType]] | None = None
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"kernel variant {self.name!r}: implementation must be one of {IMPLEMENTATIONS}, "
+                             f"got {self.implementation!r}")
 
     def residual_numel(self, spec, q, v, cu_seqlens) -> int:
         """Elements of the fp32 residual its forward keeps for its backward (0: none)."""
@@ -37,38 +71,30 @@ class KernelVariant:
 _VARIANTS: dict[str, KernelVariant] = {}
 
 
-def register_variant(name: str, forward: Callable, backward: Callable, description: str,
-                     residual_size: Callable | None = None) -> KernelVariant:
+def register_variant(name: str, forward: Callable, backward: Callable, description: str, *, supports: Supports,
+                     summary: str, implementation: str = "triton", residual_size: Callable | None = None,
+                     detail: Callable | None = None, source_modules: Callable | None = None) -> KernelVariant:
     if name in _VARIANTS:
         raise ValueError(f"kernel variant {name!r} is registered twice")
-    variant = KernelVariant(name, forward, backward, description, residual_size)
+    variant = KernelVariant(name, forward, backward, description, supports, summary, implementation,
+                            residual_size, detail, source_modules)
     _VARIANTS[name] = variant
     return variant
 
 
 def get_variant(name: str) -> KernelVariant:
-    _load_builtin_variants()
     try:
         return _VARIANTS[name]
     except KeyError:
         raise KeyError(f"no kernel variant named {name!r}; known: {sorted(_VARIANTS)}") from None
 
 
+def registered(name: str) -> bool:
+    return name in _VARIANTS
+
+
 def variant_names() -> list[str]:
-    _load_builtin_variants()
     return sorted(_VARIANTS)
-
-
-_LOADED = False
-
-
-def _load_builtin_variants() -> None:
-    """Import the modules that register the built-in variants (lazily: they import triton)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from la_compiler.kernels import variants  # noqa: F401  (registers on import)
 
 
 def spec_of(spec: str | RecurrenceSpec) -> RecurrenceSpec:

@@ -33,21 +33,22 @@ def _cmd_spec(args) -> int:
 
 
 def _cmd_kernels(args) -> int:
-    from la_compiler.kernels.registry import get_variant, variant_names
-    from la_compiler.kernels.selection import TABLE
+    from la_compiler.kernels.registry import get_variant, registered, variant_names
+    from la_compiler.kernels.selection import ORDER
 
     print("kernel variants:")
     for name in variant_names():
         print(f"  {name:18s} {get_variant(name).description}")
-    print("selection table (first accepted row wins):")
-    for i, row in enumerate(TABLE):
-        print(f"  {i}. {row.variant:18s} {row.summary}")
+    print("selection table (the first variant that supports a spec wins):")
+    for i, name in enumerate(ORDER):
+        summary = get_variant(name).summary if registered(name) else "(not registered in this build)"
+        print(f"  {i}. {name:18s} {summary}")
     return 0
 
 
 def _cmd_source(args) -> int:
-    from la_compiler.kernels.cache import paths_of_spec
-    from la_compiler.kernels.codegen import CodegenError
+    from la_compiler.kernels.common.codegen import CodegenError
+    from la_compiler.kernels.sources import paths_of_spec
 
     try:
         paths = paths_of_spec(args.spec)

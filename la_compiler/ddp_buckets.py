@@ -22,6 +22,10 @@ import sys
 
 import torch
 
+from la_compiler.ir import is_delta_rule
+from la_compiler.module_specialize import _pristine_copy as pristine_copy
+from la_compiler.passes.frontends import GRAPH_FRONTENDS
+from la_compiler.passes.module_names import graph_module_names, root_prefixes
 from la_compiler.record import GraphRecord
 
 
@@ -68,11 +72,6 @@ def _ddp_optimizer_split():
 def _recurrences(whole: torch.fx.GraphModule, root) -> list[tuple[str, str, list[str]]]:
     """(module, kind, the names of the nodes it replaces) of every recurrence a graph frontend rewrites in a
     copy of ``whole``."""
-    from la_compiler.ir import is_delta_rule
-    from la_compiler.module_specialize import _pristine_copy as pristine_copy
-    from la_compiler.passes.frontends import GRAPH_FRONTENDS
-    from la_compiler.passes.module_names import graph_module_names, root_prefixes
-
     copy = pristine_copy(whole)
     record = GraphRecord(graph_id=-1)
     with graph_module_names(root_prefixes(whole, root)):
@@ -84,6 +83,7 @@ def _recurrences(whole: torch.fx.GraphModule, root) -> list[tuple[str, str, list
 
 
 def _message(module: str, kind: str, pieces: list[int], buckets) -> str:
+    # imported here: the torch frontend's modules import networkx, which a run without DDP never needs
     from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 
     first = buckets[pieces[1]].nodes[-1]  # bucket nodes are listed from the graph's end backwards

@@ -24,7 +24,9 @@ from typing import Optional
 import torch
 
 from la_compiler.ir_checks import check_cu_seqlens_values, check_tensors
-from la_compiler.kernels.canonical_inputs import final_state_dtype
+from la_compiler.kernels.common.canonical_inputs import final_state_dtype
+from la_compiler.kernels.registry import get_variant
+from la_compiler.kernels.selection import select_kernel
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -57,9 +59,6 @@ def _state_shape(spec: RecurrenceSpec, n, hv, k_dim, v_dim):
 
 
 def _variant_for(spec: RecurrenceSpec, q: Tensor, v: Tensor):
-    from la_compiler.kernels.registry import get_variant
-    from la_compiler.kernels.selection import select_kernel
-
     name = spec.kernel
     if name == "auto":
         name = select_kernel(spec, device=q.device.type, dtype=q.dtype, head_k=q.shape[-1], head_v=v.shape[-1],

@@ -25,7 +25,8 @@ import torch
 
 from la_compiler.ir import (_num_sequences, _state_shape, _variant_for, check_forward_inputs, empty_grads,
                             empty_outputs, pack_grads, pack_outputs)
-from la_compiler.kernels.canonical_inputs import final_state_dtype
+from la_compiler.kernels.common.canonical_inputs import final_state_dtype
+from la_compiler.phase import PhaseError, current
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -33,8 +34,6 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("laqat::phase_lengths", mutates_args=())
 def phase_lengths(q: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    from la_compiler.phase import PhaseError, current
-
     active = current()
     if active is None:
         raise PhaseError("a laqat node with spec phase=token|replay ran outside a phase context: wrap the "

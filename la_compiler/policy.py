@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from la_compiler.policy_schema import (LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError, check_bool,
                                        check_mapping, check_str, prefixed)
 from la_compiler.quant import QuantConfig, QuantConfigError
+from la_compiler.recipes import recipe_names, recipe_path
 from la_compiler.spec import GEMM_SITES, KINDS
 
 __all__ = ["Policy", "PolicyError", "QuantRule", "ModuleRule", "Resolution", "load_policy", "quantizer_sites"]
@@ -432,7 +433,7 @@ def _hadamard_state(state: str | None, la: LinearAttentionCfg, la_key: str, wher
 
 def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where: str) -> tuple[tuple[str, str], ...]:
     """The spec's ``x.<key>`` decode options (docs/policy.md, "Spec encoding"; read by
-    kernels/decode_options.py). Only a decode phase has any."""
+    kernels/decode/options.py). Only a decode phase has any."""
     d = la.decode
     if d.mode == "none":
         return ()
@@ -448,6 +449,11 @@ def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where
     return tuple(sorted(extra.items()))
 
 
+def load_recipe(name: str) -> Policy:
+    """The shipped recipe ``name`` (``la_compiler/recipes/<name>.yaml``) as a validated ``Policy``."""
+    return Policy.from_file(recipe_path(name))
+
+
 def load_policy(policy, *, key: str = "options['policy']") -> Policy:
     """None (exact) | Policy | dict | path to .yaml/.json | shipped recipe name -> Policy. ``key`` names the
     argument in error messages."""
@@ -458,8 +464,6 @@ def load_policy(policy, *, key: str = "options['policy']") -> Policy:
     if isinstance(policy, Mapping):
         return Policy.from_dict(policy)
     if isinstance(policy, (str, os.PathLike)):
-        from la_compiler.recipes import recipe_names, recipe_path
-
         text = os.fspath(policy)
         if text in recipe_names():
             return Policy.from_file(recipe_path(text))

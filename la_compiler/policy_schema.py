@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from la_compiler.kernels.selection import ORDER
 from la_compiler.spec import GEMM_SITES
 
 
@@ -82,10 +83,8 @@ REPLAY_WINDOW = (1, 64)
 
 
 def kernel_backends() -> tuple[str, ...]:
-    """The values ``backend`` accepts: the aliases and every row of the kernel-selection table."""
-    from la_compiler.kernels.selection import TABLE
-
-    return BACKEND_ALIASES + tuple(dict.fromkeys(row.variant for row in TABLE))
+    """The values ``backend`` accepts: the aliases and every variant of the kernel-selection table."""
+    return BACKEND_ALIASES + ORDER
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from la_compiler.ir import is_delta_rule
+from la_compiler.ir_phase import is_delta_rule_phased
 from la_compiler.passes.annotate import annotate
 from la_compiler.passes.attach_meta import attach_meta
 from la_compiler.passes.frontends import GRAPH_FRONTENDS
@@ -42,9 +44,6 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
 
 
 def _record_matches(gm: torch.fx.GraphModule, record: GraphRecord) -> None:
-    from la_compiler.ir import is_delta_rule
-    from la_compiler.ir_phase import is_delta_rule_phased
-
     for node in gm.graph.nodes:
         if is_delta_rule(node) or is_delta_rule_phased(node):
             meta = node.meta["laqat"]

@@ -17,7 +17,7 @@ First use of every spec compiles its Triton kernels (seconds each); split long r
      laqat exact / FP8 state / INT8 state / FP8 state + W  (torch.ops.laqat.delta_rule, kernel=chunk),
      laqat FP8 all sites (+ state + W) / NVFP4 operands (all eight sites + W),
      laqat FP16 accumulators (block 16) at every GEMM site (the seeds' accumulator study),
-     fp32 torch chunk emulation with FP8 state (kernels/chunk_reference.py in fp32),
+     fp32 torch chunk emulation with FP8 state (kernels/reference/chunk.py in fp32),
    with ratios to FLA's time for the same pass. By default the issue's rows (TABLE_POLICIES: exact, FP8 / INT8
    state, FP8 all sites, NVFP4 operands, with FLA and the emulation); --policies all adds every setting row
    (accumulators, solve forms, key blocks, residual modes, ...), --policies "a,b" picks rows by name.
@@ -41,11 +41,11 @@ ensure_la_compiler()
 from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
-from la_compiler.kernels.chunk_bwd import chunk_bwd  # noqa: E402
-from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported  # noqa: E402
-from la_compiler.kernels.chunk_fwd import chunk_fwd  # noqa: E402
-from la_compiler.kernels.chunk_residual import residual_size  # noqa: E402
-from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference  # noqa: E402
+from la_compiler.kernels.chunk.bwd import chunk_bwd  # noqa: E402
+from la_compiler.kernels.chunk.codegen import ChunkParams, unsupported  # noqa: E402
+from la_compiler.kernels.chunk.fwd import chunk_fwd  # noqa: E402
+from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
+from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference  # noqa: E402
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
 
 SHAPES = [(1, 1024, 4, 64), (1, 4096, 16, 128), (8, 4096, 16, 128)]
@@ -185,7 +185,7 @@ def fla_equality(kind, B, T, H, D) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
-    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+    from la_compiler.kernels.fla.chunk_variant import gdn_backward_blocker
 
     xs, _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
     scale = D ** -0.5
@@ -276,7 +276,7 @@ def leaves_of(xs):
 
 def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIES), profile=(), fla=True,
                 lift_gdn_guard=False) -> dict:
-    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+    from la_compiler.kernels.fla.chunk_variant import gdn_backward_blocker
 
     xs, _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
     scale = D ** -0.5

@@ -27,9 +27,9 @@ ensure_la_compiler()
 from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
-from la_compiler.kernels import decode_fused  # noqa: E402
-from la_compiler.kernels.decode_options import decode_options  # noqa: E402
-from la_compiler.kernels.decode_reference import delta_rule_decode_reference  # noqa: E402
+from la_compiler.kernels.decode import fused as decode_fused  # noqa: E402
+from la_compiler.kernels.decode.options import decode_options  # noqa: E402
+from la_compiler.kernels.reference.decode import delta_rule_decode_reference  # noqa: E402
 from la_compiler.spec import RecurrenceSpec  # noqa: E402
 
 POLICIES = {

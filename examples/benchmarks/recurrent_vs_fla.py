@@ -25,10 +25,10 @@ ensure_la_compiler()
 
 from triton.testing import do_bench  # noqa: E402
 
-from la_compiler.kernels import cache  # noqa: E402
-from la_compiler.kernels.codegen import FusedRecurrentParams  # noqa: E402
-from la_compiler.kernels.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd  # noqa: E402
-from la_compiler.kernels.reference import delta_rule_reference  # noqa: E402
+from la_compiler.kernels.common import cache  # noqa: E402
+from la_compiler.kernels.recurrent.codegen import FusedRecurrentParams  # noqa: E402
+from la_compiler.kernels.recurrent.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd  # noqa: E402
+from la_compiler.kernels.reference.recurrent import delta_rule_reference  # noqa: E402
 
 
 # ---- 1. exactness against the fp64 reference ------------------------------------------------
@@ -69,7 +69,7 @@ def versus_fla(kind: str, B: int, T: int, H: int, D: int) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    from la_compiler.kernels.fla_chunk_variant import gdn_backward_blocker
+    from la_compiler.kernels.fla.chunk_variant import gdn_backward_blocker
 
     (q, k, v, g, beta), _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
     params = FusedRecurrentParams(kind, "kv")

@@ -3,7 +3,7 @@
     OUT=./out python examples/benchmarks/sm90_resources.py --kind gdn --head 128 --dtype bf16 \
         --policies "laqat exact,laqat FP8 all sites" [--warps 4,8] [--stages 1,2]
 
-The real launchers (kernels/chunk_fwd.py, chunk_bwd.py) run a training forward (keeping its residual) and its
+The real launchers (kernels/chunk/fwd.py, chunk/bwd.py) run a training forward (keeping its residual) and its
 backward on small CPU tensors with a recorder in place of ``chunk_launch.launch``: nothing executes, and every
 kernel they would launch is compiled by Triton for sm_90 (its bundled ptxas) with the launch's own constants,
 warps and pipeline stages, then read back with ``cuobjdump -res-usage``. ``--warps`` / ``--stages`` compile each
@@ -38,14 +38,14 @@ from bench_common import ensure_la_compiler  # noqa: E402
 
 ensure_la_compiler()
 
-from la_compiler.kernels import chunk_bwd as chunk_bwd_module  # noqa: E402
-from la_compiler.kernels import chunk_fwd as chunk_fwd_module  # noqa: E402
-from la_compiler.kernels.canonical_inputs import check_canonical_inputs  # noqa: E402
-from la_compiler.kernels.chunk_codegen import ChunkParams  # noqa: E402
-from la_compiler.kernels.chunk_launch import LaunchConfig  # noqa: E402
-from la_compiler.kernels.chunk_residual import residual_size  # noqa: E402
+from la_compiler.kernels.chunk import bwd as chunk_bwd_module  # noqa: E402
+from la_compiler.kernels.chunk import fwd as chunk_fwd_module  # noqa: E402
+from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs  # noqa: E402
+from la_compiler.kernels.chunk.codegen import ChunkParams  # noqa: E402
+from la_compiler.kernels.chunk.launch import LaunchConfig  # noqa: E402
+from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
 from la_compiler.spec import RecurrenceSpec  # noqa: E402
-from la_compiler.kernels import qdq  # noqa: E402
+from la_compiler.kernels.common import qdq  # noqa: E402
 
 # as on an sm_90 GPU (qdq.hardware_fp8_cast): E4M3 through the conversion instruction unless LAQAT_QDQ_FP8_CAST=0;
 # set before any kernel compiles, since the QDQ device functions read it as a constant

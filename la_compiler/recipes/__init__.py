@@ -1,11 +1,13 @@
 """Shipped policy recipes (``<name>.yaml`` beside this file), loadable by name:
 
     torch.compile(model, backend="laqat", options={"policy": "state_fp8"})
-    la_compiler.recipes.load_recipe("state_fp8")  # -> Policy
+    la_compiler.policy.load_recipe("state_fp8")  # -> Policy
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+from la_compiler.policy_schema import PolicyError
 
 _DIR = Path(__file__).parent
 
@@ -15,16 +17,7 @@ def recipe_names() -> list[str]:
 
 
 def recipe_path(name: str) -> Path:
-    from la_compiler.policy_schema import PolicyError
-
     path = _DIR / f"{name}.yaml"
     if name not in recipe_names():
         raise PolicyError(f"recipe {name!r} does not exist; recipes: {recipe_names()}")
     return path
-
-
-def load_recipe(name: str):
-    """The shipped recipe ``name`` as a validated ``Policy``."""
-    from la_compiler.policy import Policy
-
-    return Policy.from_file(recipe_path(name))

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from la_compiler.kernels.autograd_inside_op import autograd_enabled
+from la_compiler.kernels.common.autograd_inside_op import autograd_enabled
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "silu", "swish")

@@ -2,11 +2,11 @@
 side, every gradient against fp64 autograd, and rounding flips counted (NUMERICS.md, "How close is close")."""
 import torch
 
-from la_compiler.kernels.chunk_bwd import chunk_bwd
-from la_compiler.kernels.chunk_codegen import ChunkParams
-from la_compiler.kernels.chunk_fwd import chunk_fwd
-from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
-from la_compiler.kernels.reference import sequence_bounds
+from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
+from la_compiler.kernels.reference.recurrent import sequence_bounds
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import grads_of, make_inputs
 

@@ -8,12 +8,12 @@ bounded (NUMERICS.md, "How close is close").
 import pytest
 import torch
 
-from la_compiler.kernels.chunk_bwd import chunk_bwd
-from la_compiler.kernels.chunk_codegen import ChunkParams, unsupported
-from la_compiler.kernels.chunk_fwd import chunk_fwd
-from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
-from la_compiler.kernels.codegen import CodegenError
-from la_compiler.kernels.reference import sequence_bounds
+from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.codegen import ChunkParams, unsupported
+from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
+from la_compiler.kernels.common.codegen import CodegenError
+from la_compiler.kernels.reference.recurrent import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import (ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, MAX_FLIP_FRACTION, OPERAND_SITES,
@@ -111,8 +111,8 @@ def test_unfactored_scales_forward(monkeypatch, kind, fmt):
     products on grid values with the row scales applied to the result (the default); LAQAT_CHUNK_FACTORED_SCALES=0
     multiplies the dequantized operands, and the all-sites test's checks hold there too (W, state, A_qk element
     for element, flips counted; outputs and every gradient)."""
-    from la_compiler.kernels.chunk_codegen import chunk_fwd_source
-    from la_compiler.kernels.chunk_snippets import FACTORED_ENV, factored_scales
+    from la_compiler.kernels.chunk.codegen import chunk_fwd_source
+    from la_compiler.kernels.chunk.snippets import FACTORED_ENV, factored_scales
 
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
     params = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant))
@@ -168,8 +168,8 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     dA complete before it): above 64 columns with fp32 inputs, blocks of 32, so K = 72 takes two full blocks
     and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped value
     heads."""
-    from la_compiler.kernels.chunk_codegen import bwd_intra_by_key_blocks
-    from la_compiler.kernels.chunk_launch import BWD_KEY_BLOCK_ENV, key_block
+    from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
+    from la_compiler.kernels.chunk.launch import BWD_KEY_BLOCK_ENV, key_block
 
     cu = torch.tensor([0, 9, 25]) if varlen else None
     q, k, v, g, beta, h0 = make_inputs(kind, B=1 if varlen else 2, T=25 if varlen else 13, H=1, HV=HV, K=72, V=8,
@@ -192,7 +192,7 @@ def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extr
     """LAQAT_CHUNK_INTRA_SPLIT=1 runs the intra stage as two kernels (A, A_qk, T; then W, U from the stored T):
     the same outputs, final state, intermediates and gradients as the one-kernel stage, bit for bit, forward and
     the backward's recompute; the two-kernel form against fp64 autograd too. A bad value is refused by name."""
-    from la_compiler.kernels.chunk_fwd import INTRA_SPLIT_ENV, intra_split
+    from la_compiler.kernels.chunk.fwd import INTRA_SPLIT_ENV, intra_split
 
     inputs, cu = chunk_case(kind, varlen, "kv", K=16, V=16)
     spec = RecurrenceSpec(kind=kind, chunk=8, **extra).replace(quant=quant)
@@ -220,8 +220,8 @@ def test_gdn_whole_row_backward_by_value_blocks_of_32():
     """GDN's backward intra stage over whole key rows (a key-side operand site rounds: one key block) steps
     through V in blocks of 32 (chunk_launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a
     masked partial one. Every gradient against fp64 autograd of the rounding reference, packed sequences."""
-    from la_compiler.kernels.chunk_codegen import bwd_intra_by_key_blocks
-    from la_compiler.kernels.chunk_launch import GDN_WHOLE_ROW_BWD_VALUE_BLOCK
+    from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
+    from la_compiler.kernels.chunk.launch import GDN_WHOLE_ROW_BWD_VALUE_BLOCK
 
     cu = torch.tensor([0, 9, 25])
     inputs = make_inputs("gdn", B=1, T=25, H=1, HV=2, K=16, V=80, N=2, dtype=torch.float32)
@@ -240,7 +240,7 @@ def test_forward_intra_by_key_blocks(monkeypatch, kind, varlen, quant):
     """The forward intra stage reads keys in blocks (64 columns by default; 16 here, so K = 40 takes two
     full blocks and a masked one): pair products summed over blocks, W block by block with its row /
     NVFP4 global amax from a first pass over all blocks. Forward, W element by element, every gradient."""
-    from la_compiler.kernels.chunk_fwd import intra_key_block
+    from la_compiler.kernels.chunk.fwd import intra_key_block
 
     monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
     inputs, cu = chunk_case(kind, varlen, "kv", K=40, V=16)
@@ -257,7 +257,7 @@ def test_forward_intra_by_key_blocks(monkeypatch, kind, varlen, quant):
 def test_intra_key_block_choice(monkeypatch):
     """All key columns at once where a pair product or wy_key.rhs is rounded over them; a bad override
     is refused by name."""
-    from la_compiler.kernels.chunk_fwd import intra_key_block
+    from la_compiler.kernels.chunk.fwd import intra_key_block
 
     exact = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64))
     assert intra_key_block(exact, 256, 16) == 32 and intra_key_block(exact, 128, 16) == 32
@@ -347,7 +347,7 @@ def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
     sub-chunks with none; g down to about -6 per token makes G fall by ~100 across a sub-chunk, so any
     exponent taken from a padded row or the wrong side of the diagonal overflows fp32 (exp(88.7)) and
     shows up as inf / NaN. Forward, final state and every gradient against fp64 autograd."""
-    from la_compiler.kernels.chunk_codegen import kda_pairs_kernel, kda_splits_pair_grads
+    from la_compiler.kernels.chunk.codegen import kda_pairs_kernel, kda_splits_pair_grads
 
     cu = torch.tensor([0, 17, 17, 50])
     q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=50, H=1, HV=2, K=8, V=16, N=3, dtype=torch.float32, decay=8.0)
@@ -434,7 +434,7 @@ def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
     """KDA's exact pair kernels take a diagonal sub-chunk block through its first real row (tensor-core dots)
     when its decay range is at most chunk_codegen.DIAG_DOT_MAX_RANGE, else row by row: each form alone
     (-1 forces rows everywhere; at 40 these inputs' blocks all go by dots), forward and every gradient."""
-    from la_compiler.kernels import chunk_codegen
+    from la_compiler.kernels.chunk import codegen as chunk_codegen
 
     monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", max_range)
     cu = torch.tensor([0, 17, 17, 50])
@@ -448,7 +448,7 @@ def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
 def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
     """Without the range guard a steep block's factors exp(G_f - G_j) overflow: the guard is what keeps the
     strong-decay test finite."""
-    from la_compiler.kernels import chunk_codegen
+    from la_compiler.kernels.chunk import codegen as chunk_codegen
 
     monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", 1e9)
     q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=32, H=1, HV=1, K=8, V=8, dtype=torch.float32, decay=8.0)
@@ -460,7 +460,7 @@ def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
 def test_int64_offsets_where_an_offset_may_pass_2_31():
     """The per-chunk kernels take int32 offsets unless an element offset may pass 2^31: rows of the
     [B, T, heads, ..] buffers (up to 2C wide, each sequence's last chunk padded) or the chunk states."""
-    from la_compiler.kernels.chunk_fwd import needs_int64_index
+    from la_compiler.kernels.chunk.fwd import needs_int64_index
 
     rows_edge = 2 ** 24 - 64  # (T + C) * 1 head * 128 (= 2C) columns reaches 2^31
     assert not needs_int64_index(1, rows_edge - 1, 64, 1, 64, 64, (rows_edge - 1) // 64 + 1, 1)
@@ -474,7 +474,8 @@ def test_int64_offsets_where_an_offset_may_pass_2_31():
 def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, kind):
     """Small inputs forced onto the int64-offset path (INDEX_64, taken by shapes past 2^31 elements) match
     the fp64 reference like the int32 path: forward, final state and every gradient, packed sequences."""
-    from la_compiler.kernels import chunk_bwd as bwd_module, chunk_fwd as fwd_module
+    from la_compiler.kernels.chunk import bwd as bwd_module
+    from la_compiler.kernels.chunk import fwd as fwd_module
 
     monkeypatch.setattr(fwd_module, "needs_int64_index", lambda *shape: True)
     monkeypatch.setattr(bwd_module, "needs_int64_index", lambda *shape: True)
@@ -492,7 +493,7 @@ def test_kda_decayed_keys_and_a_wide_output_block(monkeypatch, varlen):
     row, so partial chunks too), by key blocks of 16 here (K = 40: a masked block); V = 96 runs the output stage
     as one masked 128-wide value block. kd against fp64 from the inputs, o and ht against the fp64 reference,
     every gradient against fp64 autograd (the dh stage reads kd from the backward's recompute)."""
-    from la_compiler.kernels.chunk_fwd import output_value_block
+    from la_compiler.kernels.chunk.fwd import output_value_block
 
     monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
     C = 8
@@ -526,8 +527,8 @@ def test_gdn_chunk_decay_on_values_only_where_no_state_update_operand_rounds(qua
     """GDN's h stage scales V_new's rows by the chunk decay (K^T loaded as is) unless the state_update operands are
     rounded or accumulated: NUMERICS.md's state_update.lhs is K ⊙ exp(G_C - G), so that form stays there. Both
     forms against the fp64 reference (which rounds at the same sites)."""
-    from la_compiler.kernels.chunk_codegen import chunk_fwd_source
-    from la_compiler.kernels.chunk_snippets import gdn_decays_values
+    from la_compiler.kernels.chunk.codegen import chunk_fwd_source
+    from la_compiler.kernels.chunk.snippets import gdn_decays_values
 
     spec = RecurrenceSpec(kind="gdn", chunk=8).replace(quant=quant, acc=acc)
     p = ChunkParams.from_spec(spec)

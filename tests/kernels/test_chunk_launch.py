@@ -2,7 +2,7 @@
 import pytest
 from triton.runtime.errors import OutOfResources
 
-from la_compiler.kernels.chunk_launch import LaunchConfig, launch, launch_config
+from la_compiler.kernels.chunk.launch import LaunchConfig, launch, launch_config
 
 
 class FakeKernel:
@@ -75,7 +75,7 @@ def test_serial_stages_override(monkeypatch):
 
 
 def test_autotune_times_candidates_once_and_persists(tmp_path):
-    from la_compiler.kernels.chunk_autotune import Tuner, candidates
+    from la_compiler.kernels.chunk.autotune import Tuner, candidates
 
     table = LaunchConfig(8, 1)
     configs = candidates(table)
@@ -102,7 +102,7 @@ def test_autotune_times_candidates_once_and_persists(tmp_path):
 
 
 def test_autotune_is_off_unless_asked(monkeypatch):
-    from la_compiler.kernels import chunk_autotune
+    from la_compiler.kernels.chunk import autotune as chunk_autotune
 
     monkeypatch.delenv("LAQAT_AUTOTUNE", raising=False)
     assert not chunk_autotune.enabled()
@@ -114,7 +114,7 @@ def test_autotune_is_off_unless_asked(monkeypatch):
 
 
 def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
-    from la_compiler.kernels import chunk_autotune
+    from la_compiler.kernels.chunk import autotune as chunk_autotune
 
     def timer(fn):
         return {2: 1.0}.get(fn()[4], 5.0)  # the launch result's num_stages: 2 stages fastest
@@ -130,7 +130,7 @@ def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
 def test_fp32_dot_precision_knob(monkeypatch):
     import torch
 
-    from la_compiler.kernels.chunk_precision import dot_precision
+    from la_compiler.kernels.chunk.precision import dot_precision
 
     monkeypatch.delenv("LAQAT_FP32_DOT", raising=False)
     assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.bfloat16) == "tf32"
@@ -142,7 +142,7 @@ def test_fp32_dot_precision_knob(monkeypatch):
 
 
 def test_autotune_keeps_the_warps_where_the_table_says_so():
-    from la_compiler.kernels.chunk_autotune import candidates
+    from la_compiler.kernels.chunk.autotune import candidates
 
     configs = candidates(LaunchConfig(8, 1, keep_warps=True))
     assert [(c.num_warps, c.num_stages) for c in configs] == [(8, 1), (8, 2), (8, 3)]
@@ -153,8 +153,8 @@ def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch)
     """GDN's key-blocked backward intra stage faulted at four warps on the H200: the autotuner must not try them."""
     import torch
 
-    from la_compiler.kernels import chunk_bwd
-    from la_compiler.kernels.chunk_codegen import ChunkParams
+    from la_compiler.kernels.chunk import bwd as chunk_bwd
+    from la_compiler.kernels.chunk.codegen import ChunkParams
     from la_compiler.spec import RecurrenceSpec
     from tests.kernels.chunk_inputs import make_inputs
 
@@ -176,7 +176,7 @@ def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch)
 def test_host_integer_helpers_match_tritons():
     import triton
 
-    from la_compiler.kernels.chunk_launch import cdiv, next_power_of_2
+    from la_compiler.kernels.chunk.launch import cdiv, next_power_of_2
 
     for n in [0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 4095, 4096, 4097]:
         assert next_power_of_2(n) == triton.next_power_of_2(n), n

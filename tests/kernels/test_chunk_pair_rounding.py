@@ -4,11 +4,11 @@ rounds at the same sites (interpreter on CPU)."""
 import pytest
 import torch
 
-from la_compiler.kernels.chunk_codegen import ChunkParams, chunk_fwd_source, kda_pairs_kernel, kda_splits_pair_grads
-from la_compiler.kernels.chunk_pair_rounding import column_side_by_products
-from la_compiler.kernels.chunk_reference import _to_chunks, chunk_delta_rule_reference
-from la_compiler.kernels.chunk_snippets import kda_rounds_pairs
-from la_compiler.kernels.reference import sequence_bounds
+from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_fwd_source, kda_pairs_kernel, kda_splits_pair_grads
+from la_compiler.kernels.chunk.pair_rounding import column_side_by_products
+from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
+from la_compiler.kernels.chunk.snippets import kda_rounds_pairs
+from la_compiler.kernels.reference.recurrent import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import make_inputs
@@ -72,8 +72,8 @@ def test_nvfp4_pair_amax_is_the_pair_tiles_max():
     chunks, so a sequence's last real row meets padded rows i with e^0 = 1), for j < i and j <= i, and of
     |K| / |Q| over the chunk. Growing and decaying channels (g of both signs), a packed batch whose chunks
     end mid-way and one longer than a chunk (row C is the next chunk's: excluded)."""
-    from la_compiler.kernels.chunk_fwd import chunk_fwd, chunk_layout
-    from la_compiler.kernels.chunk_reference import _pair_decay
+    from la_compiler.kernels.chunk.fwd import chunk_fwd, chunk_layout
+    from la_compiler.kernels.reference.chunk import _pair_decay
 
     C = 16
     cu = torch.tensor([0, 5, 5, 40])

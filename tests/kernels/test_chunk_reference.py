@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
-from la_compiler.kernels.chunk_rounding import ChunkRounding
-from la_compiler.kernels.reference import delta_rule_reference
+from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
+from la_compiler.kernels.reference.rounding import ChunkRounding
+from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from la_compiler.spec import RecurrenceSpec
 from tests.kernels.chunk_inputs import grads_of, make_inputs
 

@@ -1,13 +1,13 @@
-"""What a training forward of the chunk kernels keeps for its backward (kernels/chunk_residual.py): the backward
+"""What a training forward of the chunk kernels keeps for its backward (kernels/chunk/residual.py): the backward
 from the kept residual computes what the backward that recomputes everything computes, bit for bit (interpreter)."""
 import pytest
 import torch
 
-from la_compiler.kernels.chunk_bwd import chunk_bwd
-from la_compiler.kernels.chunk_codegen import ChunkParams
-from la_compiler.kernels.chunk_fwd import chunk_fwd
-from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
-from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV, residual_layout, residual_size, residual_views
+from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
+from la_compiler.kernels.chunk.residual import KEEP_RESIDUAL_ENV, residual_layout, residual_size, residual_views
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import grads_of

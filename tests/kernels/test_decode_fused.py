@@ -7,9 +7,10 @@ prefixes and suffixes, padding and packed sequences.
 import pytest
 import torch
 
-from la_compiler.kernels.decode_fused import decode_fused_backward, decode_fused_forward
-from la_compiler.kernels.decode_options import decode_options
-from la_compiler.kernels.decode_reference import delta_rule_decode_reference
+from la_compiler.kernels import sources
+from la_compiler.kernels.decode.fused import decode_fused_backward, decode_fused_forward
+from la_compiler.kernels.decode.options import decode_options
+from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.registry import get_variant
 from la_compiler.kernels.selection import select_kernel
 from la_compiler.spec import RecurrenceSpec
@@ -88,15 +89,15 @@ def test_selection_picks_the_fused_kernel_for_decode_specs_and_honours_implement
 
 
 def test_generated_source_is_specialized_per_spec_and_viewable():
-    from la_compiler.kernels import cache
+    from la_compiler.kernels.common import cache
 
     replay = _spec("gdn", "replay", "int8_h32/tile32", {"replay_window": "4", "replay_factor_qdq": "1"}, "vk")
     token = _spec("kda", "token", "fp8_e4m3/tile64", {"readout": "stored"}, "kv")
-    a, b = cache.source_of(replay), cache.source_of(token.to_string())
+    a, b = sources.source_of(replay), sources.source_of(token.to_string())
     assert "CODEC = tl.constexpr(3)" in a and "REPLAY = tl.constexpr(True)" in a and "STATE_VK = tl.constexpr(True)" in a
     assert "CODEC = tl.constexpr(1)" in b and "READ_STORED = tl.constexpr(True)" in b and "IS_KDA = tl.constexpr(True)" in b
     assert "def decode_fwd_kernel(" in a and "def decode_bwd_kernel(" in a
-    assert cache.path_of(replay) != cache.path_of(token)
+    assert sources.path_of(replay) != sources.path_of(token)
 
 
 def test_fused_decode_rejects_bad_lengths():
@@ -110,7 +111,7 @@ def test_fused_decode_rejects_bad_lengths():
 @pytest.mark.parametrize("kind,cu", [("kda", None), ("gdn", [0, 3, 3, 10])], ids=["kda", "gdn-packed"])
 def test_decay_grid_pass_rounds_the_suffix_only(kind, cu):
     """The pre-pass against torch: round-half-even of g / step at t >= prefill, g untouched in the prefix."""
-    from la_compiler.kernels.decode_fused import DecodeParams, _decay_on_grid
+    from la_compiler.kernels.decode.fused import DecodeParams, _decay_on_grid
 
     spec = _spec(kind, "token", "fp8_e4m3/tile16", {"decay_log_step": "0.125"}, "kv")
     (q, k, v, g, beta, _), cu_t = random_inputs(kind, B=1 if cu else 2, T=10, H=1, HV=2, K=4, V=16, cu_seqlens=cu)

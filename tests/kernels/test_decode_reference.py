@@ -1,18 +1,18 @@
 """The fp64 decode-phase reference against independent oracles.
 
-Oracles: the plain token-by-token reference (kernels/reference.py) with a state hook that
+Oracles: the plain token-by-token reference (kernels/reference/recurrent.py) with a state hook that
 rounds where NUMERICS.md says (token mode, replay without factor rounding), and a literal
 anchor + ordered rank-one-update replayer written here (replay with factor rounding).
 """
 import pytest
 import torch
 
-from la_compiler.kernels.decode_options import DecodeOptionsError, decode_options
-from la_compiler.kernels.decode_reference import (
+from la_compiler.kernels.decode.options import DecodeOptionsError, decode_options
+from la_compiler.kernels.reference.decode import (
     delta_rule_decode_reference, hadamard32, qdq_factor, qdq_int8_h32, qdq_state, round_e4m3,
     round_half_away, round_log_decay,
 )
-from la_compiler.kernels.reference import delta_rule_reference
+from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("fla")
 
-from la_compiler.kernels import fla_chunk_variant  # noqa: E402
+from la_compiler.kernels.fla import chunk_variant as fla_chunk_variant  # noqa: E402
 from la_compiler.kernels.registry import get_variant  # noqa: E402
 
 SPEC = "kda[src=fla; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=fla_chunk]"

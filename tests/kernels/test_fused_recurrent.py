@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from la_compiler.kernels.codegen import CodegenError, FusedRecurrentParams
-from la_compiler.kernels.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd
-from la_compiler.kernels.reference import delta_rule_reference
+from la_compiler.kernels.common.codegen import CodegenError
+from la_compiler.kernels.recurrent.codegen import FusedRecurrentParams
+from la_compiler.kernels.recurrent.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd
+from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from tests.helpers import assert_close_rel
 
 EXACT_FP32 = 1e-5

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from la_compiler.kernels.chunk_bwd import chunk_bwd
-from la_compiler.kernels.chunk_codegen import ChunkParams
-from la_compiler.kernels.chunk_fwd import chunk_fwd
+from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.spec import RecurrenceSpec
 from tests import interpreter_speedups
 from tests.kernels.chunk_checks import ALL_FP8, chunk_case

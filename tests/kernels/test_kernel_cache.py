@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from la_compiler.kernels import cache
-from la_compiler.kernels.codegen import (CodegenError, FusedRecurrentParams, fused_recurrent_source,
-                                         generated_module_for_spec, render)
+from la_compiler.kernels.common import cache
+from la_compiler.kernels import sources
+from la_compiler.kernels.common.codegen import CodegenError, render
+from la_compiler.kernels.recurrent.codegen import FusedRecurrentParams, fused_recurrent_source
+from la_compiler.kernels.sources import generated_module_for_spec
 
 SPEC = "{kind}[src=user; layout=bthd; state={state}; chunk=64; solve=exact; phase=none; kernel=fused_recurrent]"
 
@@ -69,7 +71,7 @@ def test_generated_module_per_spec(tmp_path, monkeypatch):
     assert len(keys) == 3 and len({cache.path_of(m) for m in [gdn_kv, *others]}) == 3
     # a spec field the kernel does not depend on (src, chunk) gives the same module
     assert generated_module_for_spec(SPEC.format(kind="gdn", state="kv").replace("src=user", "src=fla")) is gdn_kv
-    text = cache.source_of(SPEC.format(kind="gdn", state="kv"))
+    text = sources.source_of(SPEC.format(kind="gdn", state="kv"))
     assert text == fused_recurrent_source(FusedRecurrentParams("gdn", "kv"))
     assert "def fused_recurrent_fwd_kernel" in text and "def fused_recurrent_bwd_kernel" in text
     assert "tl.exp(b_g)[:, None]" in cache.source_of(others[0]) and "tl.exp(b_g)[:, None]" not in text
@@ -104,7 +106,7 @@ def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsy
     """The chunk family's forward and backward stages are two modules: both reachable from the spec, both
     printed by ``laqat source``; a spec the kernels cannot run is refused by name."""
     from la_compiler.cli import main
-    from la_compiler.kernels.codegen import generated_modules_for_spec
+    from la_compiler.kernels.sources import generated_modules_for_spec
 
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
     spec = "kda[src=user; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=chunk; " \
@@ -112,7 +114,7 @@ def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsy
     modules = generated_modules_for_spec(spec)
     assert list(modules) == ["forward", "backward"]
     assert hasattr(modules["forward"], "chunk_kda_fwd_kernel_h") and hasattr(modules["backward"], "chunk_kda_bwd_kernel_dh")
-    paths = cache.paths_of_spec(spec)
+    paths = sources.paths_of_spec(spec)
     assert all(path.is_relative_to(tmp_path) for path in paths.values())
     assert main(["source", spec, "--paths"]) == 0
     assert capsys.readouterr().out.splitlines() == [f"{role}: {path}" for role, path in paths.items()]
@@ -120,6 +122,6 @@ def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert "def chunk_kda_fwd_kernel_h" in out and "def chunk_kda_bwd_kernel_dh" in out
     assert all(str(path) in out for path in paths.values())
-    assert list(cache.paths_of_spec(SPEC.format(kind="gdn", state="kv"))) == ["forward and backward"]
+    assert list(sources.paths_of_spec(SPEC.format(kind="gdn", state="kv"))) == ["forward and backward"]
     assert main(["source", spec.replace("q.state=int8/tile32", "q.state=int8/row")]) == 2
     assert "q.state=int8/row" in capsys.readouterr().err

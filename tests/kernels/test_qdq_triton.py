@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from la_compiler.kernels import qdq as K
+from la_compiler.kernels.common import qdq as K
 from la_compiler.quant import fake_quant
 from la_compiler.quant import formats as F
 from tests.qdq_values import mismatches, oracle_qdq_fp8, random_finite, random_near, special_values

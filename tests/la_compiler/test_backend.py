@@ -7,7 +7,7 @@ import torch
 import la_compiler
 from la_compiler.backend import BackendOptionsError
 from la_compiler.explainer import NothingMatchedWarning
-from la_compiler.kernels.reference import delta_rule_reference
+from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import assert_close_rel
 from tests.ir_inputs import random_inputs
@@ -113,8 +113,8 @@ def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, ker
     needs a gradient, to delta_rule_eval under no_grad; traced for autograd, the backward op takes the residual."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from la_compiler.kernels.chunk_codegen import ChunkParams
-    from la_compiler.kernels.chunk_residual import residual_size
+    from la_compiler.kernels.chunk.codegen import ChunkParams
+    from la_compiler.kernels.chunk.residual import residual_size
 
     (q, k, v, g, beta, h0), _ = random_inputs(kind, T=5, H=1, HV=2, K=8, V=8, initial_state=True)
     spec = RecurrenceSpec(kind=kind, kernel=kernel, chunk=8)
@@ -163,7 +163,7 @@ def test_keeping_everything_through_the_compiled_op(monkeypatch, kind):
     """LAQAT_CHUNK_KEEP_RESIDUAL=all through the op compiled by laqat (Inductor checks every output's size against
     the fake's), varlen: the residual's varlen bound is the same at trace and run time, and every gradient equals
     the compiled default's, bit for bit."""
-    from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV
+    from la_compiler.kernels.chunk.residual import KEEP_RESIDUAL_ENV
 
     xs, cu = random_inputs(kind, T=13, H=1, HV=2, K=8, V=8, initial_state=True, cu_seqlens=[0, 5, 13])
     call = _call(kind, kernel="chunk")

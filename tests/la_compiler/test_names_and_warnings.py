@@ -8,7 +8,8 @@ import torch
 
 import la_compiler
 import la_compiler.backend
-from la_compiler.kernels.selection import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA, select_kernel
+from la_compiler.kernels.recurrent.fused_recurrent import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA
+from la_compiler.kernels.selection import select_kernel
 from la_compiler.passes.annotate import NothingQuantizedWarning, UnmatchedPolicyRuleWarning
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import assert_close_rel, rel_l2
@@ -109,7 +110,7 @@ def test_a_quantizing_policy_that_rewrites_nothing_warns_at_compile_time():
                                                                           "fused_recurrent"),
                                                (4096, "chunk"), (None, "chunk")])
 def test_exact_gdn_on_cuda_where_fla_refuses_goes_to_the_faster_kernel(monkeypatch, seq_len, expected):
-    from la_compiler.kernels import fla_chunk_variant
+    from la_compiler.kernels.fla import chunk_variant as fla_chunk_variant
 
     monkeypatch.setattr(fla_chunk_variant, "gdn_backward_blocker", lambda: "FLA's GDN chunk backward refuses (test)")
     choice = select_kernel(RecurrenceSpec(kind="gdn"), device="cuda", dtype=torch.bfloat16, head_k=128,
@@ -120,10 +121,9 @@ def test_exact_gdn_on_cuda_where_fla_refuses_goes_to_the_faster_kernel(monkeypat
 
 
 def test_exact_kda_training_on_cuda_goes_to_laqat_chunk_kernels(monkeypatch):
-    from la_compiler.kernels import registry, selection
+    from la_compiler.kernels.fla import chunk_variant as fla_chunk_variant
 
-    monkeypatch.setattr(registry, "variant_names", lambda: [row.variant for row in selection.TABLE])
-    monkeypatch.setattr(selection, "_fla_available", lambda: True)
+    monkeypatch.setattr(fla_chunk_variant, "_fla_available", lambda: True)
     choice = select_kernel(RecurrenceSpec(kind="kda"), device="cuda", dtype=torch.bfloat16, head_k=128, head_v=128,
                            seq_len=4096)
     assert choice.variant == "chunk" and "0.72x FLA's" in choice.explain(), choice.explain()

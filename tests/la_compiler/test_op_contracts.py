@@ -21,7 +21,7 @@ import la_compiler
 import la_compiler.backend  # noqa: F401  (registers every op the backend can put in a graph)
 import la_compiler.ir  # noqa: F401
 import la_compiler.ir_phase  # noqa: F401
-from la_compiler.kernels.chunk_residual import KEEP_RESIDUAL_ENV
+from la_compiler.kernels.chunk.residual import KEEP_RESIDUAL_ENV
 from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401
 from la_compiler.spec import RecurrenceSpec
 
@@ -215,10 +215,10 @@ def test_chunk_residual_every_element_written(monkeypatch, kind, mode, dtype, va
     NaN-filled buffer stays NaN, alignment padding, KDA's P above the diagonal and a varlen batch's unused chunk
     states (LAQAT_CHUNK_KEEP_RESIDUAL=all) included. Before, opcheck's AOT check saw the buffer differ between
     identical calls by up to 5e28 (uninitialised memory)."""
-    from la_compiler.kernels import chunk_codegen
-    from la_compiler.kernels.chunk_codegen import ChunkParams
-    from la_compiler.kernels.chunk_fwd import chunk_fwd
-    from la_compiler.kernels.chunk_residual import residual_gaps, residual_layout
+    from la_compiler.kernels.chunk import codegen as chunk_codegen
+    from la_compiler.kernels.chunk.codegen import ChunkParams
+    from la_compiler.kernels.chunk.fwd import chunk_fwd
+    from la_compiler.kernels.chunk.residual import residual_gaps, residual_layout
 
     monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
     if pairs != "auto":  # whole row blocks as one product, or the diagonal block column by column

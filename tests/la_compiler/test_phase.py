@@ -1,6 +1,6 @@
 """The phase context, the phased IR op and its plumbing through the laqat backend.
 
-Oracle: the fp64 decode reference (kernels/decode_reference.py) called directly with the
+Oracle: the fp64 decode reference (kernels/reference/decode.py) called directly with the
 same lengths; recompiles are counted with a counting backend and Dynamo's counters.
 """
 import pytest
@@ -12,9 +12,9 @@ from torch import nn
 import la_compiler
 from la_compiler.backend import laqat_backend
 from la_compiler.ir_phase import is_delta_rule_phased
-from la_compiler.kernels.decode_options import decode_options
-from la_compiler.kernels.decode_reference import delta_rule_decode_reference
-from la_compiler.kernels.decode_reference_variant import PhaseLengthsMissing
+from la_compiler.kernels.decode.options import decode_options
+from la_compiler.kernels.reference.decode import delta_rule_decode_reference
+from la_compiler.kernels.decode.options import PhaseLengthsMissing
 from la_compiler.phase import PhaseError
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2

@@ -7,10 +7,11 @@ import re
 import pytest
 import yaml
 
-from la_compiler.kernels.decode_options import DecodeOptions
+from la_compiler.kernels.decode.options import DecodeOptions
 from la_compiler.policy import ModuleRule, Policy, PolicyError, QuantRule, load_policy
 from la_compiler.policy_schema import LinearAttentionCfg, SolveCfg
-from la_compiler.recipes import load_recipe, recipe_names
+from la_compiler.policy import load_recipe
+from la_compiler.recipes import recipe_names
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec
 
 FP8 = {"num_bits": [4, 3], "type": "dynamic", "axis": [0, 1]}

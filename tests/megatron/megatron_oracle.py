@@ -13,7 +13,7 @@ frontend's tests use (tests/passes/fla_oracle.py, which shares no code with laqa
   (``torch_chunk_gated_delta_rule``) or, for the KDA test layer, FLA's ``naive_chunk_kda``: unchanged.
 
 ``eager_megatron(model, recurrence=fn)`` runs ``fn`` as every layer's recurrence instead (the decode-phase
-test gives it laqat's fp64 decode reference, kernels/decode_reference.py).
+test gives it laqat's fp64 decode reference, kernels/reference/decode.py).
 
 Megatron's ``jit_fuser`` (``torch.compile``) methods run eagerly inside ``eager_megatron`` (compiler stance
 ``force_eager``), so the oracle is never an Inductor build of Megatron's code.

@@ -174,9 +174,9 @@ def test_per_layer_state_fp8_by_megatron_module_name(megatron):
 
 
 def _decode_reference(spec, prefill, valid):
-    """laqat's fp64 decode-phase reference as a Megatron recurrence (kernels/decode_reference.py)."""
-    from la_compiler.kernels.decode_options import decode_options
-    from la_compiler.kernels.decode_reference import delta_rule_decode_reference
+    """laqat's fp64 decode-phase reference as a Megatron recurrence (kernels/reference/decode.py)."""
+    from la_compiler.kernels.decode.options import decode_options
+    from la_compiler.kernels.reference.decode import delta_rule_decode_reference
     from la_compiler.spec import RecurrenceSpec
 
     options = decode_options(RecurrenceSpec.parse(spec))

@@ -34,7 +34,7 @@ RESULTS_ENV = "LAQAT_MODELS_RESULTS"
 RUNS = {"inductor": "default options (Inductor)", "eager_handoff": 'options={"compiler": "eager"}'}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # every model of this module: one server per pytest worker
 def model_processes():
     processes = ModelProcesses(dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
     yield processes

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import la_compiler
-from la_compiler.kernels.chunk_reference import chunk_delta_rule_reference
-from la_compiler.kernels.chunk_rounding import ChunkRounding
-from la_compiler.kernels.reference import delta_rule_reference
+from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
+from la_compiler.kernels.reference.rounding import ChunkRounding
+from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from la_compiler.passes.annotate import UnmatchedPolicyRuleWarning
 from la_compiler.policy import PolicyError, load_policy
 from la_compiler.quant import fake_quant
@@ -273,7 +273,7 @@ def test_torch_compile_with_a_recipe_name():
 
 
 def test_reference_variant_rounds_a_v_first_state_by_key_tiles():
-    from la_compiler.kernels.reference_variant import reference_forward
+    from la_compiler.kernels.reference.variant import reference_forward
 
     q, k, v, g, _, beta, h0 = (x.detach() for x in make_inputs(T=6, V=32))
     spec = RecurrenceSpec(kind="gdn", chunk=4, quant=(("state", "fp8_e4m3/tile16"),))

@@ -1,0 +1,157 @@
+"""Launch configurations of the chunk kernels, and a launch that survives a shared-memory refusal.
+
+The configurations come from compiling every stage for sm_90 (Triton's ptxas, on a CPU machine:
+``cuobjdump -res-usage`` of the cubins) at K = 64 and 128, bf16 and fp32, warps 4/8, stages 1-3
+(docs/kernels-chunk.md, "Launch configurations"):
+
+* at BK >= 128, four warps spill 0.5-3.5 KB of registers per thread in every stage; eight warps
+  remove the spills of the h and o stages and shrink those of dh; pipelining (stages > 1) adds
+  shared memory (the h stage: 56 KB at one stage, 153 KB at three) and brings spills back;
+* at BK = 64 (three stages), four warps spill 360 B (h), 160 B (o), 896 B (dh); eight warps: none, none,
+  224 B;
+* at BK = 64 with fp32 inputs, the dh stage asked for 262 KB at three stages (H200: 227 KB).
+
+``LAQAT_AUTOTUNE=1`` replaces the table's choice by the fastest of a few around it (chunk/autotune.py).
+Pipelining depth never changes what is computed, so a launch that Triton refuses for shared memory
+is retried with fewer stages (and the working depth remembered per kernel and constants); any other
+error propagates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from triton.runtime.errors import OutOfResources
+
+from la_compiler.kernels.chunk import autotune as chunk_autotune
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    num_warps: int
+    num_stages: int
+    keep_warps: bool = False  # LAQAT_AUTOTUNE varies the stages only (chunk_autotune.candidates)
+
+
+def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nvfp4_operands: bool = False
+                  ) -> LaunchConfig:
+    """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
+    ``rounds_operands`` (the pair stages): the pair products are rounded (chunk_snippets.kda_rounds_pairs);
+    ``nvfp4_operands`` (the h, o and dh stages): a GEMM operand site rounds to NVFP4 (its blocks of 16 add live
+    tiles; the h stage holds all of V)."""
+    if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
+                     "bwd_pairs", "bwd_dg"):
+        raise ValueError(f"launch_config: unknown stage {stage!r}")
+    if stage in ("fwd_pairs", "bwd_pairs") and BK >= 128:
+        # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps take 233 (forward) and 255
+        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills
+        return LaunchConfig(8, 1)
+    if stage == "fwd_pairs" and BK >= 64 and not rounds_operands:
+        # the exact forward's row-block products ([C x BK] tiles): LAQAT_AUTOTUNE on the H200 (KDA [8,4096,16,128])
+        # chose four warps, one stage (1.44 ms for both calls; eight warps, one stage: 1.81; comparisons.jsonl,
+        # topic kda-row-block-pairs). sm_90: 228 registers, no spills (three stages: 200 B of spills)
+        return LaunchConfig(4, 1)
+    if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
+        return LaunchConfig(4, 3)
+    warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
+    stages = 1 if BK >= 128 else 3  # 3: Triton's default
+    if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not nvfp4_operands:
+        # LAQAT_AUTOTUNE on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
+        # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills;
+        # examples/benchmarks/results/comparisons.jsonl, topic autotune-launch-table).
+        # With rounded operands too, although four warps spill there on sm_90 (all FP8 sites: 632 B (h), 336 B
+        # (o), 3.5 KB (dh)): on the H200 at [8, 4096, 16, 128] bf16 the h stage takes 1.50 ms per call at four
+        # warps against 2.09 at eight (GDN; KDA 1.33 / 1.98), dh 1.79 / 2.09 (KDA 2.06 / 2.27), o 0.96 / 1.02
+        # (topic launch-probe). Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh)
+        # per thread on sm_90; nor with NVFP4 operands (KDA, all NVFP4 sites, H200: dh 3.66 ms at eight warps
+        # against 5.10 at four, o 3.56 / 3.66; their h stage holds all of V)
+        warps, stages = 4, 2 if stage == "fwd_o" else 1
+    if stage == "bwd_intra" and C * BK >= 2048:
+        warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (topic autotune-launch-table)
+    if stage in ("fwd_h", "bwd_dh"):
+        stages = serial_stages_override() or stages
+    return LaunchConfig(warps, stages)
+
+
+def serial_stages_override() -> int | None:
+    """LAQAT_CHUNK_SERIAL_STAGES=<n>: pipeline depth of the serial h / dh loops (benchmarks compare it:
+    at K = 128, two stages prefetch the next chunk's W, U, K at 112 KB (h) / 177 KB (dh) of shared memory
+    with 80 / 584 B of spills against none / 936 B at one stage; not measured on a GPU: docs/performance.md)."""
+    text = os.environ.get("LAQAT_CHUNK_SERIAL_STAGES")
+    if text is None:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 4:
+        raise ValueError(f"LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got {text!r}")
+    return int(text)
+
+
+# Key columns per step of the key-blocked stages (forward intra; KDA's split backward intra and pairs):
+# whole rows up to 64 columns, blocks of 32 above. On the H200 at KDA [8, 4096, 16, 128] blocks of 32
+# beat 64 and 16 in both directions with fp32 GEMM operands (fwd+bwd 30.63 ms vs 33.88 at 64 / 64;
+# examples/benchmarks/results/comparisons.jsonl, topic kda-key-blocks).
+WHOLE_ROWS_UP_TO = 64
+KEY_BLOCK = 32
+FWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
+PAIRS_KEY_BLOCK = 64  # key columns per step of KDA's forward pairs kernel and its cumsum ([BC x 64] tiles)
+BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
+
+
+# KDA's split backward (intra and pairs stages) with 16-bit GEMMs: blocks of 64 beat 32 on the H200 at
+# [8, 4096, 16, 128] bf16 (f+b 10.95 ms against 11.96; backward intra 1.99 / 2.50, pairs 1.75 / 2.24;
+# comparisons.jsonl, topic kda-key-blocks). With fp32 GEMM operands 32 stays (the same topic); GDN is unmeasured.
+BWD_KEY_BLOCK_16BIT = 64
+# GDN's backward intra stage with 16-bit GEMMs (dT, hence dA, complete before its key loop): whole rows of 128
+# beat blocks of 64 and 32 on the H200 at [8, 4096, 16, 128] bf16 (2.39 / 2.54 / 2.94 ms; comparisons.jsonl,
+# topic gdn-bwd-intra-key-block).
+GDN_BWD_KEY_BLOCK_16BIT = 128
+# GDN's backward intra stage over whole key rows (a rounded pair product or key-side operand: one key block)
+# steps through V in blocks of 32: 8.42 ms against 8.74 at 64 on the H200 (all FP8 sites, [8, 4096, 16, 128]
+# bf16; comparisons.jsonl, topic launch-probe). The key-blocked form keeps 64 (2.11 ms against 2.40 at 32 there,
+# exact), and so does KDA's (7.03 against 7.18 at 32, all FP8 sites).
+GDN_WHOLE_ROW_BWD_VALUE_BLOCK = 32
+
+
+def key_block(BK: int, env: str, block: int = KEY_BLOCK) -> int:
+    """Key columns per step for key rows padded to BK (whole rows up to 64 columns, else ``block``), or the
+    benchmark override in ``env`` (16, 32, 64 or 128)."""
+    text = os.environ.get(env)
+    if text is None:
+        return BK if BK <= WHOLE_ROWS_UP_TO else block
+    if text not in ("16", "32", "64", "128"):
+        raise ValueError(f"{env} must be 16, 32, 64 or 128, got {text!r}")
+    return min(BK, int(text))
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' host arithmetic: triton.cdiv and triton.next_power_of_2 are
+    ConstexprFunctions in Triton 3.9 (about 3 us a call on the CPU VM, a tenth of chunk_fwd's host time)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1 (0 for 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_working_stages: dict[tuple, int] = {}
+
+
+def launch(kernel, grid, *args, config: LaunchConfig, **constexprs):
+    """kernel[grid](*args, **constexprs) with the config (or, under LAQAT_AUTOTUNE=1 on CUDA, the fastest
+    of a few around it: kernels/chunk/autotune.py); fewer pipeline stages on OutOfResources."""
+    if chunk_autotune.enabled():
+        config = chunk_autotune.tuner().best(
+            chunk_autotune.key_of(kernel, grid, constexprs), chunk_autotune.candidates(config),
+            lambda c: kernel[grid](*args, num_warps=c.num_warps, num_stages=c.num_stages, **constexprs))
+    key = (id(kernel), config.num_warps, tuple(sorted(constexprs.items())))
+    stages = _working_stages.get(key, config.num_stages)
+    while True:
+        try:
+            result = kernel[grid](*args, num_warps=config.num_warps, num_stages=stages, **constexprs)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _working_stages[key] = stages
+        return result

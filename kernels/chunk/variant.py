@@ -1,0 +1,75 @@
+"""The "chunk" kernel variant: generated chunked (WY) Triton kernels of GDN/KDA, forward and backward.
+
+Forward: ``chunk/fwd.py`` (intra, h, o); backward: ``chunk/bwd.py`` (forward recomputed, then
+dh, intra). Exact numerics, the Neumann solve, state / W quantization, the FP8/INT8 (row) and NVFP4
+GEMM operand sites and accumulator emulation; what else a spec asks for is refused by ``chunk_codegen.unsupported`` (the
+selection table then moves on).
+"""
+from __future__ import annotations
+
+import functools
+
+from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_bwd_module, chunk_fwd_module, max_head_k, unsupported
+from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.chunk.precision import describe
+from la_compiler.kernels.chunk.residual import residual_size
+from la_compiler.kernels.common.support import needs, not_float64, triton_runs
+from la_compiler.kernels.registry import SelectionContext, register_variant, spec_of
+from la_compiler.spec import RecurrenceSpec
+
+
+@functools.lru_cache(maxsize=256)
+def _params(spec) -> ChunkParams:
+    """ChunkParams of a spec, once per spec (8 us of host time per call otherwise)."""
+    return ChunkParams.from_spec(spec)
+
+
+def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None):
+    return chunk_fwd(_params(spec_of(spec)), q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to)
+
+
+def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, saved=None):
+    return chunk_bwd(_params(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=saved)
+
+
+def chunk_residual_size(spec, q, v, cu_seqlens) -> int:
+    return residual_size(_params(spec_of(spec)), q, v, cu_seqlens)
+
+
+def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    reason = unsupported(spec)
+    if reason:
+        return reason
+    max_k, why = max_head_k(ChunkParams.from_spec(spec))
+    return needs(
+        (ctx.head_k <= max_k, why),
+        (ctx.head_v <= 256, "head_v above 256"),
+        triton_runs(ctx),
+        not_float64(ctx),
+    )
+
+
+def detail(spec: RecurrenceSpec, ctx: SelectionContext) -> str:
+    """The chosen kernels' numerics at the input dtype (GEMM precision, intermediates)."""
+    return describe(ChunkParams.from_spec(spec), ctx.dtype)
+
+
+def source_modules(spec: RecurrenceSpec) -> dict:
+    """The forward stages and the backward stages: two generated modules."""
+    p = ChunkParams.from_spec(spec)
+    return {"forward": chunk_fwd_module(p), "backward": chunk_bwd_module(p)}
+
+
+register_variant(
+    "chunk",
+    chunk_forward,
+    chunk_backward,
+    "generated chunked (WY) Triton kernels, forward and backward (exact, Neumann solve, state and W QDQ, "
+    "FP8/INT8 row and NVFP4 GEMM operand sites, fp16/bf16 accumulator emulation)",
+    supports=supports,
+    summary="generated chunked (WY) Triton kernels: state/W/operand QDQ, accumulators, fwd + bwd",
+    residual_size=chunk_residual_size,
+    detail=detail,
+    source_modules=source_modules,
+)

@@ -1,0 +1,243 @@
+"""The "decode_fused" kernel variant: fused Triton decode-phase training, forward and backward.
+
+One program per (sequence, value head, value tile of BV columns). BV is the state codec's
+tile width, so every [K x BV] scale group (and every Hadamard-32 group) lies inside one
+program and the rounding needs no cross-program reduction. Each program runs its
+sequence token by token: the prefix exactly, then the decode suffix with the rounding of
+kernels/reference/decode.py (the numerics contract; docs/decode_phase.md), in the same order.
+
+Backward: the forward kernel, run again with ``SAVE_CKPT``, stores the state entering every
+CK-th token; the backward kernel walks the blocks in reverse, recomputes the block's states
+from its checkpoint into a per-program scratch, and then runs the reverse recurrence over
+the block (identity gradient through every rounding). dq/dk/dg/dbeta are summed over value
+tiles (and grouped heads) outside the kernel.
+
+The kernels are generated per spec: ``templates/decode_fused_kernels.tmpl`` plus module
+constants for what the spec fixes (kind, state layout, codec, readout, replay, factor
+rounding), written to and loaded from the code cache (``cache.source_of(spec)`` shows them).
+What the inputs decide (initial state, varlen) stays a ``tl.constexpr`` argument; the lengths,
+the replay window and the grid step are runtime values, so changing the phase compiles nothing.
+
+A decay grid (``decay_log_step``) does not depend on the state, so it is applied once before the
+token loops (``decay_grid_kernel``, one elementwise pass writing an fp32 copy of g) rather than in
+every step of the serial chain; its gradient is the identity, so dg needs no correction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from types import ModuleType
+
+import torch
+import triton
+
+from la_compiler.kernels.common import cache
+from la_compiler.kernels.common.codegen import module_source, render, template
+from la_compiler.kernels.common.support import needs, not_float64, triton_runs
+from la_compiler.kernels.decode.options import DecodeOptions, decode_options, decode_reason, require_lengths
+from la_compiler.kernels.registry import SelectionContext, register_variant, spec_of
+from la_compiler.spec import RecurrenceSpec
+
+TEMPLATES = "la_compiler.kernels.decode.templates"
+
+CODEC_IDS = {None: 0, "fp8_e4m3": 1, "int8": 2, "int8_h32": 3}
+FACTOR_IDS = {"none": 0, "fp8_e4m3": 1, "int8": 2}
+CHECKPOINT_EVERY = 16
+MAX_HEAD_DIM = 256
+NUM_WARPS: int | None = None  # None: 4 up to 4096 state elements per program, else 8 (benchmarks may override)
+
+
+def _num_warps(BK: int, BV: int) -> int:
+    return NUM_WARPS if NUM_WARPS is not None else (4 if BK * BV <= 4096 else 8)
+
+
+@functools.lru_cache(maxsize=1024)  # parsed once per spec, not on every launch
+def _options(spec) -> DecodeOptions:
+    return decode_options(spec)
+
+
+def unsupported_reason(spec, head_k: int, head_v: int) -> str | None:
+    if head_k > MAX_HEAD_DIM or head_v > MAX_HEAD_DIM:
+        return f"head dims above {MAX_HEAD_DIM} exceed one register tile"
+    opts = _options(spec_of(spec))
+    if opts.codec == "int8_h32" and head_v % 32:
+        return f"the int8_h32 codec needs the value head dim to be a multiple of 32, got {head_v}"
+    return None
+
+
+# ---- generation: one module per spec, from templates/decode_fused_kernels.tmpl ---------------
+@dataclasses.dataclass(frozen=True)
+class DecodeParams:
+    """What the decode kernels are specialized on (baked into the generated module as constants)."""
+
+    kind: str
+    state: str  # memory layout of h0 / ht / dht / dh0: "kv" or "vk" (V-first)
+    codec: str | None
+    readout: str
+    mode: str
+    factor: str
+
+    @classmethod
+    def from_spec(cls, spec) -> "DecodeParams":
+        spec = spec_of(spec)
+        opts = _options(spec)
+        return cls(kind=spec.kind, state=spec.state, codec=opts.codec, readout=opts.readout, mode=opts.mode,
+                   factor=opts.factor_format)
+
+    def constants(self) -> dict[str, object]:
+        return {"IS_KDA": self.kind == "kda", "STATE_VK": self.state == "vk", "CODEC": CODEC_IDS[self.codec],
+                "READ_STORED": self.readout == "stored", "REPLAY": self.mode == "replay",
+                "FACTOR": FACTOR_IDS[self.factor]}
+
+
+_DEVICE_IMPORT = ("from la_compiler.kernels.decode.device import (decayed, is_write, load_decay, round_state,\n"
+                  "                                                stored_length, token_update)\n"
+                  "from la_compiler.kernels.common.qdq import qdq_log_grid")
+
+
+def decode_source(p: DecodeParams) -> str:
+    constants = "\n".join(f"{name} = tl.constexpr({value!r})" for name, value in p.constants().items())
+    kernels = render(template(TEMPLATES, "decode_fused_kernels"), {}, where="decode_fused_kernels")
+    title = (f"Decode-phase {p.kind.upper()} kernels ({p.mode} mode, state codec {p.codec}, readout {p.readout}, "
+             f"factors {p.factor}), state layout {p.state}.")
+    return module_source(title, dataclasses.asdict(p), [_DEVICE_IMPORT, constants, kernels])
+
+
+@functools.lru_cache(maxsize=None)  # the code cache hashes the whole source: once per process and params
+def decode_module(p: DecodeParams) -> ModuleType:
+    """The loaded module with ``decode_fwd_kernel`` and ``decode_bwd_kernel`` for ``p``."""
+    return cache.load_source(f"decode_{p.kind}_{p.mode}", decode_source(p), {"family": "decode_fused",
+                                                                             **dataclasses.asdict(p)})
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+def _geometry(q, v, opts: DecodeOptions):
+    K, V = q.shape[-1], v.shape[-1]
+    BK = triton.next_power_of_2(K)
+    BV = opts.block_v if V >= opts.block_v else triton.next_power_of_2(V)
+    if opts.codec is None:
+        BV = min(BV, 64)
+    return K, V, BK, BV, triton.cdiv(V, BV)
+
+
+def _flags(initial_state, cu_seqlens):
+    return dict(USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None)
+
+
+def _check(spec, q, v, cu_seqlens, prefill_lengths, valid_lengths, n):
+    reason = unsupported_reason(spec, q.shape[-1], v.shape[-1])
+    if reason is not None:
+        raise ValueError(f"decode_fused cannot run {spec}: {reason}")
+    if prefill_lengths.numel() != n or valid_lengths.numel() != n:
+        raise ValueError(f"decode_fused: need {n} prefill/valid lengths, got {prefill_lengths.numel()}/"
+                         f"{valid_lengths.numel()}")
+
+
+def _decay_on_grid(p: DecodeParams, g, step, cu_seqlens, pre, n: int, T: int):
+    """g with the suffix tokens' log-decays rounded to the grid (fp32); g itself without a grid."""
+    if step is None:
+        return g
+    W = g[0, 0].numel()
+    out = torch.full(g.shape, float("nan"), dtype=torch.float32, device=g.device)
+    if cu_seqlens is None:
+        longest = T
+    else:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if n else 0
+    BW = triton.next_power_of_2(W)
+    BT = max(1, min(16, 4096 // BW))
+    decode_module(p).decay_grid_kernel[(triton.cdiv(max(longest, 1), BT), n)](
+        g, out, cu_seqlens if cu_seqlens is not None else pre, pre, float(step), T,
+        W=W, BT=BT, BW=BW, IS_VARLEN=cu_seqlens is not None)
+    return out
+
+
+def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, *,
+                 save_ckpt: bool):
+    spec = spec_of(spec)
+    require_lengths(spec, prefill_lengths, valid_lengths)
+    opts = _options(spec)
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    _check(spec, q, v, cu_seqlens, prefill_lengths, valid_lengths, n)
+    K, V, BK, BV, NV = _geometry(q, v, opts)
+    dev = q.device
+    pre = prefill_lengths.to(device=dev, dtype=torch.int32).contiguous()
+    val = valid_lengths.to(device=dev, dtype=torch.int32).contiguous()
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o = torch.full((B, T, HV, V), float("nan"), dtype=q.dtype, device=dev)
+    ht = torch.full((n, HV, K, V) if spec.state == "kv" else (n, HV, V, K), float("nan"), dtype=torch.float32,
+                    device=dev)
+    max_len = int(val.max().item()) if save_ckpt and n else 0
+    nck = max(triton.cdiv(max_len, CHECKPOINT_EVERY), 1)
+    ckpt = torch.empty(n * HV * NV * nck * BK * BV if save_ckpt else 1, dtype=torch.float32, device=dev)
+    cu = cu_seqlens.to(torch.int32).contiguous() if cu_seqlens is not None else pre
+    params = DecodeParams.from_spec(spec)
+    g = _decay_on_grid(params, g, opts.decay_log_step, cu if cu_seqlens is not None else None, pre, n, T)
+    decode_module(params).decode_fwd_kernel[(NV, n * HV)](
+        q, k, v, g, beta, h0 if h0 is not None else q, o, ht, ckpt, cu, pre, val,
+        float(scale), opts.window, T, nck,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=save_ckpt, STORE_O=not save_ckpt,
+        **_flags(initial_state, cu_seqlens), num_warps=_num_warps(BK, BV),
+    )
+    return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g)
+
+
+def decode_fused_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths=None,
+                         valid_lengths=None):
+    o, ht, _ = _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths,
+                            valid_lengths, save_ckpt=False)
+    return o, ht
+
+
+def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, *,
+                          prefill_lengths=None, valid_lengths=None):
+    spec = spec_of(spec)
+    _, _, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g_used) = _run_forward(
+        spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, save_ckpt=True)
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    dev = q.device
+    total = B * T
+    nan = float("nan")  # every element is written by the kernel (padding tokens with zeros)
+    dq = torch.full((NV, total, HV, K), nan, dtype=torch.float32, device=dev)
+    dk = torch.full_like(dq, nan)
+    dg = torch.full((NV, total, HV, K if spec.kind == "kda" else 1), nan, dtype=torch.float32, device=dev)
+    dbeta = torch.full((NV, total, HV), nan, dtype=torch.float32, device=dev)
+    dv = torch.full((B, T, HV, V), nan, dtype=torch.float32, device=dev)
+    dh0 = torch.full_like(initial_state, float("nan"), dtype=torch.float32) if initial_state is not None else None
+    scratch = torch.empty(n * HV * NV * CHECKPOINT_EVERY * BK * BV, dtype=torch.float32, device=dev)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    decode_module(DecodeParams.from_spec(spec)).decode_bwd_kernel[(NV, n * HV)](
+        q.contiguous(), k.contiguous(), v.contiguous(), g_used, beta.contiguous(),
+        h0 if h0 is not None else q, ckpt, scratch, cu, pre, val, do.contiguous(), dht.contiguous(),
+        dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else dq,
+        float(scale), opts.window, T, nck, total,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_flags(initial_state, cu_seqlens),
+        num_warps=_num_warps(BK, BV),
+    )
+    group = HV // H
+    dq = dq.sum(0).view(B, T, H, group, K).sum(3)
+    dk = dk.sum(0).view(B, T, H, group, K).sum(3)
+    dg = dg.sum(0).view(B, T, HV, -1)
+    dg = dg if spec.kind == "kda" else dg[..., 0]
+    dbeta = dbeta.sum(0).view(B, T, HV)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            dh0.to(initial_state.dtype) if dh0 is not None else None)
+
+
+def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
+    return (decode_reason(spec, "triton") or needs(triton_runs(ctx), not_float64(ctx))
+            or unsupported_reason(spec, ctx.head_k, ctx.head_v))
+
+
+register_variant(
+    "decode_fused",
+    decode_fused_forward,
+    decode_fused_backward,
+    "fused Triton decode-phase training kernel (token / replay), fp32 state, fwd + bwd with state checkpoints",
+    supports=supports,
+    summary="fused Triton decode-phase kernel (token / replay), fwd + bwd",
+    source_modules=lambda spec: {"forward and backward": decode_module(DecodeParams.from_spec(spec))},
+)

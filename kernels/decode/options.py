@@ -1,0 +1,137 @@
+"""The decode-phase options of a spec (``phase=token|replay`` plus its ``x.<key>`` extras).
+
+Spec encoding (the keys la_compiler/policy.py writes from a policy's ``decode:`` section;
+docs/decode_phase.md):
+
+    phase=token | replay            the suffix of every sequence runs as decode
+    q.state=<format>                the state codec: fp8_e4m3/tile<BV>, int8/tile<BV>, int8_h32/tile<BV>
+                                    (absent: the decode state is not rounded)
+    x.readout=working | stored      token output read from the unrounded or the rounded state
+    x.decay_log_step=<float>        suffix log-decays rounded to round(g/d)*d (identity gradient)
+    x.replay_window=<1..64>         replay: anchor refreshed every `window` suffix tokens
+    x.replay_factor_qdq=0 | 1       replay: the stored rank-one factors k_t, u_t rounded in the
+                                    state codec's scalar format (fp8_e4m3, or int8 for int8/int8_h32)
+    x.decode_impl=auto | triton | torch   constrains the kernel family (selection table), never numerics
+
+Unknown ``x.`` keys of a phased spec are an error, never ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from la_compiler.quant.config import QuantConfig
+from la_compiler.spec import RecurrenceSpec
+
+READOUTS = ("working", "stored")
+STATE_CODEC_FORMATS = ("fp8_e4m3", "int8", "int8_h32")
+FACTOR_FORMATS = ("none", "fp8_e4m3", "int8")
+KNOWN_EXTRAS = ("readout", "decay_log_step", "replay_window", "replay_factor_qdq", "decode_impl", "solve_impl")
+DEFAULT_BLOCK_V = 64
+
+
+class DecodeOptionsError(ValueError):
+    """A decode-phase spec option that is not valid; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    mode: str  # "token" | "replay"
+    codec: str | None = None  # state codec format ("fp8_e4m3", "int8", "int8_h32") or None = no rounding
+    block_v: int = DEFAULT_BLOCK_V  # value columns per state tile (one scale per [K x block_v] tile)
+    readout: str = "working"
+    decay_log_step: float | None = None
+    window: int = 1
+    factor_format: str = "none"
+
+    def __post_init__(self):
+        if self.mode not in ("token", "replay"):
+            raise DecodeOptionsError(f"spec phase must be 'token' or 'replay' for decode options, got {self.mode!r}")
+        if self.codec is not None and self.codec not in STATE_CODEC_FORMATS:
+            raise DecodeOptionsError(f"decode state codec must be one of {STATE_CODEC_FORMATS}, got {self.codec!r}")
+        if self.readout not in READOUTS:
+            raise DecodeOptionsError(f"spec x.readout must be one of {READOUTS}, got {self.readout!r}")
+        if self.decay_log_step is not None and not (math.isfinite(self.decay_log_step) and self.decay_log_step > 0):
+            raise DecodeOptionsError(f"spec x.decay_log_step must be a finite float > 0, got {self.decay_log_step!r}")
+        if not (1 <= self.window <= 64):
+            raise DecodeOptionsError(f"spec x.replay_window must be in 1..64, got {self.window!r}")
+        if self.factor_format not in FACTOR_FORMATS:
+            raise DecodeOptionsError(f"decode factor format must be one of {FACTOR_FORMATS}, "
+                                     f"got {self.factor_format!r}")
+        if self.mode == "token" and (self.window != 1 or self.factor_format != "none"):
+            raise DecodeOptionsError("spec x.replay_window / x.replay_factor_qdq are only for phase=replay")
+
+    @staticmethod
+    def from_spec(spec: RecurrenceSpec) -> "DecodeOptions":
+        extra = dict(spec.extra)
+        unknown = sorted(set(extra) - set(KNOWN_EXTRAS))
+        if unknown:
+            raise DecodeOptionsError(f"spec {spec}: unknown decode option(s) {['x.' + k for k in unknown]}; "
+                                     f"known: {['x.' + k for k in KNOWN_EXTRAS]}")
+        others = [site for site, _ in spec.quant if site != "state"]
+        if others or spec.acc or spec.solve != "exact":
+            what = [f"q.{s}" for s in others] + [f"acc.{s}" for s, _ in spec.acc] + (
+                [f"solve={spec.solve}"] if spec.solve != "exact" else [])
+            raise DecodeOptionsError(f"spec {spec}: decode-phase kernels round the state only; the prefix runs the "
+                                     f"exact recurrence, so {what} cannot be applied (not implemented)")
+        codec_text = spec.quant_map.get("state")
+        codec, block_v = None, DEFAULT_BLOCK_V
+        if codec_text is not None:
+            cfg = QuantConfig.parse(codec_text)
+            if cfg.format not in STATE_CODEC_FORMATS or cfg.group != "tile" or cfg.ste != "identity":
+                raise DecodeOptionsError(f"spec {spec}: the decode state codec must be one of "
+                                         f"{[f + '/tile<BV>' for f in STATE_CODEC_FORMATS]}, got {codec_text!r}")
+            codec, block_v = cfg.format, cfg.block_v
+        factor = extra.get("replay_factor_qdq", "0")
+        if factor not in ("0", "1"):
+            raise DecodeOptionsError(f"spec {spec}: x.replay_factor_qdq must be 0 or 1, got {factor!r}")
+        if factor == "1" and codec is None:
+            raise DecodeOptionsError(f"spec {spec}: x.replay_factor_qdq=1 rounds factors in the state codec's format, "
+                                     f"but the spec has no q.state")
+        if extra.get("decode_impl", "auto") not in ("auto", "triton", "torch"):
+            raise DecodeOptionsError(f"spec {spec}: x.decode_impl must be auto, triton or torch")
+        try:
+            step = extra.get("decay_log_step")
+            window = extra.get("replay_window")
+            return DecodeOptions(
+                mode=spec.phase, codec=codec, block_v=block_v, readout=extra.get("readout", "working"),
+                decay_log_step=None if step is None else float(step),
+                window=1 if window is None else int(window),
+                factor_format="none" if factor == "0" else ("fp8_e4m3" if codec == "fp8_e4m3" else "int8"),
+            )
+        except ValueError as e:
+            if isinstance(e, DecodeOptionsError):
+                raise DecodeOptionsError(f"spec {spec}: {e}") from None
+            raise DecodeOptionsError(f"spec {spec}: x.decay_log_step / x.replay_window not a number: {e}") from None
+
+
+def decode_options(spec: RecurrenceSpec) -> DecodeOptions:
+    if spec.phase not in ("token", "replay"):
+        raise DecodeOptionsError(f"spec {spec} has phase={spec.phase}; decode kernels need phase=token or replay")
+    return DecodeOptions.from_spec(spec)
+
+
+class PhaseLengthsMissing(RuntimeError):
+    """A decode variant was called without phase lengths (through the plain delta_rule op)."""
+
+
+def require_lengths(spec, prefill_lengths, valid_lengths):
+    if prefill_lengths is None or valid_lengths is None:
+        raise PhaseLengthsMissing(
+            f"spec {spec} has phase={spec.phase}: it runs through laqat::delta_rule_phased (the laqat backend's "
+            f"phase pass rewrites such nodes), not through laqat::delta_rule, which carries no phase lengths")
+
+
+def decode_reason(spec: RecurrenceSpec, implementation: str) -> str | None:
+    """What the decode-phase variants' ``supports`` share: None, or why a decode variant of this
+    implementation ("triton" | "torch") does not run ``spec``."""
+    if spec.phase == "none":
+        return "a decode-phase kernel: the spec has phase=none"
+    try:
+        decode_options(spec)
+    except DecodeOptionsError as e:
+        return str(e)
+    impl = dict(spec.extra).get("decode_impl", "auto")
+    if impl not in ("auto", implementation):
+        return f"a {implementation} kernel; the policy asks for decode.implementation={impl!r}"
+    return None

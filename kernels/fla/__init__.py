@@ -1,0 +1,1 @@
+"""FLA's own kernels as a variant (exact numerics, CUDA)."""

@@ -1,0 +1,1 @@
+"""The fused recurrent family: token-by-token Triton kernels of GDN/KDA (exact numerics)."""

@@ -1,0 +1,1 @@
+"""The fp64 torch references (recurrent, chunked, decode) and the reference variants built on them."""

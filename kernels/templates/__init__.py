@@ -1,1 +1,0 @@
-"""Generated-kernel templates, one per stage."""

@@ -4,7 +4,7 @@
         --policies "laqat exact,laqat FP8 all sites" [--warps 4,8] [--stages 1,2]
 
 The real launchers (kernels/chunk/fwd.py, chunk/bwd.py) run a training forward (keeping its residual) and its
-backward on small CPU tensors with a recorder in place of ``chunk_launch.launch``: nothing executes, and every
+backward on small CPU tensors with a recorder in place of ``chunk.launch.launch``: nothing executes, and every
 kernel they would launch is compiled by Triton for sm_90 (its bundled ptxas) with the launch's own constants,
 warps and pipeline stages, then read back with ``cuobjdump -res-usage``. ``--warps`` / ``--stages`` compile each
 kernel at other settings too. Prints a table and writes $OUT/sm90_resources.json.

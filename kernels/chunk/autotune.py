@@ -1,6 +1,6 @@
 """Opt-in autotuning of the chunk kernels' launch configurations (``LAQAT_AUTOTUNE=1``, CUDA only).
 
-Without it every launch takes ``chunk_launch.launch_config``'s table. With it, the first launch of a
+Without it every launch takes ``chunk.launch.launch_config``'s table. With it, the first launch of a
 kernel for a given (generated module, constants, grid, GPU, Triton) times a small list of
 configurations around the table's (warps 4/8 x stages 1-3, at most six), keeps the fastest and writes
 the choice to ``<LAQAT_CACHE_DIR>/autotune/chunk.json`` (atomically), so later processes skip the

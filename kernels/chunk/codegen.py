@@ -101,7 +101,7 @@ U = T diag(beta) V; A_qk = scale tril(Q K^T ⊙ Γ); T itself when STORE_T; KDA:
 h and dh stages.
 Keys are read in blocks of BK columns (the pair products are sums over key columns; W's columns are
 independent), so no program holds a full-width [C x K] tile; BK >= K where a rounded pair operand or
-the W quantizer's tile needs all columns at once (chunk_fwd.intra_key_block). KDA's exact pair
+the W quantizer's tile needs all columns at once (chunk.fwd.intra_key_block). KDA's exact pair
 products come from chunk_kda_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""'''
 SOLVE_DOC = '''"""The intra stage's first half as a kernel of its own (LAQAT_CHUNK_INTRA_SPLIT=1):
 G = cumsum(g) (GDN), A, A_qk, T = (I + A)^-1 (or Neumann), T stored in t_out for chunk_<op>_fwd_kernel_wu
@@ -138,7 +138,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "ON_W": w_qdq(p), "DECAYED_KEYS": fwd["DECAYED_KEYS"],
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra_wu")
-    # the intra stage as one kernel, or as two (LAQAT_CHUNK_INTRA_SPLIT: chunk_fwd.intra_split)
+    # the intra stage as one kernel, or as two (LAQAT_CHUNK_INTRA_SPLIT: chunk.fwd.intra_split)
     intra, intra_solve, intra_wu = (
         render(template(TEMPLATES, "chunk_fwd_intra"), {"OP": p.kind, "NAME": name, "DOC": doc, "PROGRAM": program, "BODY": body},
                where=f"chunk_fwd_{name}")

@@ -89,7 +89,7 @@ def scratch(shape, dtype, device, fill: bool | None = None) -> torch.Tensor:
 
 def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
     """Key columns the forward intra stage reads at a time (its BK): whole rows where
-    ``pairs_need_all_keys``, else ``chunk_launch.key_block``, never fewer than a W quantizer block."""
+    ``pairs_need_all_keys``, else ``chunk.launch.key_block``, never fewer than a W quantizer block."""
     if pairs_need_all_keys(p):
         return BK
     return min(BK, max(key_block(BK, FWD_KEY_BLOCK_ENV), w_block))
@@ -114,7 +114,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
     the backward's input-gradient stage loads it instead of solving again.
-    ``save_to`` (a buffer of ``chunk_residual.residual_size``): the forward also stores there what the backward
+    ``save_to`` (a buffer of ``chunk.residual.residual_size``): the forward also stores there what the backward
     keeps (T, A_qk and G or P; with LAQAT_CHUNK_KEEP_RESIDUAL=all W, U, h, V_new too). ``saved`` (such a buffer,
     filled by a forward of the same inputs): the recompute loads them and runs only the W / U half of the intra
     stage and the h stage (KDA: after its cumsum), or (all) no kernel but KDA's NVFP4 pair amaxes."""

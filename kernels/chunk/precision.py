@@ -95,7 +95,7 @@ def _gemm(a, b, PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PRECISION == "fp16":
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
-    elif PRECISION == "bf16_rounded":  # the interpreter's stand-in for "bf16" (chunk_precision.gemm_precision)
+    elif PRECISION == "bf16_rounded":  # the interpreter's stand-in for "bf16" (chunk.precision.gemm_precision)
         return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
     elif PRECISION == "fp16_rounded":
         return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")

@@ -2,7 +2,7 @@
 
 Forward: ``chunk/fwd.py`` (intra, h, o); backward: ``chunk/bwd.py`` (forward recomputed, then
 dh, intra). Exact numerics, the Neumann solve, state / W quantization, the FP8/INT8 (row) and NVFP4
-GEMM operand sites and accumulator emulation; what else a spec asks for is refused by ``chunk_codegen.unsupported`` (the
+GEMM operand sites and accumulator emulation; what else a spec asks for is refused by ``chunk.codegen.unsupported`` (the
 selection table then moves on).
 """
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_tf32_knob_keeps_fp32_intermediates(monkeypatch):
 
 
 def test_bf16_kda_backward_by_key_blocks_of_64():
-    """KDA with 16-bit GEMMs runs its key-blocked backward in blocks of 64 columns above 64 (chunk_bwd.bwd_key_block):
+    """KDA with 16-bit GEMMs runs its key-blocked backward in blocks of 64 columns above 64 (chunk.bwd.bwd_key_block):
     K = 72 pads to 128 and takes two blocks, the second partial; every gradient at FLA's bars."""
     from la_compiler.kernels.chunk.bwd import bwd_key_block
 

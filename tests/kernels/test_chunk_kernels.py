@@ -218,7 +218,7 @@ def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extr
 
 def test_gdn_whole_row_backward_by_value_blocks_of_32():
     """GDN's backward intra stage over whole key rows (a key-side operand site rounds: one key block) steps
-    through V in blocks of 32 (chunk_launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a
+    through V in blocks of 32 (chunk.launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a
     masked partial one. Every gradient against fp64 autograd of the rounding reference, packed sequences."""
     from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
     from la_compiler.kernels.chunk.launch import GDN_WHOLE_ROW_BWD_VALUE_BLOCK
@@ -432,7 +432,7 @@ def test_selection_row_takes_only_what_the_kernels_implement():
 @pytest.mark.parametrize("max_range", [-1.0, 40.0], ids=["rows", "dots"])
 def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
     """KDA's exact pair kernels take a diagonal sub-chunk block through its first real row (tensor-core dots)
-    when its decay range is at most chunk_codegen.DIAG_DOT_MAX_RANGE, else row by row: each form alone
+    when its decay range is at most chunk.codegen.DIAG_DOT_MAX_RANGE, else row by row: each form alone
     (-1 forces rows everywhere; at 40 these inputs' blocks all go by dots), forward and every gradient."""
     from la_compiler.kernels.chunk import codegen as chunk_codegen
 

@@ -7,7 +7,7 @@
     decode/      fused Triton kernels of decode-phase training
     reference/   the fp64 torch references and the variants built on them
     fla/         FLA's own kernels as a variant
-    registry.py  kernel variants: entry points, what each supports, its generated modules
+    registry.py  kernel variants: entry points, what each supports, the modules it runs
     selection.py the order in which the registered variants are tried
     sources.py   what a spec runs, for people reading it
 
@@ -17,6 +17,6 @@ the families (docs/architecture.md, "Layers").
 from la_compiler.kernels.chunk import variant as _chunk  # noqa: F401
 from la_compiler.kernels.decode import fused as _decode_fused  # noqa: F401
 from la_compiler.kernels.fla import chunk_variant as _fla_chunk  # noqa: F401
-from la_compiler.kernels.recurrent import fused_recurrent as _fused_recurrent  # noqa: F401
+from la_compiler.kernels.recurrent import variant as _fused_recurrent  # noqa: F401
 from la_compiler.kernels.reference import decode_variant as _decode_reference  # noqa: F401
 from la_compiler.kernels.reference import variant as _reference  # noqa: F401

@@ -1,8 +1,8 @@
 """Kernel variants: named implementations of one laqat recurrence node, each with what it supports.
 
 A variant is what the lower pass writes into a spec's ``kernel=`` field. It carries its entry points, the
-condition under which it computes a spec exactly as NUMERICS.md defines it, and (for the families that
-generate Triton source per spec) the modules it runs. The kernel families register their variants from
+condition under which it computes a spec exactly as NUMERICS.md defines it, and (for the Triton families) the
+modules its kernels live in. The kernel families register their variants from
 ``kernels/__init__.py``; the selection table (``kernels/selection.py``) orders the registered variants and
 imports no family.
 
@@ -11,7 +11,9 @@ imports no family.
         -> (dq, dk, dv, dg, dbeta, dh0 or None)
     supports(spec, ctx: SelectionContext) -> None (it computes the spec on ctx) | why not
     detail(spec, ctx) -> str               what a chosen variant adds to its selection reason (optional)
-    source_modules(spec) -> {role: module} the generated modules a spec runs (optional; ``kernels/sources.py``)
+    source_modules(spec) -> {role: module} the modules a spec runs, generated or not (optional; kernels/sources.py)
+    constexprs(spec) -> {name: value}      the ``tl.constexpr`` values a spec fixes of kernels that are not
+                                           generated per spec (optional; a generated module holds its own)
 
 A variant that keeps work for its backward also gives ``residual_size(spec, q, v, cu_seqlens) -> int`` (elements
 of an fp32 buffer; 0 where a spec keeps nothing); its forward then takes ``save_to=`` (the buffer to
@@ -57,6 +59,7 @@ class KernelVariant:
     residual_size: Callable | None = None
     detail: Callable[[RecurrenceSpec, SelectionContext], str] | None = None
     source_modules: Callable[[RecurrenceSpec], dict[str, ModuleType]] | None = None
+    constexprs: Callable[[RecurrenceSpec], dict[str, object]] | None = None
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
@@ -73,11 +76,12 @@ _VARIANTS: dict[str, KernelVariant] = {}
 
 def register_variant(name: str, forward: Callable, backward: Callable, description: str, *, supports: Supports,
                      summary: str, implementation: str = "triton", residual_size: Callable | None = None,
-                     detail: Callable | None = None, source_modules: Callable | None = None) -> KernelVariant:
+                     detail: Callable | None = None, source_modules: Callable | None = None,
+                     constexprs: Callable | None = None) -> KernelVariant:
     if name in _VARIANTS:
         raise ValueError(f"kernel variant {name!r} is registered twice")
     variant = KernelVariant(name, forward, backward, description, supports, summary, implementation,
-                            residual_size, detail, source_modules)
+                            residual_size, detail, source_modules, constexprs)
     _VARIANTS[name] = variant
     return variant
 

@@ -1,4 +1,4 @@
-"""The ``laqat`` command line: look at specs, kernel variants, the selection table and generated kernels.
+"""The ``laqat`` command line: look at specs, kernel variants, the selection table and the kernels a spec runs.
 
     laqat spec 'gdn[src=fla; state=kv; q.state=fp8_e4m3/tile64]'
     laqat kernels
@@ -48,18 +48,26 @@ def _cmd_kernels(args) -> int:
 
 def _cmd_source(args) -> int:
     from la_compiler.kernels.common.codegen import CodegenError
-    from la_compiler.kernels.sources import paths_of_spec
+    from la_compiler.kernels.sources import constexprs_of_spec, paths_of_spec
 
     try:
         paths = paths_of_spec(args.spec)
+        constexprs = constexprs_of_spec(args.spec)
     except (CodegenError, ValueError) as e:
         print(f"laqat source: {e}", file=sys.stderr)
         return 2
+    # kernels not generated per spec: the spec's choices are these constexpr values, not the file's text
+    values = ", ".join(f"{name}={value!r}" for name, value in constexprs.items())
     for role, path in paths.items():
         if args.paths:
             print(f"{role}: {path}")
+        elif constexprs:
+            print(f"# ---- {role}: {path}\n# specialized by the spec with tl.constexpr {values} "
+                  f"(the inputs fix the other flags at launch)\n{path.read_text()}")
         else:
             print(f"# ---- {role}: {path}\n{path.read_text()}")
+    if args.paths and constexprs:
+        print(f"constexpr: {values}")
     return 0
 
 
@@ -71,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_spec)
     p = sub.add_parser("kernels", help="list kernel variants and the selection table")
     p.set_defaults(fn=_cmd_kernels)
-    p = sub.add_parser("source", help="generate (or find in the cache) the Triton kernels a spec runs and print them")
-    p.add_argument("spec", help="a spec string whose kernel= names a generated family (chunk, fused_recurrent, "
+    p = sub.add_parser("source", help="print the Triton kernels a spec runs (generated or found in the cache for "
+                                      "chunk and decode_fused; fused_recurrent's file and its constexpr values)")
+    p.add_argument("spec", help="a spec string whose kernel= names a Triton family (chunk, fused_recurrent, "
                                 "decode_fused)")
-    p.add_argument("--paths", action="store_true", help="print only the cached files, one per module")
+    p.add_argument("--paths", action="store_true", help="print only the files, one per module (and the "
+                                                        "constexpr values the spec fixes, if any)")
     p.set_defaults(fn=_cmd_source)
     args = parser.parse_args(argv)
     return args.fn(args)

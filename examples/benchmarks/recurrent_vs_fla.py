@@ -1,11 +1,11 @@
-"""The generated fused recurrent kernels against FLA's, on CUDA: equality and timing.
+"""The fused recurrent kernels against FLA's, on CUDA: equality and timing.
 
     OUT=./out python examples/benchmarks/recurrent_vs_fla.py [--quick]
 
 1. exactness on the GPU: fp32 forward and every gradient of small cases (varlen, grouped heads,
    initial state, both state layouts) against the fp64 reference (relative L2 <= 1e-5);
 2. at [B, T, H, D] = [1, 1024, 4, 64] and [1, 4096, 16, 128] (bf16, BASELINES.md's inputs):
-   the generated kernel vs FLA's fused_recurrent_gated_delta_rule / fused_recurrent_kda forward
+   the fused recurrent kernel vs FLA's fused_recurrent_gated_delta_rule / fused_recurrent_kda forward
    (and vs FLA's chunk kernels), relative L2 of o and the final state, and
    triton.testing.do_bench medians of forward and forward+backward.
 Prints a table and writes $OUT/recurrent_vs_fla.json. Works without ``pip install -e .``
@@ -25,8 +25,8 @@ ensure_la_compiler()
 
 from triton.testing import do_bench  # noqa: E402
 
-from la_compiler.kernels.common import cache  # noqa: E402
-from la_compiler.kernels.recurrent.codegen import FusedRecurrentParams  # noqa: E402
+from la_compiler.kernels.recurrent import fused_recurrent  # noqa: E402
+from la_compiler.kernels.recurrent.params import FusedRecurrentParams  # noqa: E402
 from la_compiler.kernels.recurrent.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd  # noqa: E402
 from la_compiler.kernels.reference.recurrent import delta_rule_reference  # noqa: E402
 
@@ -164,7 +164,7 @@ def main():
                   f" {row['ms_fwd_fla_chunk']:13.3f} {row['ms_fwd_bwd_laqat']:10.3f}"
                   f" {('%.3f' % chunk_fb) if chunk_fb else 'blocked':>13}"
                   f" {row['rel_l2_o_vs_fla_recurrent']:12.2e} {row['rel_l2_o_vs_fla_chunk']:10.2e}")
-    result["generated_files"] = [str(m.__file__) for m in cache.loaded_modules().values()]
+    result["kernel_file"] = fused_recurrent.__file__
     path = out / "recurrent_vs_fla.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {path}")

@@ -1,13 +1,19 @@
-"""The generated fused recurrent kernels against the fp64 reference: forward and every gradient."""
+"""The fused recurrent kernels against the fp64 reference (forward and every gradient), and what a spec
+fixes of them: the constexpr flags, shown by ``laqat source``."""
 import dataclasses
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from la_compiler.kernels.common.codegen import CodegenError
-from la_compiler.kernels.recurrent.codegen import FusedRecurrentParams
+from la_compiler.kernels import sources
+from la_compiler.kernels.common import cache
+from la_compiler.kernels.recurrent import fused_recurrent
 from la_compiler.kernels.recurrent.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd
+from la_compiler.kernels.recurrent.params import FusedRecurrentParams
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from tests.helpers import assert_close_rel
 
@@ -93,7 +99,7 @@ def test_fused_recurrent_matches_reference(c):
         assert grads[5] is None
 
 
-def test_ir_op_runs_the_generated_kernel_forward_and_backward():
+def test_ir_op_runs_the_fused_recurrent_kernel_forward_and_backward():
     import la_compiler.ir  # noqa: F401  (registers torch.ops.laqat)
 
     c = Case("kda", "kv", B=1, T=7, H=1, HV=2, K=8, V=8, cu_seqlens=(0, 3, 7))
@@ -112,6 +118,58 @@ def test_ir_op_runs_the_generated_kernel_forward_and_backward():
     assert_close_rel(ht, rht, EXACT_FP32, "final state")
     for name, x, r in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], leaves, ref_leaves):
         assert_close_rel(x.grad, r.grad, EXACT_FP32, name)
+
+
+SPEC = "{kind}[src=user; layout=bthd; state={state}; chunk=64; solve=exact; phase=none; kernel=fused_recurrent]"
+KERNEL_FILE = Path(fused_recurrent.__file__)
+
+
+def test_spec_fixes_the_constexpr_flags_of_the_package_kernels(tmp_path, monkeypatch):
+    """One module for every spec, the package's own file (nothing generated, nothing cached); what a spec
+    fixes are the IS_KDA / STATE_V_FIRST constexpr values its launches pass."""
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    assert KERNEL_FILE.parts[-2:] == ("recurrent", "fused_recurrent.py")
+    for kind in ("gdn", "kda"):
+        for state in ("kv", "vk"):
+            spec = SPEC.format(kind=kind, state=state)
+            assert sources.kernel_modules_for_spec(spec) == {"forward and backward": fused_recurrent}
+            assert sources.constexprs_of_spec(spec) == {"IS_KDA": kind == "kda", "STATE_V_FIRST": state == "vk"}
+            assert FusedRecurrentParams.from_spec(spec).constexprs() == sources.constexprs_of_spec(spec)
+    # a spec field the kernels do not depend on (src, chunk) fixes the same values
+    gdn_kv = SPEC.format(kind="gdn", state="kv")
+    assert sources.constexprs_of_spec(gdn_kv.replace("src=user", "src=fla").replace("chunk=64", "chunk=32")) == \
+        sources.constexprs_of_spec(gdn_kv)
+    assert not sources.is_generated(fused_recurrent) and sources.path_of(gdn_kv) == KERNEL_FILE
+    assert sources.source_of(gdn_kv) == KERNEL_FILE.read_text()
+    for kernel in (fused_recurrent.fused_recurrent_fwd_kernel, fused_recurrent.fused_recurrent_bwd_kernel):
+        assert inspect.getsourcefile(kernel.fn) == str(KERNEL_FILE)
+        assert {"IS_KDA", "STATE_V_FIRST"} <= set(inspect.signature(kernel.fn).parameters)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_laqat_source_prints_the_kernel_file_and_its_constexpr_values(capsys):
+    from la_compiler.cli import main
+
+    spec = SPEC.format(kind="kda", state="vk")
+    assert main(["source", spec, "--paths"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"forward and backward: {KERNEL_FILE}",
+                                                   "constexpr: IS_KDA=True, STATE_V_FIRST=True"]
+    assert main(["source", SPEC.format(kind="gdn", state="kv")]) == 0
+    out = capsys.readouterr().out
+    header, flags = out.splitlines()[:2]
+    assert header == f"# ---- forward and backward: {KERNEL_FILE}"
+    assert flags.startswith("# specialized by the spec with tl.constexpr IS_KDA=False, STATE_V_FIRST=False")
+    assert KERNEL_FILE.read_text() in out
+    assert "def fused_recurrent_fwd_kernel(" in out and "def fused_recurrent_bwd_kernel(" in out
+    assert main(["source", spec.replace("]", "; q.state=fp8_e4m3/tile64]")]) == 2
+    assert "exact numerics only" in capsys.readouterr().err
+
+
+def test_params_are_validated():
+    with pytest.raises(CodegenError, match="kind"):
+        FusedRecurrentParams("gla", "kv")
+    with pytest.raises(CodegenError, match="state layout"):
+        FusedRecurrentParams("gdn", "kk")
 
 
 def test_non_exact_spec_is_refused():

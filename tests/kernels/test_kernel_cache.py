@@ -8,10 +8,12 @@ import pytest
 from la_compiler.kernels.common import cache
 from la_compiler.kernels import sources
 from la_compiler.kernels.common.codegen import CodegenError, render
-from la_compiler.kernels.recurrent.codegen import FusedRecurrentParams, fused_recurrent_source
-from la_compiler.kernels.sources import generated_module_for_spec
+from la_compiler.kernels.decode.fused import DecodeParams, decode_source
+from la_compiler.kernels.sources import kernel_module_for_spec
 
 SPEC = "{kind}[src=user; layout=bthd; state={state}; chunk=64; solve=exact; phase=none; kernel=fused_recurrent]"
+DECODE_SPEC = ("{kind}[src=user; layout=bthd; state={state}; chunk=64; solve=exact; phase=token; kernel=decode_fused; "
+               "q.state=fp8_e4m3/tile16]")
 
 
 def _source(tag: str) -> str:
@@ -65,22 +67,26 @@ def test_key_covers_source_params_and_versions(monkeypatch):
 
 def test_generated_module_per_spec(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
-    gdn_kv = generated_module_for_spec(SPEC.format(kind="gdn", state="kv"))
-    others = [generated_module_for_spec(SPEC.format(kind=k, state=s)) for k, s in (("kda", "kv"), ("gdn", "vk"))]
+    gdn_kv = kernel_module_for_spec(DECODE_SPEC.format(kind="gdn", state="kv"))
+    others = [kernel_module_for_spec(DECODE_SPEC.format(kind=k, state=s)) for k, s in (("kda", "kv"), ("gdn", "vk"))]
     keys = {m.__laqat_key__ for m in [gdn_kv, *others]}
     assert len(keys) == 3 and len({cache.path_of(m) for m in [gdn_kv, *others]}) == 3
+    assert all(cache.path_of(m).is_relative_to(tmp_path) and sources.is_generated(m) for m in [gdn_kv, *others])
     # a spec field the kernel does not depend on (src, chunk) gives the same module
-    assert generated_module_for_spec(SPEC.format(kind="gdn", state="kv").replace("src=user", "src=fla")) is gdn_kv
-    text = sources.source_of(SPEC.format(kind="gdn", state="kv"))
-    assert text == fused_recurrent_source(FusedRecurrentParams("gdn", "kv"))
-    assert "def fused_recurrent_fwd_kernel" in text and "def fused_recurrent_bwd_kernel" in text
-    assert "tl.exp(b_g)[:, None]" in cache.source_of(others[0]) and "tl.exp(b_g)[:, None]" not in text
-    assert inspect.getsourcefile(gdn_kv.fused_recurrent_fwd_kernel.fn) == str(cache.path_of(gdn_kv))
+    assert kernel_module_for_spec(DECODE_SPEC.format(kind="gdn", state="kv").replace("src=user", "src=fla")) is gdn_kv
+    text = sources.source_of(DECODE_SPEC.format(kind="gdn", state="kv"))
+    assert text == decode_source(DecodeParams.from_spec(DECODE_SPEC.format(kind="gdn", state="kv")))
+    assert "def decode_fwd_kernel" in text and "def decode_bwd_kernel" in text
+    assert "IS_KDA = tl.constexpr(True)" in cache.source_of(others[0]) and "IS_KDA = tl.constexpr(False)" in text
+    assert inspect.getsourcefile(gdn_kv.decode_fwd_kernel.fn) == str(cache.path_of(gdn_kv))
+    assert sources.constexprs_of_spec(DECODE_SPEC.format(kind="gdn", state="kv")) == {}  # in the source instead
 
 
-def test_spec_without_a_generated_family_is_refused():
-    with pytest.raises(CodegenError, match="not a generated kernel family"):
-        generated_module_for_spec(SPEC.format(kind="gdn", state="kv").replace("fused_recurrent", "reference"))
+def test_spec_without_kernel_source_is_refused():
+    with pytest.raises(CodegenError, match="names no Triton kernel family"):
+        kernel_module_for_spec(SPEC.format(kind="gdn", state="kv").replace("fused_recurrent", "reference"))
+    with pytest.raises(CodegenError, match="names no Triton kernel family"):
+        sources.constexprs_of_spec(SPEC.format(kind="gdn", state="kv").replace("fused_recurrent", "reference"))
 
 
 def test_render_checks_placeholders():
@@ -95,23 +101,16 @@ def test_render_checks_placeholders():
         render("y = ${E}", {"E": "1\n2"})
 
 
-def test_params_are_validated():
-    with pytest.raises(CodegenError, match="kind"):
-        FusedRecurrentParams("gla", "kv")
-    with pytest.raises(CodegenError, match="state layout"):
-        FusedRecurrentParams("gdn", "kk")
-
-
 def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsys):
     """The chunk family's forward and backward stages are two modules: both reachable from the spec, both
     printed by ``laqat source``; a spec the kernels cannot run is refused by name."""
     from la_compiler.cli import main
-    from la_compiler.kernels.sources import generated_modules_for_spec
+    from la_compiler.kernels.sources import kernel_modules_for_spec
 
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
     spec = "kda[src=user; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=chunk; " \
            "q.state=int8/tile32]"
-    modules = generated_modules_for_spec(spec)
+    modules = kernel_modules_for_spec(spec)
     assert list(modules) == ["forward", "backward"]
     assert hasattr(modules["forward"], "chunk_kda_fwd_kernel_h") and hasattr(modules["backward"], "chunk_kda_bwd_kernel_dh")
     paths = sources.paths_of_spec(spec)

@@ -8,7 +8,7 @@ import torch
 
 import la_compiler
 import la_compiler.backend
-from la_compiler.kernels.recurrent.fused_recurrent import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA
+from la_compiler.kernels.recurrent.variant import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA
 from la_compiler.kernels.selection import select_kernel
 from la_compiler.passes.annotate import NothingQuantizedWarning, UnmatchedPolicyRuleWarning
 from la_compiler.spec import RecurrenceSpec

@@ -137,8 +137,8 @@ def test_families_are_registered_from_the_kernels_package():
     assert {name.split(".")[2] for name in registering} == set(FAMILIES)
 
 
-def test_tracked_text_says_nothing_of_sessions():
-    """Project text speaks of the project: no tracked file mentions a work session."""
+def test_tracked_text_speaks_of_the_project_only():
+    """Project text speaks of the project: no tracked file names the periods of work behind it."""
     out = subprocess.run(["git", "grep", "-il", "sess" + "ion"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode in (0, 1), out.stderr
     assert out.stdout.split() == []

@@ -1,0 +1,241 @@
+"""vLLM 0.33.0's GDN / KDA serving kernels, loaded from its wheel: the oracle of the parity tests.
+
+Nothing of vLLM is in this repository. ``load()`` fetches the wheel with ``pip download --no-deps``
+into a cache directory outside the repository (``$LAQAT_TEST_CACHE`` or ``~/.cache/laqat-test``, then
+``vllm-0.33.0/``; a wheel already there is reused), extracts only the kernel files below, writes a
+minimal fake ``vllm`` package around them (the few names those files import: ``current_platform``,
+``triton_utils``, two helpers of ``vllm.utils``) and imports them with that directory on ``sys.path``
+only while importing. The modules keep their own file names, so Triton reads the kernels' source
+from the extracted files.
+
+Two things differ from running inside vLLM, neither of them arithmetic:
+- autotuned kernels run their first config, as vLLM's ``VLLM_TRITON_FORCE_FIRST_CONFIG=1`` does;
+- under ``TRITON_INTERPRET=1`` two source edits let Triton's interpreter run the files: in FLA's
+  state kernel ``i_t.to(tl.int64)`` on a loop index becomes ``tl.cast(i_t, tl.int64)`` (the
+  interpreter's loop index is a Python int, which has no ``.to``), and ``op.py``'s aliases
+  ``exp = tl.exp`` (and exp2, log, log2) become ``@triton.jit`` functions that call them (the
+  interpreter patches ``tl``'s functions at launch, which a module-level alias does not see). Both
+  compute the same operations. Compiled for a GPU, the files run unedited.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+VERSION = "0.33.0"
+FLA_OPS = "vllm/third_party/flash_linear_attention/ops"
+KDA_OPS = "vllm/models/kimi_k3/nvidia/ops/third_party/kda"
+KERNEL_FILES = tuple(
+    [f"{FLA_OPS}/{name}.py" for name in (
+        "chunk", "chunk_delta_h", "chunk_o", "chunk_scaled_dot_kkt", "cumsum", "fused_gdn_prefill_post_conv",
+        "fused_recurrent", "index", "l2norm", "op", "solve_tril", "utils", "wy_fast")]
+    + [f"{KDA_OPS}/{name}.py" for name in ("chunk", "chunk_intra", "chunk_intra_token_parallel",
+                                             "fused_recurrent")]
+    + ["vllm/utils/math_utils.py"])
+# Packages whose __init__ is replaced by an empty one (theirs import the rest of vLLM).
+PACKAGES = ("vllm", "vllm/third_party", "vllm/third_party/flash_linear_attention", FLA_OPS, "vllm/models",
+            "vllm/models/kimi_k3", "vllm/models/kimi_k3/nvidia", "vllm/models/kimi_k3/nvidia/ops",
+            "vllm/models/kimi_k3/nvidia/ops/third_party", KDA_OPS, "vllm/utils")
+_ALIASES = "    exp = tl.exp\n    exp2 = tl.exp2\n    log = tl.log\n    log2 = tl.log2\n"
+_JIT_ALIASES = "".join(f"    @triton.jit\n    def {name}(x):\n        return tl.{name}(x)\n\n"
+                       for name in ("exp", "exp2", "log", "log2"))
+INTERPRETER_EDITS = {
+    f"{FLA_OPS}/chunk_delta_h.py": [("i_t.to(tl.int64)", "tl.cast(i_t, tl.int64)")],
+    f"{FLA_OPS}/op.py": [(_ALIASES, _JIT_ALIASES)],
+}
+
+STUBS = {
+    "vllm/platforms/__init__.py": '''"""Stand-in for vllm.platforms: the questions the kernel files ask of the device."""
+import torch
+
+
+class _Platform:
+    def is_cuda(self):
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_cuda_alike(self):
+        return torch.cuda.is_available()
+
+    def is_rocm(self):
+        return torch.cuda.is_available() and torch.version.hip is not None
+
+    def is_xpu(self):
+        return False
+
+    def _capability(self, device_id=None):
+        if not self.is_cuda():
+            return None
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return major * 10 + minor
+
+    def is_device_capability(self, capability, device_id=None):
+        return self._capability(device_id) == capability
+
+    def is_device_capability_family(self, capability, device_id=None):
+        found = self._capability(device_id)
+        return found is not None and found // 10 == capability // 10
+
+    def has_device_capability(self, capability, device_id=None):
+        found = self._capability(device_id)
+        return found is not None and found >= capability
+
+    def is_arch_support_pdl(self):
+        return False  # programmatic dependent launch orders launches; it computes nothing
+
+
+current_platform = _Platform()
+''',
+    "vllm/triton_utils/__init__.py": '''"""Stand-in for vllm.triton_utils: Triton itself."""
+import triton
+import triton.language as tl
+import triton.language.extra.libdevice as tldevice
+''',
+    "vllm/utils/gpu_sync_debug.py": '''"""Stand-in: vLLM's GPU-sync checker is off unless configured."""
+import contextlib
+
+
+def gpu_sync_allowed(first_only=False):
+    return contextlib.nullcontext()
+''',
+    "vllm/utils/torch_utils.py": '''"""Stand-in: async_tensor_h2d without pinned memory (the same values)."""
+import torch
+
+
+def async_tensor_h2d(data, device=None, dtype=None, out=None):
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    return t.to(device=device, dtype=dtype or t.dtype)
+''',
+}
+
+
+class OracleUnavailable(RuntimeError):
+    """The oracle cannot be loaded (a wheel without an expected file, another vllm imported already)."""
+
+
+class IndexUnreachable(OracleUnavailable):
+    """The vLLM wheel is not cached and ``pip download`` could not fetch it (the package index cannot be reached)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LAQAT_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "laqat-test")
+    return Path(root) / f"vllm-{VERSION}"
+
+
+def _wheel_in(directory: Path) -> Path | None:
+    found = sorted(directory.glob(f"vllm-{VERSION}-*.whl"))
+    return found[0] if found else None
+
+
+def fetch_wheel(directory: Path) -> Path:
+    """The cached wheel, or one downloaded now (``pip download vllm==0.33.0 --no-deps``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = _wheel_in(directory)
+    if wheel is not None:
+        return wheel
+    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={VERSION}", "--no-deps", "--only-binary=:all:",
+           "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "-d", str(directory),
+           "--disable-pip-version-check", "-q"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise IndexUnreachable(f"pip download vllm=={VERSION} did not finish: {e}") from None
+    wheel = _wheel_in(directory)
+    if done.returncode != 0 or wheel is None:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise IndexUnreachable(f"pip download vllm=={VERSION} failed (the package index cannot be reached?): "
+                                + " | ".join(tail))
+    return wheel
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def extract(wheel: Path, root: Path) -> Path:
+    """The kernel files and the stubs under ``root/<tag>``; the tag names the wheel and the edits."""
+    edits = INTERPRETER_EDITS if _interpreting() else {}
+    tag = hashlib.sha256(repr((wheel.name, wheel.stat().st_size, KERNEL_FILES, sorted(edits.items()),
+                               sorted(STUBS.items()))).encode()).hexdigest()[:12]
+    src = root / f"src-{tag}"
+    if (src / ".complete").exists():
+        return src
+    tmp = root / f"src-{tag}.tmp-{os.getpid()}"
+    with zipfile.ZipFile(wheel) as z:
+        for name in KERNEL_FILES:
+            text = z.read(name).decode()
+            for old, new in edits.get(name, ()):
+                if old not in text:
+                    raise OracleUnavailable(f"{name}: expected {old!r} to edit for the interpreter")
+                text = text.replace(old, new)
+            _write(tmp / name, text)
+    for package in PACKAGES + ("vllm/platforms", "vllm/triton_utils"):
+        if not (tmp / package / "__init__.py").exists():
+            _write(tmp / package / "__init__.py", '"""Empty: the kernel files are imported one by one."""\n')
+    for name, text in STUBS.items():
+        _write(tmp / name, text)
+    (tmp / ".complete").write_text(wheel.name)
+    try:
+        tmp.rename(src)
+    except OSError:  # another process extracted the same tag first
+        pass
+    return src
+
+
+def _write(path: Path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@contextlib.contextmanager
+def _on_path(src: Path):
+    clash = [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+    if clash and not str(getattr(sys.modules["vllm"], "__file__", "")).startswith(str(src)):
+        raise OracleUnavailable(f"another vllm is imported already ({sys.modules['vllm']}); the oracle needs "
+                                f"its own stub package")
+    sys.path.insert(0, str(src))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(src))
+
+
+def _first_config_only(module):
+    """Autotuned kernels of ``module`` keep their first config (vLLM's VLLM_TRITON_FORCE_FIRST_CONFIG)."""
+    import triton
+
+    for value in vars(module).values():
+        while isinstance(value, triton.runtime.KernelInterface):  # heuristics wrap autotuners wrap kernels
+            if isinstance(value, triton.runtime.Autotuner) and len(value.configs) > 1:
+                value.configs = value.configs[:1]
+            value = getattr(value, "fn", None)
+
+
+_loaded: SimpleNamespace | None = None
+
+
+def load() -> SimpleNamespace:
+    """The oracle's modules: ``gdn_chunk``, ``gdn_recurrent``, ``gdn_post_conv``, ``kda_chunk``,
+    ``kda_recurrent`` (vLLM's own files) and ``src`` (where they were extracted)."""
+    global _loaded
+    if _loaded is None:
+        root = cache_dir()
+        src = extract(fetch_wheel(root), root)
+        names = {"gdn_chunk": f"{FLA_OPS}/chunk", "gdn_recurrent": f"{FLA_OPS}/fused_recurrent",
+                 "gdn_post_conv": f"{FLA_OPS}/fused_gdn_prefill_post_conv", "kda_chunk": f"{KDA_OPS}/chunk",
+                 "kda_recurrent": f"{KDA_OPS}/fused_recurrent"}
+        modules = {}
+        with _on_path(src):
+            for key, path in names.items():
+                modules[key] = importlib.import_module(path.replace("/", "."))
+            for name, module in list(sys.modules.items()):
+                if name.startswith("vllm."):
+                    _first_config_only(module)
+        _loaded = SimpleNamespace(src=src, **modules)
+    return _loaded

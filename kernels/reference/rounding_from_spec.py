@@ -22,6 +22,7 @@ import torch
 
 from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.quant import QuantConfig, fake_quant
+from la_compiler.quant import formats as F
 from la_compiler.spec import RecurrenceSpec
 
 ACC_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

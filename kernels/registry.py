@@ -15,6 +15,10 @@ imports no family.
     constexprs(spec) -> {name: value}      the ``tl.constexpr`` values a spec fixes of kernels that are not
                                            generated per spec (optional; a generated module holds its own)
 
+A variant lists the numerics options it applies (``numerics``: ``la_compiler.options.NumericsOptions`` field
+names); a spec that sets another (``n.<name>``) is refused for it before its ``supports`` is asked
+(``unapplied_numerics``), by the selection table and where a spec names the variant itself.
+
 A variant that keeps work for its backward also gives ``residual_size(spec, q, v, cu_seqlens) -> int`` (elements
 of an fp32 buffer; 0 where a spec keeps nothing); its forward then takes ``save_to=`` (the buffer to
 fill) and its backward ``saved=`` (the filled buffer). Training graphs call it through
@@ -60,11 +64,20 @@ class KernelVariant:
     detail: Callable[[RecurrenceSpec, SelectionContext], str] | None = None
     source_modules: Callable[[RecurrenceSpec], dict[str, ModuleType]] | None = None
     constexprs: Callable[[RecurrenceSpec], dict[str, object]] | None = None
+    numerics: tuple[str, ...] = ()  # the NumericsOptions fields it applies
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"kernel variant {self.name!r}: implementation must be one of {IMPLEMENTATIONS}, "
                              f"got {self.implementation!r}")
+
+    def unapplied_numerics(self, spec: RecurrenceSpec) -> str | None:
+        """Why it cannot run ``spec``'s numerics options (n.<name> fields it does not apply), else None."""
+        unapplied = [f"n.{key}={value}" for key, value in spec.numerics if key not in self.numerics]
+        if not unapplied:
+            return None
+        applies = f"it applies only {['n.' + key for key in self.numerics]}" if self.numerics else "it applies none"
+        return f"the numerics options {unapplied} are not {self.name}'s ({applies})"
 
     def residual_numel(self, spec, q, v, cu_seqlens) -> int:
         """Elements of the fp32 residual its forward keeps for its backward (0: none)."""
@@ -77,11 +90,11 @@ _VARIANTS: dict[str, KernelVariant] = {}
 def register_variant(name: str, forward: Callable, backward: Callable, description: str, *, supports: Supports,
                      summary: str, implementation: str = "triton", residual_size: Callable | None = None,
                      detail: Callable | None = None, source_modules: Callable | None = None,
-                     constexprs: Callable | None = None) -> KernelVariant:
+                     constexprs: Callable | None = None, numerics: tuple[str, ...] = ()) -> KernelVariant:
     if name in _VARIANTS:
         raise ValueError(f"kernel variant {name!r} is registered twice")
     variant = KernelVariant(name, forward, backward, description, supports, summary, implementation,
-                            residual_size, detail, source_modules, constexprs)
+                            residual_size, detail, source_modules, constexprs, tuple(numerics))
     _VARIANTS[name] = variant
     return variant
 

@@ -62,7 +62,7 @@ def select_kernel(spec: RecurrenceSpec, *, device: str, dtype: torch.dtype, head
         elif family is not None and variant.implementation != family:
             why_not = f"a {variant.implementation} kernel; the policy asks for implementation={family!r}"
         else:
-            why_not = variant.supports(spec, ctx)
+            why_not = variant.unapplied_numerics(spec) or variant.supports(spec, ctx)
         if why_not is None:
             reason = variant.summary + (" (requested by the policy)" if requested or family else "")
             if variant.detail is not None:

@@ -1,11 +1,12 @@
 """The ``laqat`` torch.compile backend.
 
     torch.compile(model, backend="laqat", options={"policy": ..., "compiler": "inductor" | "eager",
-                                                   "verify": False})
+                                                   "verify": False, "tuning": {...}})
 
 Without a ``policy`` option (or with None) a graph gets the policy attached to the compiled module
 (``la_compiler.attach_policy``; also when a bound method such as ``model.loss`` is compiled), else exact
-numerics.
+numerics. ``tuning`` (``la_compiler.options.TuningOptions`` fields: how the chunk kernels launch and what they
+keep for the backward) goes into every node's spec (docs/options.md).
 
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
@@ -21,6 +22,7 @@ import torch
 from la_compiler.ddp_buckets import check_pieces
 from la_compiler.errors import is_laqat_error, through_dynamo
 from la_compiler.module_specialize import ModuleSpecializedGraph
+from la_compiler.options import DEFAULT_TUNING, OptionsError, TuningOptions
 from la_compiler.passes.frontends import install_trace_frontends
 from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
@@ -41,6 +43,7 @@ class BackendOptions:
     policy: Policy | None  # None: not given (the attached policy, else exact numerics)
     compiler: str = "inductor"  # what runs the rewritten graph; "eager" for bisecting
     verify: bool = False  # graph frontends check each rewrite numerically at compile time
+    tuning: TuningOptions = DEFAULT_TUNING  # the chunk kernels' launches (docs/options.md)
 
     @staticmethod
     def from_user(options: dict[str, Any] | None) -> "BackendOptions":
@@ -59,8 +62,13 @@ class BackendOptions:
         verify = options.get("verify", False)
         if not isinstance(verify, bool):
             raise BackendOptionsError(f"options['verify'] must be a bool, got {verify!r}")
+        try:
+            tuning = TuningOptions.from_dict(options.get("tuning"), key="options['tuning'].")
+        except OptionsError as e:
+            raise BackendOptionsError(str(e)) from None
         policy = options.get("policy")
-        return BackendOptions(policy=None if policy is None else load_policy(policy), compiler=compiler, verify=verify)
+        return BackendOptions(policy=None if policy is None else load_policy(policy), compiler=compiler, verify=verify,
+                              tuning=tuning)
 
 
 def policy_for(option: Policy | None, root: torch.nn.Module | None) -> tuple[Policy, str]:
@@ -115,7 +123,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         record = sink.new_graph()
         record.graph_break = graph_break_of(gm)
         record.policy, record.policy_source = policy.name, policy_source
-        run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes)
+        run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes, tuning=opts.tuning)
         return graph
 
     def hand_off(graph: torch.fx.GraphModule, inputs) -> Callable:

@@ -89,17 +89,18 @@ def _unwrap(model_or_fn):
     return getattr(model_or_fn, "_torchdynamo_orig_callable", model_or_fn)
 
 
-def explain(model_or_fn, *args, policy=None, compiler: str = "eager", **kwargs) -> ExplainReport:
+def explain(model_or_fn, *args, policy=None, compiler: str = "eager", tuning=None, **kwargs) -> ExplainReport:
     """Compiles ``model_or_fn`` with the laqat backend, runs it once on ``args``/``kwargs`` and
     reports every rewritten site. ``compiler`` picks what runs the rest of the graph ("eager"
     by default: the laqat passes, and so the report, are the same under Inductor). ``policy=None``: the
-    policy attached to the module (``la_compiler.attach_policy``), else exact numerics."""
+    policy attached to the module (``la_compiler.attach_policy``), else exact numerics. ``tuning``: the
+    backend's ``options["tuning"]``."""
     from la_compiler.backend import laqat_backend
 
     record = CompileRecord()
     counters = torch._dynamo.utils.counters["graph_break"]
     breaks_before = sum(counters.values())
-    options = {"policy": policy, "compiler": compiler}
+    options = {"policy": policy, "compiler": compiler, "tuning": tuning}
 
     def backend(gm, example_inputs):
         return laqat_backend(gm, example_inputs, options=options, _record=record)

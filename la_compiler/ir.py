@@ -26,7 +26,7 @@ import torch
 from la_compiler.ir_checks import check_cu_seqlens_values, check_tensors
 from la_compiler.kernels.common.canonical_inputs import final_state_dtype
 from la_compiler.kernels.registry import get_variant
-from la_compiler.kernels.selection import select_kernel
+from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
@@ -63,7 +63,11 @@ def _variant_for(spec: RecurrenceSpec, q: Tensor, v: Tensor):
     if name == "auto":
         name = select_kernel(spec, device=q.device.type, dtype=q.dtype, head_k=q.shape[-1], head_v=v.shape[-1],
                              seq_len=q.shape[1] if isinstance(q.shape[1], int) else None).variant
-    return get_variant(name)
+    variant = get_variant(name)
+    why_not = variant.unapplied_numerics(spec)
+    if why_not:  # a spec naming its kernel: never run numerics options that kernel ignores
+        raise KernelSelectionError(f"spec {spec}: {why_not}")
+    return variant
 
 
 # the arguments of every forward op (one schema: the composite node and the two ops it resolves to)

@@ -161,6 +161,7 @@ class Resolution:
     chunk: int = 64
     phase: str = "none"
     extra: tuple[tuple[str, str], ...] = ()
+    numerics: tuple[tuple[str, str], ...] = ()  # the spec's n.<name> fields (NumericsOptions off their defaults)
     backend: str | None = None  # an explicitly requested kernel variant
     rules: tuple[str, ...] = ()  # human-readable: which rules applied
     backend_key: str | None = None  # the policy key that requested ``backend``, for error messages
@@ -307,6 +308,11 @@ class Policy:
 
         if la.decode.state_codec == "hadamard32":
             quant["state"] = _hadamard_state(quant.get("state"), la, la_key, where)
+        if la.serving is not None:
+            prefixed(f"{la_key}.", la.serving.check_kind, kind)
+            if quant.get("state", "").startswith("int8_h32"):
+                raise PolicyError(f"quant_cfg: {where}: a rotating (Hadamard-32) state quantizer is ReplaySSM's codec, "
+                                  f"not {la.serving.engine}'s ({la_key}.serving)")
         w_alias = quant.pop("state_read.lhs", None)  # W is state_read's lhs: one rounding, spelt "w" in the spec
         if w_alias is not None and quant.setdefault("w", w_alias) != w_alias:
             raise PolicyError(f"quant_cfg: {where}: the {kind}_w_quantizer and linear_attn_sites.state_read."
@@ -318,7 +324,8 @@ class Policy:
         return Resolution(
             quant=tuple(sorted(quant.items())), acc=tuple(sorted(acc.items())),
             solve=la.solve.method, degree=la.solve.degree, chunk=la.chunk_size, phase=la.decode.mode,
-            extra=_extras(la, quant.get("state"), la_key, where), backend=la.requested_backend, rules=tuple(rules),
+            extra=_extras(la, quant.get("state"), la_key, where), numerics=la.numerics.spec_items(),
+            backend=la.requested_backend, rules=tuple(rules),
             backend_key=f"{la_key}.backend" if la.requested_backend else None,
             implementation=la.implementation[1] if la.implementation else None,
             implementation_key=f"{la_key}.{la.implementation[0]}" if la.implementation else None,
@@ -438,6 +445,9 @@ def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where
     if d.mode == "none":
         return ()
     extra = {"readout": d.readout}
+    if la.serving is not None:
+        extra["serving"] = la.serving.profile
+        extra["state_dtype"] = la.serving.state_dtype
     if d.decay_log_step is not None:
         extra["decay_log_step"] = repr(float(d.decay_log_step))
     if d.replay is not None:

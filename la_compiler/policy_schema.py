@@ -2,7 +2,7 @@
 and the checks every policy key goes through.
 
 Keys keep ModelOpt's names (``backend``, ``chunk_size``, ``state.block_v``, ``solve``,
-``decode``, ``matmul``). Each config validates itself in ``__post_init__`` (torchao style)
+``decode``, ``matmul``); ``numerics`` is laqat's (``la_compiler.options.NumericsOptions``). Each config validates itself in ``__post_init__`` (torchao style)
 and raises ``PolicyError`` naming the key (relative to its ``cfg``) and the allowed values;
 the loader prefixes the position of the rule (``linear_attention[2].cfg.``).
 """
@@ -13,6 +13,7 @@ import math
 from typing import Any, Mapping
 
 from la_compiler.kernels.selection import ORDER
+from la_compiler.options import NumericsOptions, OptionsError
 from la_compiler.spec import GEMM_SITES
 
 
@@ -80,6 +81,15 @@ STATE_CODECS = ("quantizer", "hadamard32")
 STATE_BLOCK_V = (16, 32, 64, 128)
 ACCUMULATOR_DTYPES = ("fp32", "fp16", "bf16")
 REPLAY_WINDOW = (1, 64)
+# Serving profiles (docs/serving.md): the engines and releases whose decode laqat reproduces, their state-cache
+# dtypes (vLLM's --mamba-ssm-cache-dtype; KDA: MambaStateDtypeCalculator.kda_state_dtype's three), and
+# ModelOpt's `precision` spellings.
+SERVING_VERSIONS = {"vllm": ("0.33",)}
+SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KDA_SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16")
+SERVING_MODELS = (None, "kimi_k3")  # kimi_k3: vLLM's Kimi-K3 / Kimi-Linear KDA layers (KDA only)
+PRECISIONS = ("vllm", "vllm_kimi_k3", "replayssm")
+SERVING_KEYS = ("engine", "version", "state_dtype", "model")
 
 
 def kernel_backends() -> tuple[str, ...]:
@@ -157,6 +167,60 @@ class DecodeCfg:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServingCfg:
+    """A serving engine whose decode the decode phase reproduces (kernels/decode/serving.py)."""
+
+    engine: str = "vllm"
+    version: str = "0.33"
+    state_dtype: str = "auto"  # the state cache's dtype; auto: GDN the model's dtype, KDA float32 (vLLM's rule)
+    model: str | None = None
+
+    def __post_init__(self):
+        check_choice(self.engine, "serving.engine", tuple(SERVING_VERSIONS))
+        version = repr(self.version) if isinstance(self.version, float) else self.version  # YAML's 0.33
+        if isinstance(version, str) and version.count(".") == 2 and version.endswith(".0"):
+            version = version[:-2]  # vLLM spells its releases 0.33.0
+        object.__setattr__(self, "version", version)
+        check_choice(self.version, "serving.version", SERVING_VERSIONS[self.engine])
+        check_choice(self.state_dtype, "serving.state_dtype", SERVING_STATE_DTYPES)
+        check_choice(self.model, "serving.model", SERVING_MODELS)
+        if self.model == "kimi_k3":
+            check_choice(self.state_dtype, "serving.state_dtype", KDA_SERVING_STATE_DTYPES)
+
+    @property
+    def profile(self) -> str:
+        """The spec's ``x.serving``."""
+        return f"{self.engine}-{self.version}"
+
+    def check_kind(self, kind: str) -> None:
+        if self.model == "kimi_k3" and kind != "kda":
+            raise PolicyError(f"serving.model: 'kimi_k3' is vLLM's KDA profile; this recurrence is {kind}")
+        if kind == "kda" and self.state_dtype not in KDA_SERVING_STATE_DTYPES:
+            raise PolicyError(f"serving.state_dtype: vLLM 0.33 keeps a KDA state in one of "
+                              f"{list(KDA_SERVING_STATE_DTYPES)} (MambaStateDtypeCalculator.kda_state_dtype), "
+                              f"got {self.state_dtype!r}")
+
+
+def with_precision_alias(cfg: Mapping) -> dict:
+    """A cfg with ModelOpt's ``precision`` spelt as laqat's keys: ``vllm`` = ``serving: {}``, ``vllm_kimi_k3`` =
+    ``serving: {model: kimi_k3}``, ``replayssm`` (in no vLLM release) = ReplaySSM's emulation, ``decode:
+    {mode: replay, state_codec: hadamard32, replay: {window: 1}}`` under the cfg's own decode keys."""
+    out = {k: v for k, v in cfg.items() if k != "precision"}
+    if "precision" not in cfg:
+        return out
+    precision = check_choice(cfg["precision"], "precision", PRECISIONS)
+    if precision == "replayssm":
+        decode = cfg.get("decode") or {}
+        out["decode"] = {"mode": "replay", "state_codec": "hadamard32", "replay": {"window": 1},
+                         **check_mapping(decode, "decode", tuple(decode) if isinstance(decode, Mapping) else ())}
+    elif cfg.get("serving") is not None:
+        raise PolicyError(f"precision: {precision!r} and serving both choose a serving profile; give one")
+    else:
+        out["serving"] = {} if precision == "vllm" else {"model": "kimi_k3"}
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class AccCfg:
     accumulator_dtype: str = "fp32"
     reduction_block: int | None = None  # fp16/bf16: products summed in fp32 within a block, rounded between
@@ -185,11 +249,14 @@ class LinearAttentionCfg:
     solve: SolveCfg = SolveCfg()
     decode: DecodeCfg = DecodeCfg()
     matmul: tuple[tuple[str, AccCfg], ...] = ()  # (gemm site, accumulator), sorted by site
+    numerics: NumericsOptions = NumericsOptions()  # the chunk kernels' precisions and key blocks (spec n.<name>)
+    serving: ServingCfg | None = None  # a serving engine's decode, reproduced (docs/serving.md)
 
     def __post_init__(self):
         check_choice(check_str(self.backend, "backend"), "backend", kernel_backends())
         check_int(self.chunk_size, "chunk_size", lo=1, hi=1024, pow2=True)
-        for name, kind in (("state", StateCfg), ("solve", SolveCfg), ("decode", DecodeCfg)):
+        for name, kind in (("state", StateCfg), ("solve", SolveCfg), ("decode", DecodeCfg),
+                           ("numerics", NumericsOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise PolicyError(f"{name}: must be a {kind.__name__}, got {getattr(self, name)!r}")
         sites = [s for s, _ in self.matmul]
@@ -210,6 +277,25 @@ class LinearAttentionCfg:
         if self.decode.state_codec == "hadamard32" and self.state.block_v < 32:
             raise PolicyError(f"decode.state_codec: 'hadamard32' needs state.block_v >= 32 (one 32-point Hadamard "
                               f"per block), got state.block_v={self.state.block_v}")
+        if self.serving is not None:
+            self._check_serving()
+
+    def _check_serving(self):
+        if not isinstance(self.serving, ServingCfg):
+            raise PolicyError(f"serving: must be a ServingCfg, got {self.serving!r}")
+        d, engine = self.decode, self.serving.engine
+        if d.mode != "token":
+            raise PolicyError(f"decode.mode: a serving profile decodes one token per step: needs 'token', "
+                              f"got {d.mode!r}")
+        if d.readout != "working":
+            raise PolicyError(f"decode.readout: {engine} reads each decode output from the fp32 working state "
+                              f"('working'), got {d.readout!r}")
+        if d.decay_log_step is not None:
+            raise PolicyError(f"decode.decay_log_step: {engine} does not round the log-decay; leave it out with "
+                              f"serving")
+        if d.state_codec != "quantizer":
+            raise PolicyError(f"decode.state_codec: {d.state_codec!r} is ReplaySSM's codec, not {engine}'s; a serving "
+                              f"profile takes the state quantizer's own format (or none)")
 
     @property
     def requested_backend(self) -> str | None:
@@ -227,8 +313,13 @@ class LinearAttentionCfg:
     # ---- dict form ---------------------------------------------------------------------
     @staticmethod
     def from_dict(cfg: Mapping) -> "LinearAttentionCfg":
-        check_mapping(cfg, "cfg", LINEAR_ATTENTION_KEYS)
+        cfg = with_precision_alias(check_mapping(cfg, "cfg", LINEAR_ATTENTION_KEYS))
         fields: dict[str, Any] = {k: cfg[k] for k in ("backend", "chunk_size") if k in cfg}
+        if cfg.get("serving") is not None:
+            fields["serving"] = ServingCfg(**check_mapping(cfg["serving"], "serving", SERVING_KEYS))
+            decode = cfg.get("decode") or {}
+            if isinstance(decode, Mapping) and "mode" not in decode:  # a serving profile decodes token by token
+                cfg = {**cfg, "decode": {**decode, "mode": "token"}}
         if "state" in cfg:
             fields["state"] = StateCfg(**check_mapping(cfg["state"], "state", ("block_v",)))
         if "solve" in cfg:
@@ -244,6 +335,11 @@ class LinearAttentionCfg:
                 (site, prefixed(f"matmul.{site}.", AccCfg, **check_mapping(
                     acc, f"matmul.{site}", ("accumulator_dtype", "reduction_block"))))
                 for site, acc in matmul.items()))
+        if "numerics" in cfg:
+            try:
+                fields["numerics"] = NumericsOptions.from_dict(cfg["numerics"], key="numerics.")
+            except OptionsError as e:
+                raise PolicyError(str(e)) from None
         return LinearAttentionCfg(**fields)
 
     def to_dict(self) -> dict:
@@ -252,7 +348,7 @@ class LinearAttentionCfg:
         return out
 
 
-LINEAR_ATTENTION_KEYS = tuple(f.name for f in dataclasses.fields(LinearAttentionCfg))
+LINEAR_ATTENTION_KEYS = tuple(f.name for f in dataclasses.fields(LinearAttentionCfg)) + ("precision",)
 
 
 def _replay_fields(replay: Any) -> dict:

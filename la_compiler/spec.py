@@ -1,7 +1,7 @@
 """The recurrence spec: what one laqat IR node computes, as data and as a canonical string.
 
-This module is the floor of the import graph: it imports nothing of the project, so the
-kernels, the passes and the door can all depend on it.
+This module is the floor of the import graph: it imports only ``la_compiler.options`` (which imports
+nothing of the project), so the kernels, the passes and the door can all depend on it.
 
 The canonical string is what ``gm.print_readable()`` shows as the last argument of every
 ``laqat.delta_rule`` call, e.g.::
@@ -9,9 +9,11 @@ The canonical string is what ``gm.print_readable()`` shows as the last argument 
     gdn[src=fla; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=fused_recurrent;
         q.state=fp8_e4m3/tile64]
 
-Keys are emitted in a fixed order; quant sites (``q.<site>``) and per-site accumulator
-emulation (``acc.<site>``) are sorted by name and emitted only when enabled, so two specs
-are equal exactly when their strings are equal.
+Keys are emitted in a fixed order; quant sites (``q.<site>``), per-site accumulator
+emulation (``acc.<site>``), decode options (``x.<name>``), numerics options (``n.<name>``,
+``la_compiler.options.NumericsOptions``) and tuning options (``t.<name>``, ``TuningOptions``) are sorted
+by name and emitted only when enabled or not at their defaults, so two specs are equal exactly when their
+strings are equal.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import dataclasses
 import functools
 import re
 from typing import Mapping
+
+from la_compiler.options import NumericsOptions, OptionsError, TuningOptions
 
 KINDS = ("gdn", "kda")
 STATE_LAYOUTS = ("kv", "vk")  # "vk" = FLA's state_v_first / vLLM's V-first GDN cache
@@ -64,6 +68,8 @@ class RecurrenceSpec:
     quant: tuple[tuple[str, str], ...] = ()  # (site, format string), sorted, enabled only
     acc: tuple[tuple[str, str], ...] = ()  # (gemm site, accumulator emulation), sorted
     extra: tuple[tuple[str, str], ...] = ()  # policy options of later stages (decode, replay)
+    numerics: tuple[tuple[str, str], ...] = ()  # NumericsOptions fields off their defaults, as spelt in the spec
+    tuning: tuple[tuple[str, str], ...] = ()  # TuningOptions fields off their defaults
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -86,13 +92,25 @@ class RecurrenceSpec:
         for site, _ in self.acc:
             if site not in GEMM_SITES:
                 raise SpecError(f"unknown accumulator site {site!r}; known: {GEMM_SITES}")
-        for name in ("quant", "acc", "extra"):
+        for name in _ITEM_FIELDS:
             items = getattr(self, name)
             if list(items) != sorted(items) or len({k for k, _ in items}) != len(items):
                 raise SpecError(f"spec {name} entries must be sorted and unique, got {items!r}")
             for k, v in items:
                 if not _TOKEN.fullmatch(k) or not _TOKEN.fullmatch(v):
                     raise SpecError(f"spec {name} entry {k!r}={v!r} has characters outside [\\w./:,+-]")
+        for name, options in (("numerics", NumericsOptions), ("tuning", TuningOptions)):
+            if not getattr(self, name):
+                continue
+            try:
+                parsed = options.from_spec_items(getattr(self, name))
+            except OptionsError as e:
+                raise SpecError(f"spec {e}") from None
+            defaults = sorted(set(getattr(self, name)) - set(parsed.spec_items()))
+            if defaults:
+                key, value = defaults[0]
+                raise SpecError(f"spec {options.SPEC_PREFIX}{key}={value} is the default: leave it out "
+                                f"(a spec writes only the {name} options it changes)")
 
     # ---- convenience -------------------------------------------------------------------
     @property
@@ -100,14 +118,30 @@ class RecurrenceSpec:
         return dict(self.quant)
 
     @property
+    def numerics_options(self) -> NumericsOptions:
+        return NumericsOptions.from_spec_items(self.numerics)
+
+    @property
+    def tuning_options(self) -> TuningOptions:
+        return TuningOptions.from_spec_items(self.tuning)
+
+    @property
     def is_exact(self) -> bool:
         """No rounding anywhere: the original numerics."""
         return not self.quant and not self.acc and self.solve == "exact" and self.phase == "none"
 
     def replace(self, **changes) -> "RecurrenceSpec":
+        """``dataclasses.replace``; quant / acc / extra may be given as mappings, numerics / tuning as their
+        options objects or as mappings of Python values (``{"key_block": 16}``)."""
         for name in ("quant", "acc", "extra"):
             if name in changes and isinstance(changes[name], Mapping):
                 changes[name] = tuple(sorted(changes[name].items()))
+        for name, options in (("numerics", NumericsOptions), ("tuning", TuningOptions)):
+            if name in changes and isinstance(changes[name], (Mapping, options)):
+                try:
+                    changes[name] = options.from_dict(changes[name], key=options.SPEC_PREFIX).spec_items()
+                except OptionsError as e:
+                    raise SpecError(f"spec {e}") from None
         return dataclasses.replace(self, **changes)
 
     # ---- the canonical string ----------------------------------------------------------
@@ -124,6 +158,8 @@ class RecurrenceSpec:
         parts += [f"q.{k}={v}" for k, v in self.quant]
         parts += [f"acc.{k}={v}" for k, v in self.acc]
         parts += [f"x.{k}={v}" for k, v in self.extra]
+        parts += [f"n.{k}={v}" for k, v in self.numerics]
+        parts += [f"t.{k}={v}" for k, v in self.tuning]
         return f"{self.kind}[{'; '.join(parts)}]"
 
     __str__ = to_string
@@ -133,6 +169,8 @@ class RecurrenceSpec:
         return _parse_cached(text)
 
 
+_ITEM_FIELDS = ("quant", "acc", "extra", "numerics", "tuning")
+_PREFIXES = {"q.": "quant", "acc.": "acc", "x.": "extra", "n.": "numerics", "t.": "tuning"}
 _TOKEN = re.compile(r"[\w./:,+\-]+")
 _SPEC = re.compile(r"(?P<kind>\w+)\[(?P<body>.*)\]")
 
@@ -143,19 +181,16 @@ def _parse_cached(text: str) -> RecurrenceSpec:
     if not m:
         raise SpecError(f"not a laqat spec string: {text!r}")
     fields: dict = {"kind": m.group("kind")}
-    quant, acc, extra = [], [], []
+    items: dict[str, list] = {name: [] for name in _ITEM_FIELDS}
     body = m.group("body").strip()
     for item in filter(None, (p.strip() for p in body.split(";"))):
         key, sep, value = item.partition("=")
         if not sep:
             raise SpecError(f"spec item {item!r} in {text!r} is not key=value")
         key, value = key.strip(), value.strip()
-        if key.startswith("q."):
-            quant.append((key[2:], value))
-        elif key.startswith("acc."):
-            acc.append((key[4:], value))
-        elif key.startswith("x."):
-            extra.append((key[2:], value))
+        prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            items[_PREFIXES[prefix]].append((key[len(prefix):], value))
         elif key == "chunk":
             fields["chunk"] = int(value)
         elif key == "solve":
@@ -166,4 +201,4 @@ def _parse_cached(text: str) -> RecurrenceSpec:
             fields[key] = value
         else:
             raise SpecError(f"unknown spec key {key!r} in {text!r}")
-    return RecurrenceSpec(**fields, quant=tuple(sorted(quant)), acc=tuple(sorted(acc)), extra=tuple(sorted(extra)))
+    return RecurrenceSpec(**fields, **{name: tuple(sorted(found)) for name, found in items.items()})

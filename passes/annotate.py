@@ -3,7 +3,8 @@
 For each node the policy is resolved for its module (``node.meta["laqat"].module``, from
 Dynamo's ``nn_module_stack``) and kind; the result is written into the node's spec argument
 (so ``gm.print_readable()`` shows it) and into ``node.meta["laqat"]`` (spec, the rules that
-applied, the backend the policy asked for). A backend the policy names explicitly must be
+applied, the backend the policy asked for), with the compile's tuning options (``t.<name>``: they change no
+numerics, so they count as no change). A backend the policy names explicitly must be
 able to apply the annotated spec on this node's device, dtype and head dims: if not, that is
 a ``PolicyError`` naming the key now, at compile time. Rules that matched no site become
 notes (and a warning): a pipeline stage may legitimately hold none of a rule's modules.
@@ -16,6 +17,7 @@ import torch
 
 from la_compiler.ir import is_delta_rule
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
+from la_compiler.options import DEFAULT_TUNING, TuningOptions
 from la_compiler.policy import Policy, PolicyError
 from la_compiler.record import GraphRecord
 
@@ -28,8 +30,9 @@ class NothingQuantizedWarning(UserWarning):
     """A policy that changes numerics met a graph with candidate recurrences and rewrote none of them."""
 
 
-def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, part_of_model: bool = False) -> int:
-    """Rewrites each node's spec argument to what the policy resolves for its module. Returns
+def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, part_of_model: bool = False,
+             tuning: TuningOptions = DEFAULT_TUNING) -> int:
+    """Rewrites each node's spec argument to what the policy resolves for its module, with ``tuning``. Returns
     how many nodes changed numerics. ``part_of_model``: the graph was traced inside a submodule (it resumed
     after a graph break), so a rule that matches none of its sites may match a sibling's: a note, no warning."""
     changed = 0
@@ -43,13 +46,14 @@ def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, p
         try:
             res = policy.resolve(meta.module, meta.kind)
             spec = meta.spec.replace(quant=res.quant, acc=res.acc, solve=res.solve, degree=res.degree,
-                                     chunk=res.chunk, phase=res.phase, extra=res.extra)
+                                     chunk=res.chunk, phase=res.phase, extra=res.extra, numerics=res.numerics)
         except PolicyError as e:
             raise PolicyError(f"{where}: {e}") from None
         if res.backend is not None or res.implementation is not None:
             _check_requested_kernel(node, spec, res, where)
-        if spec != meta.spec:
+        if spec != meta.spec.replace(tuning=()):
             changed += 1
+        spec = spec.replace(tuning=tuning)
         meta.spec = spec
         meta.policy_rules = list(res.rules)
         meta.requested_backend = res.backend

@@ -7,6 +7,7 @@ import torch
 
 from la_compiler.ir import is_delta_rule
 from la_compiler.ir_phase import is_delta_rule_phased
+from la_compiler.options import DEFAULT_TUNING, TuningOptions
 from la_compiler.passes.annotate import annotate
 from la_compiler.passes.attach_meta import attach_meta
 from la_compiler.passes.frontends import GRAPH_FRONTENDS
@@ -19,9 +20,10 @@ from la_compiler.record import GraphRecord, Match
 
 
 def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, verify: bool = False,
-                 module_prefixes: dict[str, str] | None = None) -> None:
+                 module_prefixes: dict[str, str] | None = None, tuning: TuningOptions = DEFAULT_TUNING) -> None:
     """``module_prefixes``: the full names of the traced frame's roots (passes/module_names.py), so that a
-    graph resumed inside a block names its modules as the model does."""
+    graph resumed inside a block names its modules as the model does; ``tuning``: the compile's tuning options,
+    written into every node's spec."""
     def timed(name, fn, *args, **kwargs):
         start = time.perf_counter()
         count = fn(*args, **kwargs)
@@ -33,7 +35,8 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
         for frontend in GRAPH_FRONTENDS:
             timed(getattr(frontend, "__name__", str(frontend)), frontend, gm, record, verify=verify)
         timed("attach_meta", attach_meta, gm)
-    timed("annotate", annotate, gm, policy, record, part_of_model=any((module_prefixes or {}).values()))
+    timed("annotate", annotate, gm, policy, record, part_of_model=any((module_prefixes or {}).values()),
+          tuning=tuning)
     timed("verify", verify_ir, gm)
     timed("lower", lower, gm)
     timed("phase", split_phases, gm)

@@ -20,15 +20,17 @@ First use of every spec compiles its Triton kernels (seconds each); split long r
      fp32 torch chunk emulation with FP8 state (kernels/reference/chunk.py in fp32),
    with ratios to FLA's time for the same pass. By default the issue's rows (TABLE_POLICIES: exact, FP8 / INT8
    state, FP8 all sites, NVFP4 operands, with FLA and the emulation); --policies all adds every setting row
-   (accumulators, solve forms, key blocks, residual modes, ...), --policies "a,b" picks rows by name.
+   (accumulators, key blocks, GEMM precision, residual modes, ...), --policies "a,b" picks rows by name.
+--numerics / --tuning (key=value,... as the spec spells them: docs/options.md) apply options to every laqat
+spec of the run, the exactness cases included.
 Prints a table and writes $OUT/chunk_bench.json. Every measurement that fails (FLA's guard,
 out of memory) is caught and reported in the table and the JSON, never hidden.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 import traceback
 
@@ -41,6 +43,7 @@ ensure_la_compiler()
 from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
+from la_compiler.options import NumericsOptions, TuningOptions  # noqa: E402
 from la_compiler.kernels.chunk.bwd import chunk_bwd  # noqa: E402
 from la_compiler.kernels.chunk.codegen import ChunkParams, unsupported  # noqa: E402
 from la_compiler.kernels.chunk.fwd import chunk_fwd  # noqa: E402
@@ -60,60 +63,57 @@ POLICIES = {  # name -> quant sites of the spec
     "laqat FP8 all sites": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
     "laqat NVFP4 operands": {**NVFP4_ALL, "w": "nvfp4/block16"},
     "laqat FP16 accumulators (block 16)": {},  # acc.<every GEMM site>=fp16:16, see ACCUMULATORS
-    "laqat exact (row-by-row solve)": {},  # LAQAT_CHUNK_SOLVE=rows, see ENVIRONMENTS
-    "laqat exact (2-stage serial loops)": {},  # LAQAT_CHUNK_SERIAL_STAGES=2
-    "laqat exact (autotuned)": {},  # LAQAT_AUTOTUNE=1 (the first call times the candidates)
-    "laqat exact (intra key block 32)": {},  # LAQAT_CHUNK_KEY_BLOCK=32
-    "laqat exact (intra whole key rows)": {},  # LAQAT_CHUNK_KEY_BLOCK=128: the forward intra stage before key blocks
-    "laqat exact (intra key block 16)": {},  # LAQAT_CHUNK_KEY_BLOCK=16
-    "laqat exact (bwd key block 32)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=32: KDA's backward intra and pairs stages
+    "laqat exact (2-stage serial loops)": {},  # t.serial_stages=2, see SETTINGS
+    "laqat exact (autotuned)": {},  # t.autotune=true (the first call times the candidates)
+    "laqat exact (intra key block 32)": {},  # n.key_block=32
+    "laqat exact (intra whole key rows)": {},  # n.key_block=128: the forward intra stage before key blocks
+    "laqat exact (intra key block 16)": {},  # n.key_block=16
+    "laqat exact (bwd key block 32)": {},  # n.bwd_key_block=32: KDA's backward intra and pairs stages
     "laqat exact (key blocks 32 / bwd 32)": {},
     "laqat FP8 all sites (autotuned)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    "laqat exact (intra key block 64)": {},  # LAQAT_CHUNK_KEY_BLOCK=64
-    "laqat exact (bwd key block 64)": {},  # LAQAT_CHUNK_BWD_KEY_BLOCK=64
-    "laqat exact (TF32 GEMMs)": {},  # LAQAT_CHUNK_GEMM=tf32: fp32 operands and intermediates
+    "laqat exact (intra key block 64)": {},  # n.key_block=64
+    "laqat exact (bwd key block 64)": {},  # n.bwd_key_block=64
+    "laqat exact (TF32 GEMMs)": {},  # n.gemm=tf32: fp32 operands and intermediates
     "laqat FP8 state (TF32 GEMMs)": {"state": "fp8_e4m3/tile64"},
-    "laqat exact (split intra)": {},  # LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels
-    "laqat FP8 state (split intra)": {"state": "fp8_e4m3/tile64"},
-    "laqat FP8 all sites (split intra)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    # LAQAT_CHUNK_FACTORED_SCALES=0: the forward stages multiply dequantized operands
-    "laqat FP8 all sites (unfactored scales)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    # LAQAT_CHUNK_KEEP_RESIDUAL=0: the backward recomputes the whole forward intra stage
+    # t.keep_residual=none: the backward recomputes the whole forward intra stage
     "laqat exact (no residual)": {},
     "laqat FP8 state (no residual)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (no residual)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
-    # LAQAT_CHUNK_KEEP_RESIDUAL=all: the forward keeps W, U, h, V_new too; the backward runs no forward kernel
+    # t.keep_residual=all: the forward keeps W, U, h, V_new too; the backward runs no forward kernel
     "laqat exact (keep all)": {},
     "laqat FP8 state (keep all)": {"state": "fp8_e4m3/tile64"},
     "laqat FP8 all sites (keep all)": {**FP8_ALL, "state": "fp8_e4m3/tile64", "w": "fp8_e4m3/row"},
 }
 # the benchmark table issue 5 asks for (FLA exact and the fp32 torch emulation are always timed)
 TABLE_POLICIES = ("laqat exact", "laqat FP8 state", "laqat INT8 state", "laqat FP8 all sites", "laqat NVFP4 operands")
-ENVIRONMENTS = {  # rows that time the same spec under another code-generation / launch setting
-    "laqat exact (row-by-row solve)": {"LAQAT_CHUNK_SOLVE": "rows"},
-    "laqat exact (2-stage serial loops)": {"LAQAT_CHUNK_SERIAL_STAGES": "2"},
-    "laqat exact (autotuned)": {"LAQAT_AUTOTUNE": "1"},
-    "laqat exact (intra key block 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32"},
-    "laqat exact (intra whole key rows)": {"LAQAT_CHUNK_KEY_BLOCK": "128"},
-    "laqat exact (intra key block 16)": {"LAQAT_CHUNK_KEY_BLOCK": "16"},
-    "laqat exact (bwd key block 32)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
-    "laqat exact (key blocks 32 / bwd 32)": {"LAQAT_CHUNK_KEY_BLOCK": "32", "LAQAT_CHUNK_BWD_KEY_BLOCK": "32"},
-    "laqat FP8 all sites (autotuned)": {"LAQAT_AUTOTUNE": "1"},
-    "laqat exact (intra key block 64)": {"LAQAT_CHUNK_KEY_BLOCK": "64"},
-    "laqat exact (bwd key block 64)": {"LAQAT_CHUNK_BWD_KEY_BLOCK": "64"},
-    "laqat exact (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
-    "laqat FP8 state (TF32 GEMMs)": {"LAQAT_CHUNK_GEMM": "tf32"},
-    "laqat exact (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
-    "laqat FP8 state (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
-    "laqat FP8 all sites (split intra)": {"LAQAT_CHUNK_INTRA_SPLIT": "1"},
-    "laqat FP8 all sites (unfactored scales)": {"LAQAT_CHUNK_FACTORED_SCALES": "0"},
-    "laqat exact (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
-    "laqat FP8 state (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
-    "laqat FP8 all sites (no residual)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "0"},
-    "laqat exact (keep all)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "all"},
-    "laqat FP8 state (keep all)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "all"},
-    "laqat FP8 all sites (keep all)": {"LAQAT_CHUNK_KEEP_RESIDUAL": "all"},
+SETTINGS = {  # rows that time a spec with numerics (n.) or tuning (t.) options: docs/options.md
+    "laqat exact (2-stage serial loops)": {"tuning": {"serial_stages": 2}},
+    "laqat exact (autotuned)": {"tuning": {"autotune": True}},
+    "laqat exact (intra key block 32)": {"numerics": {"key_block": 32}},
+    "laqat exact (intra whole key rows)": {"numerics": {"key_block": 128}},
+    "laqat exact (intra key block 16)": {"numerics": {"key_block": 16}},
+    "laqat exact (bwd key block 32)": {"numerics": {"bwd_key_block": 32}},
+    "laqat exact (key blocks 32 / bwd 32)": {"numerics": {"key_block": 32, "bwd_key_block": 32}},
+    "laqat FP8 all sites (autotuned)": {"tuning": {"autotune": True}},
+    "laqat exact (intra key block 64)": {"numerics": {"key_block": 64}},
+    "laqat exact (bwd key block 64)": {"numerics": {"bwd_key_block": 64}},
+    "laqat exact (TF32 GEMMs)": {"numerics": {"gemm": "tf32"}},
+    "laqat FP8 state (TF32 GEMMs)": {"numerics": {"gemm": "tf32"}},
+    "laqat exact (no residual)": {"tuning": {"keep_residual": "none"}},
+    "laqat FP8 state (no residual)": {"tuning": {"keep_residual": "none"}},
+    "laqat FP8 all sites (no residual)": {"tuning": {"keep_residual": "none"}},
+    "laqat exact (keep all)": {"tuning": {"keep_residual": "all"}},
+    "laqat FP8 state (keep all)": {"tuning": {"keep_residual": "all"}},
+    "laqat FP8 all sites (keep all)": {"tuning": {"keep_residual": "all"}},
 }
+# --numerics / --tuning: options of every laqat spec of the run (the exactness cases too), over a row's own
+RUN_OPTIONS = {"numerics": NumericsOptions(), "tuning": TuningOptions()}
+
+
+def with_options(spec: RecurrenceSpec, row: dict | None = None) -> RecurrenceSpec:
+    """``spec`` with the run's options and then a SETTINGS row's."""
+    row = row or {}
+    return spec.replace(**{name: {**RUN_OPTIONS[name].to_dict(), **row.get(name, {})} for name in RUN_OPTIONS})
 ACCUMULATORS = {"laqat FP16 accumulators (block 16)": {site: "fp16:16" for site in GEMM_SITES}}
 
 
@@ -147,29 +147,32 @@ EXACT_CASES = [
 def exactness(c, device="cuda") -> dict:
     """Forward (o, final state) and every gradient of the chunk kernels against fp64 autograd of the chunk reference."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    os.environ["LAQAT_NAN_FILL"] = "1"  # unwritten elements show up as NaN errors (timing runs use empty buffers)
     cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.int32, device=device)
     (q, k, v, g, beta), _ = make_inputs(c["kind"], c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"],
                                         torch.float32, device=device)
     N = c["B"] if cu is None else len(c["cu"]) - 1
     h0 = torch.randn((N, c["HV"], c["K"], c["V"]) if c["state"] == "kv" else (N, c["HV"], c["V"], c["K"]),
                      device=device)
-    spec = RecurrenceSpec(kind=c["kind"], chunk=64, state=c["state"], kernel="chunk").replace(quant=c["quant"])
+    spec = with_options(RecurrenceSpec(kind=c["kind"], chunk=64, state=c["state"], kernel="chunk").replace(
+        quant=c["quant"]))
     params = ChunkParams.from_spec(spec)
+    # unwritten elements show up as NaN errors (timing runs use empty buffers)
+    tuning = dataclasses.replace(spec.tuning_options, nan_fill=True)
     scale = c["K"] ** -0.5
     # the training path: what the forward keeps for the backward (GDN's T, A_qk, G), NaN-filled before it runs
-    size = residual_size(params, q, v, cu)
+    size = residual_size(params, q, v, cu, tuning.keep_residual)
     kept = torch.full((size,), float("nan"), device=device) if size else None
-    o, ht = chunk_fwd(params, q, k, v, g, beta, scale, h0, cu, save_to=kept)
+    o, ht = chunk_fwd(params, q, k, v, g, beta, scale, h0, cu, save_to=kept, tuning=tuning)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
-    grads = chunk_bwd(params, q, k, v, g, beta, scale, do, dht, h0, cu, saved=kept)
+    grads = chunk_bwd(params, q, k, v, g, beta, scale, do, dht, h0, cu, saved=kept, tuning=tuning)
     leaves = [x.double().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
     ro, rht = chunk_delta_rule_reference(*leaves[:5], spec=spec, scale=scale, initial_state=leaves[5], cu_seqlens=cu)
     ref = torch.autograd.grad([ro, rht], leaves, [do.double(), dht.double()])
     errors = {"o": rel_l2(o, ro), "ht": rel_l2(ht, rht)}
     errors.update({n: rel_l2(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, ref)})
     tol = c.get("tol") or (1e-5 if not c["quant"] else 1e-3)
-    return {"case": {**c, "cu": c["cu"]}, "rel_l2": errors, "tol": tol, "ok": max(errors.values()) <= tol}
+    return {"case": {**c, "cu": c["cu"]}, "spec": str(spec), "rel_l2": errors, "tol": tol,
+            "ok": max(errors.values()) <= tol}
 
 
 # ---- 2. equality with FLA's exact kernels at real shapes ---------------------------------------
@@ -191,7 +194,7 @@ def fla_equality(kind, B, T, H, D) -> dict:
     scale = D ** -0.5
     fla_grads = kind == "kda" or gdn_backward_blocker() is None  # laqat's gradients are checked either way
     fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
-    spec = str(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk"))
+    spec = str(with_options(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk")))
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
     dht = torch.randn(B, H, D, D, device="cuda")
 
@@ -213,7 +216,7 @@ def fla_equality(kind, B, T, H, D) -> dict:
     want = reference_run(kind, xs, scale, {}, do, dht, True)
     vs_ref = {"laqat": {n: rel_l2(ours[n], want[n]) for n in ours}, "FLA": {n: rel_l2(theirs[n], want[n]) for n in theirs}}
     fp8 = {"state": "fp8_e4m3/tile64"}
-    fp8_spec = str(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=fp8))
+    fp8_spec = str(with_options(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=fp8)))
     ours_fp8 = run(lambda L: torch.ops.laqat.delta_rule(*L, None, None, scale, fp8_spec))
     want_fp8 = reference_run(kind, xs, scale, fp8, do, dht, True)
     vs_ref["laqat FP8 state"] = {n: rel_l2(ours_fp8[n], want_fp8[n]) for n in ours_fp8}
@@ -249,25 +252,6 @@ def measure(fwd, fwd_bwd) -> dict:
             row[f"error_{name}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             torch.cuda.empty_cache()
     return row
-
-
-class environment:
-    """Sets environment variables around a call (LAQAT_CHUNK_SOLVE changes the generated source, hence
-    the kernel; LAQAT_CHUNK_SERIAL_STAGES the launch)."""
-
-    def __init__(self, values):
-        self.values = values or {}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.values}
-        os.environ.update(self.values)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def leaves_of(xs):
@@ -326,12 +310,13 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
     fla_o = fla_fwd()[0] if fla_fwd else None
 
     # laqat, through the IR op (its registered autograd runs the variant's backward)
-    outputs = {}  # o of each row without an ENVIRONMENTS setting: what a setting's row is compared with
+    outputs = {}  # o of each row without a SETTINGS row: what a setting's row is compared with
     for name, quant in POLICIES.items():
         if name not in policies:
             continue
-        spec = RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(quant=quant,
-                                                                           acc=ACCUMULATORS.get(name, {}))
+        setting = SETTINGS.get(name)
+        spec = with_options(RecurrenceSpec(kind=kind, chunk=64, kernel="chunk").replace(
+            quant=quant, acc=ACCUMULATORS.get(name, {})), setting)
         why = unsupported(spec)
         if why:
             rows[name] = {"error_fwd": f"not implemented: {why}"}
@@ -339,25 +324,22 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
         text = str(spec)
         leaves = leaves_of(xs)
 
-        env = ENVIRONMENTS.get(name)
+        def ours_fwd(text=text):
+            return torch.ops.laqat.delta_rule(*xs, None, None, scale, text)
 
-        def ours_fwd(text=text, env=env):
-            with environment(env):
-                return torch.ops.laqat.delta_rule(*xs, None, None, scale, text)
-
-        def ours_fwd_bwd(text=text, leaves=leaves, env=env):
+        def ours_fwd_bwd(text=text, leaves=leaves):
             for x in leaves:
                 x.grad = None
-            with environment(env):
-                o, _ = torch.ops.laqat.delta_rule(*leaves, None, None, scale, text)
-                o.float().sum().backward()
+            o, _ = torch.ops.laqat.delta_rule(*leaves, None, None, scale, text)
+            o.float().sum().backward()
 
         rows[name] = measure(ours_fwd, ours_fwd_bwd)
-        default_row = name.split(" (")[0]  # "laqat FP8 all sites (split intra)" -> "laqat FP8 all sites"
+        rows[name]["spec"] = text
+        default_row = name.split(" (")[0]  # "laqat FP8 all sites (keep all)" -> "laqat FP8 all sites"
         try:
-            if env is None:
+            if setting is None:
                 outputs[name] = ours_fwd()[0]
-            elif default_row in outputs:  # the same spec under a code-generation setting: how far its o moved
+            elif default_row in outputs:  # the same quantization under other options: how far its o moved
                 rows[name][f"rel_l2_o_vs_{default_row}"] = rel_l2(ours_fwd()[0], outputs[default_row])
         except Exception as e:  # noqa: BLE001
             rows[name][f"rel_l2_o_vs_{default_row}"] = f"{type(e).__name__}: {e}"
@@ -366,7 +348,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
                 rows[name]["kernels_ms"] = kernel_times(ours_fwd_bwd)
             except Exception as e:  # noqa: BLE001
                 rows[name]["kernels_ms"] = {"error": f"{type(e).__name__}: {e}"}
-        if not quant and name not in ACCUMULATORS and name not in ENVIRONMENTS and fla_o is not None:
+        if not quant and name not in ACCUMULATORS and name not in SETTINGS and fla_o is not None:
             try:
                 rows[name]["rel_l2_o_vs_fla"] = rel_l2(ours_fwd()[0], fla_o)
             except Exception as e:  # noqa: BLE001
@@ -447,7 +429,17 @@ def main():
     parser.add_argument("--policies", default=None,
                         help="'all', or a comma-separated subset of: " + ", ".join(POLICIES)
                              + " (default: " + ", ".join(TABLE_POLICIES) + ")")
+    parser.add_argument("--numerics", default="", help="numerics options of every laqat spec, e.g. fp32_dot=tf32x3")
+    parser.add_argument("--tuning", default="", help="tuning options of every laqat spec, e.g. keep_residual=all")
     args = parser.parse_args()
+    for name, options in (("numerics", NumericsOptions), ("tuning", TuningOptions)):
+        items = [item.split("=", 1) for item in getattr(args, name).split(",") if item]
+        if any(len(item) != 2 for item in items):
+            sys.exit(f"--{name}: give key=value pairs separated by commas, got {getattr(args, name)!r}")
+        try:
+            RUN_OPTIONS[name] = options.from_spec_items(items)
+        except ValueError as e:
+            sys.exit(f"--{name}: {e}")
     out, result = start_cuda_run("chunk_bench.py", "exactness", "fla_equality", "timing")
     if args.fla_equality:
         print("laqat exact vs FLA exact, bf16 (relative L2; FLA's test tolerances)")
@@ -489,7 +481,6 @@ def main():
             result["exactness"].append(r)
         (out / "chunk_bench.json").write_text(json.dumps(result, indent=2, default=str))
 
-    os.environ["LAQAT_NAN_FILL"] = "0"
     for kind in [] if args.exactness_only else args.kinds.split(","):
         for shape in shapes:
             B, T, H, D = shape

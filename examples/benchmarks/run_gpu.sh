@@ -8,11 +8,11 @@
 # Suites (each part prints its table and writes its JSON under $OUT/<suite>/<part>/, default OUT=out):
 #   exactness  the chunk kernels' forward and every gradient against fp64 autograd of the chunk reference (fp32, every
 #              case of chunk_bench.py's EXACT_CASES, in three parts), laqat's chunk kernels against FLA's (bf16), the
-#              QDQ device functions bit for bit against torch under each division / E4M3 setting, and the FLA
-#              frontend's opaque ops and layers against FLA's kernels
+#              QDQ device functions bit for bit against torch (both division forms, both E4M3 roundings), and the
+#              FLA frontend's opaque ops and layers against FLA's kernels
 #   chunk-gdn  GDN's chunk_bench.py tables: every policy at the three shapes (with FLA's fwd+bwd past its Hopper guard,
 #              timing only, and the fp32 torch emulation up to [1,4096,16,128]), the kernels of the main rows at
-#              [8,4096,16,128], and the setting rows there (residual modes, split intra stage, unfactored scales)
+#              [8,4096,16,128], and the setting rows there (residual modes)
 #   chunk-kda  the same for KDA, and head_k 256 at [1,4096,16,256]
 #   decode     decode_bench.py: the decode kernels' accuracy against the fp64 decode reference, then KDA
 #              [1,257,4,128] fwd+bwd per policy at 4 and 8 warps against FLA's chunk_kda, kernels split
@@ -35,8 +35,7 @@ CB="python3 $B/chunk_bench.py"
 POLICIES="laqat exact,laqat FP8 state,laqat INT8 state,laqat FP8 state + W,laqat FP8 all sites,laqat NVFP4 operands"
 MAIN="laqat exact,laqat FP8 state,laqat FP8 all sites,laqat NVFP4 operands"
 SETTINGS="laqat exact,laqat exact (no residual),laqat exact (keep all),laqat FP8 state,laqat FP8 state (keep all),\
-laqat FP8 all sites,laqat FP8 all sites (no residual),laqat FP8 all sites (keep all),\
-laqat FP8 all sites (split intra),laqat FP8 all sites (unfactored scales)"
+laqat FP8 all sites,laqat FP8 all sites (no residual),laqat FP8 all sites (keep all)"
 QDQ="python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qdq_triton.py"
 
 quote() {  # the arguments as one shell line, quoting only those that need it
@@ -75,8 +74,6 @@ suite_exactness() {
   part chunk-all-sites 540 $CB --exactness-only --exact-cases 11,12
   part fla-equality 300 $CB --fla-equality kda:1x4096x16x128,gdn:1x4096x16x128
   part qdq 150 $QDQ --junitxml="$OUT/exactness/qdq/junit.xml"
-  part qdq-division-rn 150 LAQAT_QDQ_DIVISION=rn $QDQ --junitxml="$OUT/exactness/qdq-division-rn/junit.xml"
-  part qdq-fp8-arithmetic 150 LAQAT_QDQ_FP8_CAST=0 $QDQ --junitxml="$OUT/exactness/qdq-fp8-arithmetic/junit.xml"
   part fla-frontend 300 python3 $B/fla_frontend_gpu_check.py
 }
 

@@ -1,17 +1,16 @@
-"""Opt-in autotuning of the chunk kernels' launch configurations (``LAQAT_AUTOTUNE=1``, CUDA only).
+"""Opt-in autotuning of the chunk kernels' launch configurations (the tuning option ``t.autotune=true``, CUDA only).
 
 Without it every launch takes ``chunk.launch.launch_config``'s table. With it, the first launch of a
 kernel for a given (generated module, constants, grid, GPU, Triton) times a small list of
 configurations around the table's (warps 4/8 x stages 1-3, at most six), keeps the fastest and writes
-the choice to ``<LAQAT_CACHE_DIR>/autotune/chunk.json`` (atomically), so later processes skip the
-timing. Configurations Triton refuses for shared memory are skipped. Every chunk kernel writes its
+the choice to ``<cache dir>/autotune/chunk.json`` (``la_compiler.options.cache_dir``; atomically), so later
+processes skip the timing. Configurations Triton refuses for shared memory are skipped. Every chunk kernel writes its
 outputs without reading them, so timing a launch several times leaves the same results.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import threading
 from pathlib import Path
@@ -20,14 +19,12 @@ from typing import Callable
 from triton.runtime.errors import OutOfResources
 
 from la_compiler.kernels.common import cache
+from la_compiler.options import cache_dir, interpreter
 
-AUTOTUNE_ENV = "LAQAT_AUTOTUNE"
 
-
-def enabled() -> bool:
-    if os.environ.get(AUTOTUNE_ENV, "0") not in ("0", "1"):
-        raise ValueError(f"{AUTOTUNE_ENV} must be 0 or 1, got {os.environ[AUTOTUNE_ENV]!r}")
-    if os.environ.get(AUTOTUNE_ENV) != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+def active(requested: bool) -> bool:
+    """Whether a launch autotunes: asked for (t.autotune), on CUDA, not under Triton's interpreter."""
+    if not requested or interpreter():
         return False
     import torch
 
@@ -104,7 +101,7 @@ _TUNER: Tuner | None = None
 
 def tuner() -> Tuner:
     global _TUNER
-    path = cache.cache_dir() / "autotune" / "chunk.json"
+    path = cache_dir() / "autotune" / "chunk.json"
     if _TUNER is None or _TUNER.path != path:
         _TUNER = Tuner(path)
     return _TUNER

@@ -25,8 +25,7 @@ from la_compiler.kernels.chunk.snippets import (
     ACC_HELPERS, GDN_BWD, GDN_FWD, GDN_PAIRS_DECAY, KDA_BWD, KDA_FWD, PAIRWISE_SITES, QDQ_IMPORT, ROW_SUM_HELPER,
     GDN_CHUNK_DECAY_ON_VALUES, SUB_DOT_HELPER, gdn_decays_values, gdn_pair_block, gdn_pairs,
     acc_dot, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs,
-    factored_scales, factored_values, operand_values,
-    lines, load_solved, solve, solve_form, state_qdq, w_amax_pass, w_qdq)
+    factored_values, operand_values, lines, load_solved, solve, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.chunk.precision import GEMM_HELPER
 from la_compiler.kernels.chunk.params import ChunkParams, OPERAND_SITES, parse_acc, unsupported  # noqa: F401
 from la_compiler.kernels.common.codegen import CodegenError, module_source, render, template  # noqa: F401
@@ -103,13 +102,10 @@ Keys are read in blocks of BK columns (the pair products are sums over key colum
 independent), so no program holds a full-width [C x K] tile; BK >= K where a rounded pair operand or
 the W quantizer's tile needs all columns at once (chunk.fwd.intra_key_block). KDA's exact pair
 products come from chunk_kda_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""'''
-SOLVE_DOC = '''"""The intra stage's first half as a kernel of its own (LAQAT_CHUNK_INTRA_SPLIT=1):
-G = cumsum(g) (GDN), A, A_qk, T = (I + A)^-1 (or Neumann), T stored in t_out for chunk_<op>_fwd_kernel_wu
-(STORE_T is always set)."""'''
-WU_DOC = '''"""The intra stage's second half (LAQAT_CHUNK_INTRA_SPLIT=1): W = T diag(beta)(exp(G) ⊙ K)
-(+ W quantizer), U = T diag(beta) V, KDA's decayed keys, from the T and G that chunk_<op>_fwd_kernel_solve
-stored."""'''
-# T from chunk_<op>_fwd_kernel_solve (rows past the sequence end: the identity's, as its solve gives them)
+WU_DOC = '''"""The intra stage's second half, for the backward's recompute from a kept residual:
+W = T diag(beta)(exp(G) ⊙ K) (+ W quantizer), U = T diag(beta) V, KDA's decayed keys, from the T (and GDN's G)
+that the training forward kept (chunk/residual.py)."""'''
+# T from the training forward's residual (rows past the sequence end: the identity's, as its solve gives them)
 LOAD_T = ("b_T = tl.load(t_out + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)\n"
           "b_T = tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))")
 
@@ -123,7 +119,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         pairs = _PAIRS_FROM_KERNEL
     ops = operand_values(p)
     dots = acc_values(p)
-    grid = factored_values(p)  # products on grid values (LAQAT_CHUNK_FACTORED_SCALES): the forward stages only
+    grid = factored_values(p)  # products on grid values (snippets.factored): the forward stages only
     ops, dots = dict(ops, **grid), dict(dots, **grid)
     program = template(TEMPLATES, "chunk_fwd_program")
     state_hook = state_qdq(p)
@@ -138,12 +134,11 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "ON_W": w_qdq(p), "DECAYED_KEYS": fwd["DECAYED_KEYS"],
         "WY_VALUE_RHS": ops["WY_VALUE_RHS"], "WY_VALUE_DOT": dots["WY_VALUE_DOT"],
         "FWD_INTRA_AMAX": ops["FWD_INTRA_AMAX"]}, where="chunk_fwd_intra_wu")
-    # the intra stage as one kernel, or as two (LAQAT_CHUNK_INTRA_SPLIT: chunk.fwd.intra_split)
-    intra, intra_solve, intra_wu = (
+    # the intra stage as one kernel, and its second half alone (the backward's recompute from a kept residual)
+    intra, intra_wu = (
         render(template(TEMPLATES, "chunk_fwd_intra"), {"OP": p.kind, "NAME": name, "DOC": doc, "PROGRAM": program, "BODY": body},
                where=f"chunk_fwd_{name}")
         for name, doc, body in (("intra", INTRA_DOC, solve_half + "\n\n" + wu_half),
-                                ("solve", SOLVE_DOC, solve_half),
                                 ("wu", WU_DOC, lines(fwd["LOAD_CUMSUM"], LOAD_T, wu_half))))
     on_values = gdn_decays_values(p)
     h = render(template(TEMPLATES, "chunk_fwd_h"), {
@@ -159,7 +154,7 @@ def chunk_fwd_source(p: ChunkParams) -> str:
         "OUTPUT_STATE_OPERANDS": ops["OUTPUT_STATE_OPERANDS"], "OUTPUT_VALUE_OPERANDS": ops["OUTPUT_VALUE_OPERANDS"],
         "OUTPUT_STATE_DOT": dots["OUTPUT_STATE_DOT"], "OUTPUT_VALUE_DOT": dots["OUTPUT_VALUE_DOT"],
         "FWD_O_AMAX": ops["FWD_O_AMAX"]}, where="chunk_fwd_o")
-    kernels = [intra, h, o, intra_solve, intra_wu]
+    kernels = [intra, h, o, intra_wu]
     if kda_pairs_kernel(p):
         kernels[:0] = _kda_pairs_kernels(p, program)
     title = f"Chunked (WY) {p.kind.upper()} forward kernels: " + (
@@ -168,8 +163,8 @@ def chunk_fwd_source(p: ChunkParams) -> str:
 
 
 def chunk_fwd_module(p: ChunkParams) -> ModuleType:
-    """The loaded module with ``chunk_<kind>_fwd_kernel_{intra,h,o}``."""
-    return _module("fwd", p, solve_form(p) + ("+factored" if factored_scales() else ""))
+    """The loaded module with ``chunk_<kind>_fwd_kernel_{intra,h,o,wu}``."""
+    return _module("fwd", p)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -284,13 +279,12 @@ def chunk_bwd_source(p: ChunkParams) -> str:
 
 def chunk_bwd_module(p: ChunkParams) -> ModuleType:
     """The loaded module with ``chunk_<kind>_bwd_kernel_{dh,intra}``."""
-    return _module("bwd", p, solve_form(p))
+    return _module("bwd", p)
 
 
-# Generating and hashing the source takes ~1 ms of host time: once per process, params and solve form
-# (the form, from LAQAT_CHUNK_SOLVE, changes the source).
+# Generating and hashing the source takes ~1 ms of host time: once per process and params.
 @functools.lru_cache(maxsize=None)
-def _module(direction: str, p: ChunkParams, form: str) -> ModuleType:
+def _module(direction: str, p: ChunkParams) -> ModuleType:
     source = chunk_fwd_source(p) if direction == "fwd" else chunk_bwd_source(p)
     params = {"family": f"chunk_{direction}", **dataclasses.asdict(p)}
     return cache.load_source(f"chunk_{p.kind}_{direction}", source, params)

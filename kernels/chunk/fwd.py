@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
@@ -22,11 +21,11 @@ from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk import codegen as chunk_codegen
 from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
 from la_compiler.kernels.chunk.pair_rounding import kda_pairs_nvfp4
-from la_compiler.kernels.chunk.residual import clear_gaps, keeps_everything, residual_views
+from la_compiler.kernels.chunk.residual import clear_gaps, residual_views
 from la_compiler.kernels.chunk.precision import dot_precision, gemm_precision, intermediate_dtype
-from la_compiler.kernels.chunk.launch import (FWD_KEY_BLOCK_ENV, PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config,
-                                            next_power_of_2)
+from la_compiler.kernels.chunk.launch import PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config, next_power_of_2
 from la_compiler.quant.config import QuantConfig
+from la_compiler.options import DEFAULT_TUNING, TuningOptions, interpreter
 from la_compiler.kernels.chunk.snippets import has_nvfp4_operands, kda_rounds_pairs, pairs_need_all_keys
 
 
@@ -72,17 +71,16 @@ def check_inputs(p: ChunkParams, q, k, v, g, beta, initial_state, cu_seqlens):
                                   max_k=max_k, max_v=256, why_max=f" ({why})")
 
 
-def nan_fill() -> bool:
-    """Whether ``scratch`` buffers are NaN-filled: under the interpreter (tests see every unwritten element)
-    or with LAQAT_NAN_FILL=1; otherwise they are uninitialised (a fill costs a full write of them)."""
-    default = "1" if os.environ.get("TRITON_INTERPRET") == "1" else "0"
-    return os.environ.get("LAQAT_NAN_FILL", default) == "1"
+def nan_fill(tuning: TuningOptions) -> bool:
+    """Whether ``scratch`` buffers are NaN-filled: as t.nan_fill says, else under the interpreter (tests see every
+    unwritten element); otherwise they are uninitialised (a fill costs a full write of them)."""
+    return interpreter() if tuning.nan_fill is None else tuning.nan_fill
 
 
-def scratch(shape, dtype, device, fill: bool | None = None) -> torch.Tensor:
-    """An output/intermediate buffer, NaN-filled where ``fill`` (default: ``nan_fill()``; a launcher reads
-    it once for all its buffers)."""
-    if nan_fill() if fill is None else fill:
+def scratch(shape, dtype, device, fill: bool) -> torch.Tensor:
+    """An output/intermediate buffer, NaN-filled where ``fill`` (``nan_fill``: a launcher decides once for all
+    its buffers)."""
+    if fill:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -92,7 +90,7 @@ def intra_key_block(p: ChunkParams, BK: int, w_block: int) -> int:
     ``pairs_need_all_keys``, else ``chunk.launch.key_block``, never fewer than a W quantizer block."""
     if pairs_need_all_keys(p):
         return BK
-    return min(BK, max(key_block(BK, FWD_KEY_BLOCK_ENV), w_block))
+    return min(BK, max(key_block(BK, p.numerics.key_block), w_block))
 
 
 def output_value_block(V: int, rounds_operands: bool) -> int:
@@ -105,7 +103,7 @@ def output_value_block(V: int, rounds_operands: bool) -> int:
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
               intermediates: dict | None = None, need_output: bool = True, save_to: torch.Tensor | None = None,
-              saved: torch.Tensor | None = None):
+              saved: torch.Tensor | None = None, tuning: TuningOptions = DEFAULT_TUNING):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
     ``intermediates``, if given, receives the buffers g_cum, w, u, A_qk, v_new, kd (KDA) [B, T, HV, ..] and h, the
@@ -115,9 +113,10 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
     the backward's input-gradient stage loads it instead of solving again.
     ``save_to`` (a buffer of ``chunk.residual.residual_size``): the forward also stores there what the backward
-    keeps (T, A_qk and G or P; with LAQAT_CHUNK_KEEP_RESIDUAL=all W, U, h, V_new too). ``saved`` (such a buffer,
-    filled by a forward of the same inputs): the recompute loads them and runs only the W / U half of the intra
-    stage and the h stage (KDA: after its cumsum), or (all) no kernel but KDA's NVFP4 pair amaxes."""
+    keeps (T, A_qk and G or P; with t.keep_residual=all W, U, h, V_new too). ``saved`` (such a buffer, filled by a
+    forward of the same inputs and tuning): the recompute loads them and runs only the W / U half of the intra
+    stage and the h stage (KDA: after its cumsum), or (all) no kernel but KDA's NVFP4 pair amaxes. ``tuning``: the
+    spec's t.<name> options (residual mode, serial stages, autotuning, NaN fill)."""
     if save_to is not None and saved is not None:
         raise ValueError("chunk_fwd takes save_to or saved, not both")
     if saved is not None and need_output:
@@ -128,8 +127,8 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)
     module = chunk_fwd_module(p)
-    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}")
-               for stage in ("intra", "h", "o", "solve", "wu")}
+    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o", "wu")}
+    launch_tuned = functools.partial(launch, autotune=tuning.autotune)
     w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
     BK = max(w_block, next_power_of_2(K))
     BV_io = min(64, max(16, next_power_of_2(V)))
@@ -139,14 +138,15 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     dev, f32 = q.device, torch.float32
     gemm = gemm_precision(p, q.dtype)
     mid = intermediate_dtype(gemm, q.dtype)  # of W, U, h, V_new: the input dtype for 16-bit GEMMs
-    buffer = functools.partial(scratch, fill=nan_fill())
+    buffer = functools.partial(scratch, fill=nan_fill(tuning))
     residual = saved if saved is not None else save_to
-    kept = residual_views(p, residual, q, v, cu_seqlens) if residual is not None else {}
+    keep = tuning.keep_residual
+    kept = residual_views(p, residual, q, v, cu_seqlens, keep) if residual is not None else {}
     if save_to is not None:  # the op returns the buffer: no element of it left unwritten (chunk/residual.py)
-        clear_gaps(p, save_to, q, v, cu_seqlens)
+        clear_gaps(p, save_to, q, v, cu_seqlens, keep)
         if "h" in kept and kept["h"].shape[0] > lay.NT:  # a varlen batch's chunk states past its count
             kept["h"][lay.NT:].zero_()
-    rerun = saved is None or not keeps_everything()  # whether the intra (or W / U) and h stages run
+    rerun = saved is None or keep != "all"  # whether the intra (or W / U) and h stages run
 
     def take(name, shape, dtype):  # the kept part of that name, else a scratch buffer
         return kept[name] if name in kept else buffer(shape, dtype, dev)
@@ -170,24 +170,24 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     ht = buffer(state_shape, f32, dev)
     index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, IS_VARLEN=cu_seqlens is not None,
-                  DOT_PRECISION=dot_precision(q.dtype), GEMM_PRECISION=gemm)
+                  DOT_PRECISION=dot_precision(p, q.dtype), GEMM_PRECISION=gemm)
     rounds = bool(p.operands or p.acc)  # rounded GEMM operands: the output stage's value block
     nvfp4 = has_nvfp4_operands(p)
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
         if rerun:
-            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
+            launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
                    g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
                    IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_cumsum", BKG, C))
         rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
         BKP = BK if rounded else BKG
         sub_grid = (chunks_per_row * (C // BC), heads)
         if pair_amax is not None:
-            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
+            launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
                    q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
                    IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_pair_amax", BKP, C))
         if saved is None:  # else P and P_qk (in A_qk, finished by the intra stage) are the forward's
-            launch(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
+            launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
                    q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
                    H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                    DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
@@ -197,47 +197,28 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
                      **dict(common, BK=BK_intra))
         if saved is not None:  # T, A_qk (GDN: and G) from the training forward: W and U alone
-            launch(kernels["wu"], (chunks_per_row, heads),
+            launch_tuned(kernels["wu"], (chunks_per_row, heads),
                    q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale,
                    T, STORE_T=False, **intra)
-        elif intra_split():  # A, A_qk and T, then W and U from the stored T: two lighter programs per chunk
-            t_split = t_solved if t_solved is not None else buffer((B, T, HV, C), f32, dev)
-            for stage, store_t in (("solve", True), ("wu", False)):
-                launch(kernels[stage], (chunks_per_row, heads),
-                       q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_split, p_pairs, cu_seqlens, lay.chunk_indices, scale,
-                       T, STORE_T=store_t, **intra)
         else:
-            launch(kernels["intra"], (chunks_per_row, heads),
+            launch_tuned(kernels["intra"], (chunks_per_row, heads),
                    q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
                    STORE_T=t_solved is not None, **intra)
     if rerun:
-        launch(kernels["h"], (cdiv(V, BV_h), N * HV),
+        launch_tuned(kernels["h"], (cdiv(V, BV_h), N * HV),
                k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
                BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
-               config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4), **common)
+               config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4, serial_stages=tuning.serial_stages),
+               **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
-        launch(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
+        launch_tuned(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
                q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
                BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, nvfp4_operands=nvfp4), **common)
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)
     return o, (ht if rerun else None)
-
-
-INTRA_SPLIT_ENV = "LAQAT_CHUNK_INTRA_SPLIT"
-
-
-def intra_split() -> bool:
-    """LAQAT_CHUNK_INTRA_SPLIT=1: the intra stage as two kernels (chunk_<op>_fwd_kernel_solve: A, A_qk, T;
-    chunk_<op>_fwd_kernel_wu: W, U from the stored T), FLA's split (its kkt_solve and recompute_w_u); the same
-    values, T through memory. Default 0 (one kernel): on the H200 the split was slower for GDN's exact and
-    FP8-state steps (4.76 -> 4.86 ms) and with factored scales (18.22 -> 18.46; docs/env-vars.md)."""
-    text = os.environ.get(INTRA_SPLIT_ENV, "0")
-    if text not in ("0", "1"):
-        raise ValueError(f"{INTRA_SPLIT_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
 
 
 def _cfg(text) -> QuantConfig:

@@ -11,7 +11,8 @@ The configurations come from compiling every stage for sm_90 (Triton's ptxas, on
   224 B;
 * at BK = 64 with fp32 inputs, the dh stage asked for 262 KB at three stages (H200: 227 KB).
 
-``LAQAT_AUTOTUNE=1`` replaces the table's choice by the fastest of a few around it (chunk/autotune.py).
+The tuning option ``t.autotune=true`` replaces the table's choice by the fastest of a few around it
+(chunk/autotune.py); ``t.serial_stages`` sets the depth of the serial h / dh loops.
 Pipelining depth never changes what is computed, so a launch that Triton refuses for shared memory
 is retried with fewer stages (and the working depth remembered per kernel and constants); any other
 error propagates.
@@ -19,7 +20,6 @@ error propagates.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from triton.runtime.errors import OutOfResources
 
@@ -30,15 +30,18 @@ from la_compiler.kernels.chunk import autotune as chunk_autotune
 class LaunchConfig:
     num_warps: int
     num_stages: int
-    keep_warps: bool = False  # LAQAT_AUTOTUNE varies the stages only (chunk_autotune.candidates)
+    keep_warps: bool = False  # the autotuner varies the stages only (chunk_autotune.candidates)
 
 
-def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nvfp4_operands: bool = False
-                  ) -> LaunchConfig:
+def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nvfp4_operands: bool = False,
+                  serial_stages: int | None = None) -> LaunchConfig:
     """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
     ``rounds_operands`` (the pair stages): the pair products are rounded (chunk.snippets.kda_rounds_pairs);
     ``nvfp4_operands`` (the h, o and dh stages): a GEMM operand site rounds to NVFP4 (its blocks of 16 add live
-    tiles; the h stage holds all of V)."""
+    tiles; the h stage holds all of V); ``serial_stages`` (the tuning option t.serial_stages): the pipeline depth
+    of the h and dh stages instead of the table's. At K = 128 two stages prefetch the next chunk's W, U, K at
+    112 KB (h) / 177 KB (dh) of shared memory with 80 / 584 B of spills against none / 936 B at one stage (sm_90;
+    not timed on a GPU: docs/performance.md)."""
     if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
                      "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
@@ -47,7 +50,7 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
         # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills
         return LaunchConfig(8, 1)
     if stage == "fwd_pairs" and BK >= 64 and not rounds_operands:
-        # the exact forward's row-block products ([C x BK] tiles): LAQAT_AUTOTUNE on the H200 (KDA [8,4096,16,128])
+        # the exact forward's row-block products ([C x BK] tiles): the autotuner on the H200 (KDA [8,4096,16,128])
         # chose four warps, one stage (1.44 ms for both calls; eight warps, one stage: 1.81; comparisons.jsonl,
         # topic kda-row-block-pairs). sm_90: 228 registers, no spills (three stages: 200 B of spills)
         return LaunchConfig(4, 1)
@@ -56,7 +59,7 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
     if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not nvfp4_operands:
-        # LAQAT_AUTOTUNE on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
+        # the autotuner on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
         # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills;
         # examples/benchmarks/results/comparisons.jsonl, topic autotune-launch-table).
         # With rounded operands too, although four warps spill there on sm_90 (all FP8 sites: 632 B (h), 336 B
@@ -68,21 +71,9 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
         warps, stages = 4, 2 if stage == "fwd_o" else 1
     if stage == "bwd_intra" and C * BK >= 2048:
         warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (topic autotune-launch-table)
-    if stage in ("fwd_h", "bwd_dh"):
-        stages = serial_stages_override() or stages
+    if stage in ("fwd_h", "bwd_dh") and serial_stages is not None:
+        stages = serial_stages
     return LaunchConfig(warps, stages)
-
-
-def serial_stages_override() -> int | None:
-    """LAQAT_CHUNK_SERIAL_STAGES=<n>: pipeline depth of the serial h / dh loops (benchmarks compare it:
-    at K = 128, two stages prefetch the next chunk's W, U, K at 112 KB (h) / 177 KB (dh) of shared memory
-    with 80 / 584 B of spills against none / 936 B at one stage; not measured on a GPU: docs/performance.md)."""
-    text = os.environ.get("LAQAT_CHUNK_SERIAL_STAGES")
-    if text is None:
-        return None
-    if not text.isdigit() or not 1 <= int(text) <= 4:
-        raise ValueError(f"LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got {text!r}")
-    return int(text)
 
 
 # Key columns per step of the key-blocked stages (forward intra; KDA's split backward intra and pairs):
@@ -91,9 +82,7 @@ def serial_stages_override() -> int | None:
 # examples/benchmarks/results/comparisons.jsonl, topic kda-key-blocks).
 WHOLE_ROWS_UP_TO = 64
 KEY_BLOCK = 32
-FWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_KEY_BLOCK"
 PAIRS_KEY_BLOCK = 64  # key columns per step of KDA's forward pairs kernel and its cumsum ([BC x 64] tiles)
-BWD_KEY_BLOCK_ENV = "LAQAT_CHUNK_BWD_KEY_BLOCK"
 
 
 # KDA's split backward (intra and pairs stages) with 16-bit GEMMs: blocks of 64 beat 32 on the H200 at
@@ -111,15 +100,12 @@ GDN_BWD_KEY_BLOCK_16BIT = 128
 GDN_WHOLE_ROW_BWD_VALUE_BLOCK = 32
 
 
-def key_block(BK: int, env: str, block: int = KEY_BLOCK) -> int:
-    """Key columns per step for key rows padded to BK (whole rows up to 64 columns, else ``block``), or the
-    benchmark override in ``env`` (16, 32, 64 or 128)."""
-    text = os.environ.get(env)
-    if text is None:
+def key_block(BK: int, chosen: int | None, block: int = KEY_BLOCK) -> int:
+    """Key columns per step for key rows padded to BK: whole rows up to 64 columns, else ``block``; or
+    ``chosen`` (the numerics options n.key_block / n.bwd_key_block), at most BK."""
+    if chosen is None:
         return BK if BK <= WHOLE_ROWS_UP_TO else block
-    if text not in ("16", "32", "64", "128"):
-        raise ValueError(f"{env} must be 16, 32, 64 or 128, got {text!r}")
-    return min(BK, int(text))
+    return min(BK, chosen)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -136,10 +122,10 @@ def next_power_of_2(n: int) -> int:
 _working_stages: dict[tuple, int] = {}
 
 
-def launch(kernel, grid, *args, config: LaunchConfig, **constexprs):
-    """kernel[grid](*args, **constexprs) with the config (or, under LAQAT_AUTOTUNE=1 on CUDA, the fastest
+def launch(kernel, grid, *args, config: LaunchConfig, autotune: bool = False, **constexprs):
+    """kernel[grid](*args, **constexprs) with the config (or, with ``autotune`` (t.autotune) on CUDA, the fastest
     of a few around it: kernels/chunk/autotune.py); fewer pipeline stages on OutOfResources."""
-    if chunk_autotune.enabled():
+    if chunk_autotune.active(autotune):
         config = chunk_autotune.tuner().best(
             chunk_autotune.key_of(kernel, grid, constexprs), chunk_autotune.candidates(config),
             lambda c: kernel[grid](*args, num_warps=c.num_warps, num_stages=c.num_stages, **constexprs))

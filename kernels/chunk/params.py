@@ -1,14 +1,16 @@
 """What the chunk kernels are specialized on (``ChunkParams``), and which specs they implement.
 
 A spec's numerics reach the chunk family only through these parameters: the kind, the state layout,
-the chunk size, the solve, and the canonical format strings of the state, W and GEMM-operand
-quantizers and the accumulator emulation. ``unsupported(spec)`` says why a spec is not one of them.
+the chunk size, the solve, the canonical format strings of the state, W and GEMM-operand
+quantizers and the accumulator emulation, and the numerics options (``n.<name>``: GEMM and dot
+precision, key blocks). ``unsupported(spec)`` says why a spec is not one of them.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from la_compiler.kernels.common.codegen import CodegenError
+from la_compiler.options import NumericsOptions
 from la_compiler.quant.config import QuantConfig
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
@@ -40,12 +42,15 @@ class ChunkParams:
     w_quant: str | None = None  # canonical QuantConfig string of q.w (= q.state_read.lhs)
     operands: tuple[tuple[str, str], ...] = ()  # ("<gemm site>.lhs|rhs", format), sorted
     acc: tuple[tuple[str, str], ...] = ()  # ("<gemm site>", "fp16:16"), sorted: accumulator emulation
+    numerics: NumericsOptions = NumericsOptions()  # the spec's n.<name> fields
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise CodegenError(f"chunk: kind must be one of {KINDS}, got {self.kind!r}")
         if self.state not in STATE_LAYOUTS:
             raise CodegenError(f"chunk: state layout must be one of {STATE_LAYOUTS}, got {self.state!r}")
+        if not isinstance(self.numerics, NumericsOptions):
+            raise CodegenError(f"chunk: numerics must be a NumericsOptions, got {self.numerics!r}")
         if self.chunk < 1 or self.chunk & (self.chunk - 1):
             raise CodegenError(f"chunk: chunk size must be a power of two, got {self.chunk}")
         if (self.solve == "neumann") != (self.degree is not None) or self.solve not in ("exact", "neumann"):
@@ -105,7 +110,8 @@ class ChunkParams:
         quant = spec.quant_map
         w = quant.get("w") or quant.get("state_read.lhs")
         return cls(kind=spec.kind, state=spec.state, chunk=spec.chunk, solve=spec.solve, degree=spec.degree,
-                   state_quant=quant.get("state"), w_quant=w, operands=_operand_sites(quant), acc=spec.acc)
+                   state_quant=quant.get("state"), w_quant=w, operands=_operand_sites(quant), acc=spec.acc,
+                   numerics=spec.numerics_options)
 
 
 def unsupported(spec: RecurrenceSpec) -> str | None:

@@ -18,29 +18,25 @@ Specs with GEMM operand QDQ, accumulator emulation or the W quantizer keep fp32 
 operand (FP8 value times an fp32 scale) is not a bf16 number, and casting it would round it again. The
 state quantizer does not block the 16-bit GEMMs: the state carried from chunk to chunk stays fp32 and is
 rounded by its quantizer; the GEMMs read it in the input dtype, as FLA's kernels (and a serving engine
-running them on a dequantized FP8 state) do. ``LAQAT_CHUNK_GEMM=tf32`` keeps fp32 operands (TF32) and
-fp32 intermediates for 16-bit inputs (the earlier kernels; benchmarks compare the two).
+running them on a dequantized FP8 state) do. The numerics option ``n.gemm=tf32`` keeps fp32 operands (TF32)
+and fp32 intermediates for 16-bit inputs; ``n.fp32_dot=tf32x3`` takes Triton's three-pass TF32 split for fp32
+inputs (``la_compiler.options.NumericsOptions``).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-FP32_DOT_ENV = "LAQAT_FP32_DOT"
-GEMM_ENV = "LAQAT_CHUNK_GEMM"
+from la_compiler.options import interpreter
+
 _SIXTEEN_BIT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """tf32 for 16-bit inputs; for fp32 inputs IEEE (the exact-numerics contract), or with
-    LAQAT_FP32_DOT=tf32x3 Triton's three-pass TF32 split (tensor cores, close to fp32)."""
+def dot_precision(p, dtype: torch.dtype) -> str:
+    """tf32 for 16-bit inputs; for fp32 inputs IEEE (the exact-numerics contract), or with n.fp32_dot=tf32x3
+    Triton's three-pass TF32 split (tensor cores, close to fp32)."""
     if dtype not in (torch.float32, torch.float64):
         return "tf32"
-    choice = os.environ.get(FP32_DOT_ENV, "ieee")
-    if choice not in ("ieee", "tf32x3"):
-        raise ValueError(f"{FP32_DOT_ENV} must be 'ieee' or 'tf32x3', got {choice!r}")
-    return choice
+    return p.numerics.fp32_dot
 
 
 def rounds_gemm_operands(p) -> bool:
@@ -54,13 +50,9 @@ def gemm_precision(p, dtype: torch.dtype) -> str:
     "fp16_rounded": its tl.dot of bf16 operands returns garbage (Triton 3.9), so the operands are rounded
     to the 16-bit format (to nearest even) and multiplied in fp32, which gives the same products (a
     product of two 16-bit numbers is exact in fp32); only the order of the fp32 sums may differ."""
-    choice = os.environ.get(GEMM_ENV, "input")
-    if choice not in ("input", "tf32"):
-        raise ValueError(f"{GEMM_ENV} must be 'input' or 'tf32', got {choice!r}")
-    if dtype in _SIXTEEN_BIT and choice == "input" and not rounds_gemm_operands(p):
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        return _SIXTEEN_BIT[dtype] + ("_rounded" if interpreted else "")
-    return dot_precision(dtype)
+    if dtype in _SIXTEEN_BIT and p.numerics.gemm == "input" and not rounds_gemm_operands(p):
+        return _SIXTEEN_BIT[dtype] + ("_rounded" if interpreter() else "")
+    return dot_precision(p, dtype)
 
 
 def _sixteen_bit(precision: str) -> str | None:
@@ -80,10 +72,10 @@ def describe(p, dtype: torch.dtype) -> str:
     name = _sixteen_bit(gemm)
     if name:
         return (f"GEMMs over values and states in {name} with fp32 accumulation, W/U/h/V_new kept in {name} "
-                f"(FLA's numerics); pair products and solve in {dot_precision(dtype)}")
+                f"(FLA's numerics); pair products and solve in {dot_precision(p, dtype)}")
     if dtype not in _SIXTEEN_BIT:
         return f"every dot in fp32 ({gemm})"
-    why = "the spec rounds GEMM operands" if rounds_gemm_operands(p) else f"{GEMM_ENV}=tf32"
+    why = "the spec rounds GEMM operands" if rounds_gemm_operands(p) else "n.gemm=tf32"
     return f"fp32 GEMM operands and intermediates, dots in {gemm} ({why})"
 
 

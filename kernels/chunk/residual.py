@@ -1,12 +1,13 @@
 """What a training forward of the chunk kernels keeps for its backward (its residual), and where it sits in one
 fp32 buffer (docs/kernels-chunk.md, "What the backward recomputes and what it keeps").
 
-LAQAT_CHUNK_KEEP_RESIDUAL:
-    1 (default)  T = (I + A)^-1, A_qk, and G (GDN) or the pair products P (KDA): the backward's recompute runs only
-                 W / U (KDA: after its cumsum) and the h stage
-    all          also W, U, the chunk-start states h, V_new and KDA's G and decayed keys: the backward runs no
-                 forward kernel (FLA's KDA calls this trade ``disable_recompute``)
-    0            nothing: the backward recomputes the pairs, the whole intra stage and h
+The tuning option ``t.keep_residual`` (``la_compiler.options.TuningOptions``; the spec carries it, so a forward
+and its backward read the same mode):
+    intra (default)  T = (I + A)^-1, A_qk, and G (GDN) or the pair products P (KDA): the backward's recompute runs
+                     only W / U (KDA: after its cumsum) and the h stage
+    all              also W, U, the chunk-start states h, V_new and KDA's G and decayed keys: the backward runs no
+                     forward kernel (FLA's KDA calls this trade ``disable_recompute``)
+    none             nothing: the backward recomputes the pairs, the whole intra stage and h
 
 Every part is a view of the buffer at an offset aligned to ALIGN fp32 elements; 16-bit parts (W, U, h, V_new, kd
 with 16-bit GEMMs) reinterpret their share of it. The chunk-start states of a varlen batch are counted up to a
@@ -22,31 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
 from la_compiler.kernels.chunk.codegen import ChunkParams
 from la_compiler.kernels.chunk.launch import cdiv
 from la_compiler.kernels.chunk.precision import gemm_precision, intermediate_dtype
+from la_compiler.options import DEFAULT_TUNING, KEEP_RESIDUAL
 
-KEEP_RESIDUAL_ENV = "LAQAT_CHUNK_KEEP_RESIDUAL"
-KEEP_MODES = ("0", "1", "all")
 ALIGN = 16  # fp32 elements (64 bytes) between the starts of two parts
-
-
-def keep_mode() -> str:
-    """LAQAT_CHUNK_KEEP_RESIDUAL: "1" (default), "all" or "0"; anything else is a ValueError naming it. Read at
-    every call: keep it the same between a forward and its backward."""
-    text = os.environ.get(KEEP_RESIDUAL_ENV, "1")
-    if text not in KEEP_MODES:
-        raise ValueError(f"{KEEP_RESIDUAL_ENV} must be one of {list(KEEP_MODES)}, got {text!r}")
-    return text
-
-
-def keeps_everything() -> bool:
-    """The backward runs no forward kernel (LAQAT_CHUNK_KEEP_RESIDUAL=all)."""
-    return keep_mode() == "all"
+DEFAULT_KEEP = DEFAULT_TUNING.keep_residual
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +54,20 @@ def _align(n: int) -> int:
 
 
 def residual_layout(p: ChunkParams, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                    mode: str | None = None) -> tuple[list[Part], int]:
-    """The parts kept under ``mode`` (default: ``keep_mode()``) and the buffer's size in fp32 elements."""
-    mode = keep_mode() if mode is None else mode
+                    keep: str = DEFAULT_KEEP) -> tuple[list[Part], int]:
+    """The parts kept under ``keep`` (t.keep_residual) and the buffer's size in fp32 elements."""
+    if keep not in KEEP_RESIDUAL:
+        raise ValueError(f"residual_layout: keep must be one of {list(KEEP_RESIDUAL)}, got {keep!r}")
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if mode == "0" or B * T == 0:
+    if keep == "none" or B * T == 0:
         return [], 0
     C, f32 = p.chunk, torch.float32
     mid = intermediate_dtype(gemm_precision(p, q.dtype), q.dtype)
     rows = (B, T, HV)
     shapes = [("t_solved", (*rows, C), f32), ("A_qk", (*rows, C), f32)]
     shapes.append(("g_cum", rows, f32) if p.kind == "gdn" else ("p_pairs", (*rows, C), f32))
-    if mode == "all":
+    if keep == "all":
         chunks = B * cdiv(T, C) if cu_seqlens is None else cdiv(T, C) + cu_seqlens.shape[0] - 1
         shapes += [("w", (*rows, K), mid), ("u", (*rows, V), mid), ("h", (chunks, HV, K, V), mid),
                    ("v_new", (*rows, V), mid)]
@@ -104,29 +91,29 @@ def residual_gaps(parts: list[Part], size: int) -> list[tuple[int, int]]:
 
 
 def clear_gaps(p: ChunkParams, residual: torch.Tensor, q: torch.Tensor, v: torch.Tensor,
-               cu_seqlens: torch.Tensor | None) -> None:
+               cu_seqlens: torch.Tensor | None, keep: str = DEFAULT_KEEP) -> None:
     """Zeros the alignment padding of ``residual`` (before the kernels fill the parts: a 16-bit part of odd
     length writes half of its last fp32 element). One small fill per part that has padding (none where a part's
     size is a multiple of ALIGN, as with C = 64 for T, A_qk and P), never a pass over the buffer."""
-    for start, end in residual_gaps(*residual_layout(p, q, v, cu_seqlens)):
+    for start, end in residual_gaps(*residual_layout(p, q, v, cu_seqlens, keep)):
         residual[start:end].zero_()
 
 
-def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
+def residual_size(p: ChunkParams, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                  keep: str = DEFAULT_KEEP) -> int:
     """Elements of the fp32 buffer a training forward fills for the backward (0: nothing is kept)."""
-    return residual_layout(p, q, v, cu_seqlens)[1]
+    return residual_layout(p, q, v, cu_seqlens, keep)[1]
 
 
 def residual_views(p: ChunkParams, residual: torch.Tensor, q: torch.Tensor, v: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None) -> dict:
+                   cu_seqlens: torch.Tensor | None, keep: str = DEFAULT_KEEP) -> dict:
     """The kept parts as views of ``residual`` by name (chunk_fwd's buffer names)."""
-    mode = keep_mode()
-    parts, size = residual_layout(p, q, v, cu_seqlens, mode)
+    parts, size = residual_layout(p, q, v, cu_seqlens, keep)
     if not parts:
-        raise ValueError(f"the chunk kernels keep no residual with {KEEP_RESIDUAL_ENV}={mode}")
+        raise ValueError(f"the chunk kernels keep no residual with t.keep_residual={keep}")
     if residual.dtype != torch.float32 or residual.numel() != size:
         raise ValueError(f"residual must be fp32 with {size} elements for {p.kind} {list(q.shape)} under "
-                         f"{KEEP_RESIDUAL_ENV}={mode}, got {residual.dtype} with {residual.numel()}")
+                         f"t.keep_residual={keep}, got {residual.dtype} with {residual.numel()}")
     views = {}
     for part in parts:
         flat = residual[part.offset: part.offset + part.fp32_elements()]

@@ -7,8 +7,6 @@ implement is derived in docs/kernels-chunk.md.
 """
 from __future__ import annotations
 
-import os
-
 from la_compiler.kernels.chunk.params import ChunkParams, parse_acc
 from la_compiler.quant.config import QuantConfig
 
@@ -128,20 +126,7 @@ def _ops(p: ChunkParams, *calls: tuple) -> str:
     return lines(*parts)
 
 
-FACTORED_ENV = "LAQAT_CHUNK_FACTORED_SCALES"
 _GRID = {"fp8_e4m3": "quant_fp8_e4m3", "int8": "quant_int8"}  # grid values of the per-row formats
-
-
-def factored_scales() -> bool:
-    """LAQAT_CHUNK_FACTORED_SCALES (default 1): the forward stages multiply products whose two operands are rounded
-    per row (FP8 / INT8) as grid values with the scales applied to the result (``factored``). On the H200 at
-    [8, 4096, 16, 128] bf16, all FP8 sites f+b: GDN 17.61 -> 17.41 ms, KDA 37.74 -> 37.28; the o stage 0.97 ->
-    0.83 ms (examples/benchmarks/results/comparisons.jsonl, topics residual and factored-scales). 0 multiplies the
-    dequantized operands."""
-    text = os.environ.get(FACTORED_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{FACTORED_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
 
 
 def _row_format(p: ChunkParams, site: str) -> str | None:
@@ -153,10 +138,13 @@ def _row_format(p: ChunkParams, site: str) -> str | None:
 
 def factored(p: ChunkParams, gemm: str) -> bool:
     """``gemm``'s product runs on grid values, its operands' row scales applied to the result
-    (docs/kernels-chunk.md, "Rounded operands in 16-bit GEMMs"): LAQAT_CHUNK_FACTORED_SCALES=1, both sides rounded
-    per row to FP8 / INT8, no accumulator emulation (which rounds running sums of the scaled product)."""
-    return (factored_scales() and _row_format(p, f"{gemm}.lhs") is not None
-            and _row_format(p, f"{gemm}.rhs") is not None and gemm not in dict(p.acc))
+    (docs/kernels-chunk.md, "Rounded operands in 16-bit GEMMs"): both sides rounded per row to FP8 / INT8, no
+    accumulator emulation (which rounds running sums of the scaled product). On the H200 at [8, 4096, 16, 128]
+    bf16, all FP8 sites f+b, against products of the dequantized operands: GDN 17.61 -> 17.41 ms, KDA 37.74 ->
+    37.28; the o stage 0.97 -> 0.83 ms (examples/benchmarks/results/comparisons.jsonl, topics residual and
+    factored-scales)."""
+    return (_row_format(p, f"{gemm}.lhs") is not None and _row_format(p, f"{gemm}.rhs") is not None
+            and gemm not in dict(p.acc))
 
 
 def _grid_ops(p: ChunkParams, *calls: tuple) -> str:
@@ -402,13 +390,11 @@ SOLVE_BLOCK = 16  # rows of the diagonal blocks of the blocked exact solve
 
 
 def solve_form(p: ChunkParams) -> str:
-    """"blocked" where the chunk splits into 16-row blocks, else "rows"; LAQAT_CHUNK_SOLVE=rows forces
-    row-by-row substitution (both compute T = (I + A)^-1 exactly; benchmarks compare them)."""
-    forced = os.environ.get("LAQAT_CHUNK_SOLVE", "blocked")
-    if forced not in ("blocked", "rows"):
-        raise ValueError(f"LAQAT_CHUNK_SOLVE must be 'blocked' or 'rows', got {forced!r}")
+    """"blocked" where the chunk splits into 16-row blocks, else "rows" (row-by-row forward substitution); both
+    compute T = (I + A)^-1 exactly. On the H200 the forward intra stage takes 1.93 ms per call with the blocked
+    solve against 3.85 row by row (GDN [8, 4096, 16, 128] bf16; comparisons.jsonl, topic solve-forms)."""
     blockable = p.chunk % SOLVE_BLOCK == 0 and p.chunk > SOLVE_BLOCK
-    return "blocked" if forced == "blocked" and blockable else "rows"
+    return "blocked" if blockable else "rows"
 
 
 def solve(p: ChunkParams) -> str:
@@ -660,7 +646,7 @@ def kda_pair_grads(p: ChunkParams) -> str:
 
 
 GDN_FWD = {
-    "LOAD_CUMSUM": "b_G = tl.load(g_cum + r_hv, mask=m_c, other=0)",  # the split intra stage's second kernel
+    "LOAD_CUMSUM": "b_G = tl.load(g_cum + r_hv, mask=m_c, other=0)",  # the recompute's W / U kernel
     "LOAD_DECAY": (
         "b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)\n"
         "b_G = tl.cumsum(b_g, 0)\n"

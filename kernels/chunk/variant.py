@@ -2,8 +2,9 @@
 
 Forward: ``chunk/fwd.py`` (intra, h, o); backward: ``chunk/bwd.py`` (forward recomputed, then
 dh, intra). Exact numerics, the Neumann solve, state / W quantization, the FP8/INT8 (row) and NVFP4
-GEMM operand sites and accumulator emulation; what else a spec asks for is refused by ``chunk.codegen.unsupported`` (the
-selection table then moves on).
+GEMM operand sites and accumulator emulation, and every numerics option (``n.<name>``, through ChunkParams); the
+tuning options (``t.<name>``) reach the launchers. What else a spec asks for is refused by
+``chunk.codegen.unsupported`` (the selection table then moves on).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from la_compiler.kernels.chunk.precision import describe
 from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common.support import needs, not_float64, triton_runs
 from la_compiler.kernels.registry import SelectionContext, register_variant, spec_of
+from la_compiler.options import NumericsOptions, TuningOptions
 from la_compiler.spec import RecurrenceSpec
 
 
@@ -25,16 +27,26 @@ def _params(spec) -> ChunkParams:
     return ChunkParams.from_spec(spec)
 
 
+@functools.lru_cache(maxsize=256)
+def _tuning(spec) -> TuningOptions:
+    return spec.tuning_options
+
+
 def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None):
-    return chunk_fwd(_params(spec_of(spec)), q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to)
+    spec = spec_of(spec)
+    return chunk_fwd(_params(spec), q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to,
+                     tuning=_tuning(spec))
 
 
 def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, saved=None):
-    return chunk_bwd(_params(spec_of(spec)), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=saved)
+    spec = spec_of(spec)
+    return chunk_bwd(_params(spec), q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=saved,
+                     tuning=_tuning(spec))
 
 
 def chunk_residual_size(spec, q, v, cu_seqlens) -> int:
-    return residual_size(_params(spec_of(spec)), q, v, cu_seqlens)
+    spec = spec_of(spec)
+    return residual_size(_params(spec), q, v, cu_seqlens, _tuning(spec).keep_residual)
 
 
 def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
@@ -72,4 +84,5 @@ register_variant(
     residual_size=chunk_residual_size,
     detail=detail,
     source_modules=source_modules,
+    numerics=NumericsOptions.keys(),
 )

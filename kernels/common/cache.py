@@ -5,7 +5,8 @@ of torch, triton and laqat), atomically (a temporary file, then ``os.replace``),
 as a real module whose ``__file__`` is that file: Triton's ``@jit`` reads its kernels'
 source from there and tracebacks point at real lines. Each module loads once per process.
 
-    LAQAT_CACHE_DIR   where the cache lives (default: ``$XDG_CACHE_HOME/laqat`` or ``~/.cache/laqat``)
+The cache lives under ``la_compiler.options.cache_dir()`` (``LAQAT_CACHE_DIR``, default
+``$XDG_CACHE_HOME/laqat`` or ``~/.cache/laqat``: docs/options.md).
 
 Users read what a spec runs through ``la_compiler.kernels.sources`` (and ``laqat source SPEC``).
 """
@@ -26,21 +27,12 @@ import torch
 import triton
 
 import la_compiler
+from la_compiler.options import CACHE_DIR_ENV, cache_dir  # noqa: F401  (the cache's root is read there)
 
-CACHE_DIR_ENV = "LAQAT_CACHE_DIR"
 MODULE_PREFIX = "laqat_generated"
 
 _LOADED: dict[str, ModuleType] = {}  # cache key -> module, in this process
 _LOCK = threading.Lock()
-
-
-def cache_dir() -> Path:
-    """The root of the code cache; ``LAQAT_CACHE_DIR`` overrides the default."""
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "laqat"
 
 
 def versions() -> dict[str, str]:

@@ -2,7 +2,7 @@
 Triton launcher also the device, head-dim limits and state shape."""
 from __future__ import annotations
 
-import os
+from la_compiler.options import interpreter
 
 
 def check_shapes(kind: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
@@ -26,7 +26,7 @@ def check_shapes(kind: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, 
 def check_canonical_inputs(kernel: str, kind: str, state: str, q, k, v, g, beta, initial_state, cu_seqlens, *,
                            max_k: int, max_v: int, why_max: str = ""):
     """Returns (B, T, H, K, HV, V, N, state_shape); raises naming the offending argument."""
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type != "cuda" and not interpreter():
         raise RuntimeError(f"{kernel} runs Triton kernels: it needs CUDA tensors (got {q.device}), "
                            "or TRITON_INTERPRET=1 set before triton is imported")
     B, T, H, K, HV, V = check_shapes(kind, q, k, v, g, beta)

@@ -10,18 +10,20 @@ They round bit-identically to ``la_compiler.quant.formats`` (the torch reference
 through the GPU's conversion instruction where it has one (``hardware_fp8_cast``), else through
 the exponent read from the fp32 bits (step 2^(e-3), e >= -6), never through the interpreter's
 cast to tl.float8e4nv (wrong at binade edges, triton-lang/triton#8322);
-every quotient x / scale is correctly rounded (``quotient``: ``tl.div_rn``, or by default FMAs that
-give the same bits; ``/`` is not correctly rounded on NVIDIA GPUs); clamps are written with ``tl.where``
-so NaN passes through on every backend.
+every quotient x / scale is correctly rounded (``quotient``: FMAs that give ``tl.div_rn``'s bits; ``/`` is
+not correctly rounded on NVIDIA GPUs); clamps are written with ``tl.where`` so NaN passes through on every
+backend. The ``*_in`` forms take both choices as constexpr flags, so that the tests check every form bit for
+bit on the machine they run on.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from la_compiler.options import interpreter
 
 FP8_MAX = tl.constexpr(448.0)
 INT8_MAX = tl.constexpr(127.0)
@@ -31,18 +33,14 @@ NVFP4_SCALE_FLOOR = tl.constexpr(1e-5)
 H32_SCALE_FLOOR = tl.constexpr(6e-8)
 H32_NORM = tl.constexpr(1.0 / math.sqrt(32.0))
 
-FP8_CAST_ENV = "LAQAT_QDQ_FP8_CAST"
-
-
 def hardware_fp8_cast() -> bool:
     """Round to E4M3 with the GPU's own conversion (cvt.rn.satfinite.e4m3x2.f32, sm_89 and later: round to
     nearest even, NaN kept; the QDQ clamps to +-448 first, so saturation never decides). Never under the
-    interpreter, whose cast is wrong at binade edges (triton-lang/triton#8322); LAQAT_QDQ_FP8_CAST=0
-    forces the arithmetic form on a GPU too (tests/kernels/test_qdq_triton.py checks both bit for bit)."""
-    choice = os.environ.get(FP8_CAST_ENV, "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"{FP8_CAST_ENV} must be 0 or 1, got {choice!r}")
-    if choice == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    interpreter, whose cast is wrong at binade edges (triton-lang/triton#8322). Both forms give the same bits
+    (tests/kernels/test_qdq_triton.py checks both where the GPU has the conversion); the arithmetic one is
+    slower there (KDA, all FP8 sites, f+b on the H200: 61.92 ms against 46.00; comparisons.jsonl, topic
+    e4m3-conversion)."""
+    if interpreter() or not torch.cuda.is_available():
         return False
     if torch.version.hip is not None:  # ROCm: its capability numbers are not NVIDIA's; E4M3 there is unmeasured
         return False
@@ -51,21 +49,12 @@ def hardware_fp8_cast() -> bool:
 
 FP8_CAST = tl.constexpr(hardware_fp8_cast())  # read when this module is imported (by the first kernel load)
 
-DIVISION_ENV = "LAQAT_QDQ_DIVISION"
-
-
-def fma_division() -> bool:
-    """Divide by a scale through its reciprocal and two FMA corrections (``quotient``), the default, or with
-    LAQAT_QDQ_DIVISION=rn through ``tl.div_rn`` (IEEE division: a reciprocal on the special-function unit
-    and a Newton step per element). Both give RN(x / scale) bit for bit (tests/kernels/test_qdq_triton.py
-    runs both); docs/numerics.md gives the argument."""
-    choice = os.environ.get(DIVISION_ENV, "fma")
-    if choice not in ("fma", "rn"):
-        raise ValueError(f"{DIVISION_ENV} must be 'fma' or 'rn', got {choice!r}")
-    return choice == "fma"
-
-
-FMA_DIVISION = tl.constexpr(fma_division())
+# Divide by a scale through its reciprocal and two FMA corrections (``quotient_in``'s FMA form) rather than
+# ``tl.div_rn`` per element (a reciprocal on the special-function unit and a Newton step): the same RN(x / scale)
+# bit for bit (tests/kernels/test_qdq_triton.py runs both; docs/numerics.md gives the argument), faster on the H200
+# (all FP8 sites, f+b at [8, 4096, 16, 128] bf16: GDN 20.26 ms against 21.58, KDA 38.87 against 42.35;
+# comparisons.jsonl, topic qdq-division).
+FMA_DIVISION = tl.constexpr(True)
 
 FORMAT_IDS = {"fp8_e4m3": 0, "int8": 1, "e2m1": 2, "log_grid": 3, "int8_h32": 4, "quotient": 5}
 
@@ -120,7 +109,13 @@ def round_half_away(v):
 @triton.jit
 def round_e4m3(v):
     """Round v (|v| <= 448 or NaN) to the nearest E4M3 value, ties to even, subnormals kept."""
-    if FP8_CAST:
+    return round_e4m3_in(v, FP8_CAST)
+
+
+@triton.jit
+def round_e4m3_in(v, HARDWARE: tl.constexpr):
+    """``round_e4m3`` through the GPU's conversion (HARDWARE) or the arithmetic form."""
+    if HARDWARE:
         return v.to(tl.float8e4nv).to(tl.float32)
     b_a = tl.where(v == v, tl.abs(v), 0.0)
     b_e = ((b_a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -147,7 +142,7 @@ def round_e2m1(v):
 
 @triton.jit
 def quotient(x, scale):
-    """RN(x / scale) for scale > 0, in the form LAQAT_QDQ_DIVISION picks (``quotient_in``)."""
+    """RN(x / scale) for scale > 0, in the FMA form (``quotient_in``)."""
     return quotient_in(x, scale, FMA_DIVISION)
 
 
@@ -216,7 +211,13 @@ def h32_scale(amax):
 @triton.jit
 def quant_fp8_e4m3(x, scale):
     """The E4M3 grid value of x / scale (what qdq_fp8_e4m3 multiplies by the scale): exact in bf16."""
-    return round_e4m3(clamp_keep_nan(quotient(x, scale), -FP8_MAX, FP8_MAX))
+    return quant_fp8_e4m3_in(x, scale, FMA_DIVISION, FP8_CAST)
+
+
+@triton.jit
+def quant_fp8_e4m3_in(x, scale, FMA: tl.constexpr, HARDWARE: tl.constexpr):
+    """``quant_fp8_e4m3`` with the quotient's and the rounding's forms given."""
+    return round_e4m3_in(clamp_keep_nan(quotient_in(x, scale, FMA), -FP8_MAX, FP8_MAX), HARDWARE)
 
 
 @triton.jit
@@ -235,7 +236,7 @@ def qdq_int8(x, scale):
     return quant_int8(x, scale) * scale
 
 
-BF16_GRID_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # the interpreter's bf16 tl.dot is wrong
+BF16_GRID_DOT = tl.constexpr(not interpreter())  # the interpreter's bf16 tl.dot is wrong
 
 
 @triton.jit
@@ -287,7 +288,7 @@ def qdq_int8_h32(x):
 # ---- standalone test kernels -----------------------------------------------------------
 @triton.jit
 def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
-                           FMA: tl.constexpr):
+                           FMA: tl.constexpr, HARDWARE: tl.constexpr):
     o_i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m_i = o_i < n
     b_x = tl.load(x_ptr + o_i, mask=m_i, other=0.0)
@@ -296,7 +297,7 @@ def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, B
     else:
         b_s = tl.load(s_ptr + o_i, mask=m_i, other=1.0)
         if FORMAT == 0:
-            b_y = qdq_fp8_e4m3(b_x, b_s)
+            b_y = quant_fp8_e4m3_in(b_x, b_s, FMA, HARDWARE) * b_s
         elif FORMAT == 1:
             b_y = qdq_int8(b_x, b_s)
         elif FORMAT == 2:
@@ -307,20 +308,26 @@ def qdq_elementwise_kernel(x_ptr, s_ptr, y_ptr, n, step, FORMAT: tl.constexpr, B
 
 
 def qdq_elementwise(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, *, step: float = 1.0,
-                    block: int | None = None, fma: bool | None = None):
+                    block: int | None = None, fma: bool = True, hardware_cast: bool | None = None):
     """Elementwise QDQ of fp32 x with a per-element scale (fmt fp8_e4m3 / int8 / e2m1) or a grid step (log_grid);
-    fmt "quotient" returns x / scale as ``quotient_in`` computes it (``fma``: its form, default
-    LAQAT_QDQ_DIVISION's).
+    fmt "quotient" returns x / scale as ``quotient_in`` computes it. ``fma``: the quotient's form of fp8_e4m3 and
+    quotient (False: ``tl.div_rn``); ``hardware_cast``: fp8_e4m3 through the GPU's conversion (default: where the
+    kernels take it, ``hardware_fp8_cast``; never possible under the interpreter).
 
     The default block is one huge program in the interpreter (fast there) and 1024 on a GPU."""
+    if hardware_cast is None:
+        hardware_cast = FP8_CAST.value
+    elif hardware_cast and not hardware_fp8_cast():
+        raise ValueError("qdq_elementwise: hardware_cast=True needs a GPU with the E4M3 conversion (sm_89 or later), "
+                         "never Triton's interpreter")
     if block is None:
-        block = 1 << 20 if x.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1" else 1024
+        block = 1 << 20 if x.device.type == "cpu" or interpreter() else 1024
     x = x.contiguous().float()
     y = torch.full_like(x, float("nan"))
     s = x if scale is None else scale.to(torch.float32).expand(x.shape).contiguous()
     grid = (triton.cdiv(x.numel(), block),)
-    qdq_elementwise_kernel[grid](x, s, y, x.numel(), step, FORMAT=FORMAT_IDS[fmt], BLOCK=block,
-                                 FMA=fma_division() if fma is None else fma)
+    qdq_elementwise_kernel[grid](x, s, y, x.numel(), step, FORMAT=FORMAT_IDS[fmt], BLOCK=block, FMA=fma,
+                                 HARDWARE=hardware_cast)
     return y
 
 

@@ -1,11 +1,10 @@
 """Conditions that several kernel variants' ``supports`` share."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from la_compiler.kernels.registry import SelectionContext
+from la_compiler.options import interpreter
 
 
 def needs(*checks: tuple[bool, str]) -> str | None:
@@ -15,7 +14,7 @@ def needs(*checks: tuple[bool, str]) -> str | None:
 
 
 def triton_runs(ctx: SelectionContext) -> tuple[bool, str]:
-    return (ctx.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+    return (ctx.device == "cuda" or interpreter(),
             f"Triton kernels need CUDA or TRITON_INTERPRET=1 (device is {ctx.device})")
 
 

@@ -12,7 +12,7 @@ from la_compiler.kernels.chunk.codegen import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.chunk.precision import gemm_precision, intermediate_dtype
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.spec import RecurrenceSpec, SpecError
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import ALL_FP8, ALL_SITES_TOL
 from tests.kernels.chunk_inputs import grads_of, make_inputs
@@ -75,11 +75,11 @@ def test_bf16_inputs_forward_and_backward(kind, varlen, quant):
 
 
 def test_gemm_precision_choice(monkeypatch):
-    monkeypatch.delenv("LAQAT_CHUNK_GEMM", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
-    def prec(quant, dtype=torch.bfloat16):
-        return gemm_precision(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64).replace(quant=quant)), dtype)
+    def prec(quant, dtype=torch.bfloat16, numerics=None):
+        spec = RecurrenceSpec(kind="kda", chunk=64).replace(quant=quant, numerics=numerics or {})
+        return gemm_precision(ChunkParams.from_spec(spec), dtype)
 
     assert prec({}) == "bf16" and prec(FP8_STATE) == "bf16" and prec({}, torch.float16) == "fp16"
     assert prec({}, torch.float32) == "ieee"  # fp32 inputs: the exact-numerics contract
@@ -90,17 +90,15 @@ def test_gemm_precision_choice(monkeypatch):
     assert intermediate_dtype("tf32", torch.bfloat16) == torch.float32
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert prec({}) == "bf16_rounded" and intermediate_dtype("bf16_rounded", torch.bfloat16) == torch.bfloat16
-    monkeypatch.setenv("LAQAT_CHUNK_GEMM", "tf32")
-    assert prec({}) == "tf32" and prec({}, torch.float32) == "ieee"
-    monkeypatch.setenv("LAQAT_CHUNK_GEMM", "fp8")
-    with pytest.raises(ValueError, match="LAQAT_CHUNK_GEMM must be 'input' or 'tf32', got 'fp8'"):
-        prec({})
+    tf32 = {"gemm": "tf32"}
+    assert prec({}, numerics=tf32) == "tf32" and prec({}, torch.float32, numerics=tf32) == "ieee"
+    with pytest.raises(SpecError, match=r"n.gemm: must be one of \['input', 'tf32'\], got 'fp8'"):
+        prec({}, numerics={"gemm": "fp8"})
 
 
-def test_tf32_knob_keeps_fp32_intermediates(monkeypatch):
-    monkeypatch.setenv("LAQAT_CHUNK_GEMM", "tf32")
+def test_tf32_knob_keeps_fp32_intermediates():
     xs, cu = _inputs("gdn", False)
-    spec = RecurrenceSpec(kind="gdn", chunk=16)
+    spec = RecurrenceSpec(kind="gdn", chunk=16).replace(numerics={"gemm": "tf32"})
     parts = {}
     o, _ = chunk_fwd(ChunkParams.from_spec(spec), *xs[:5], 0.4, xs[5], cu, intermediates=parts)
     assert all(parts[name].dtype == torch.float32 for name in ("w", "u", "h", "v_new"))
@@ -131,7 +129,6 @@ def test_selection_explains_the_gemm_precision(monkeypatch):
     """The kernel choice says what the chunk kernels multiply in (explain shows it for every node)."""
     from la_compiler.kernels.selection import select_kernel
 
-    monkeypatch.delenv("LAQAT_CHUNK_GEMM", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def reason(text, dtype=torch.bfloat16):
@@ -144,12 +141,11 @@ def test_selection_explains_the_gemm_precision(monkeypatch):
     assert "fp32 GEMM operands and intermediates, dots in tf32 (the spec rounds GEMM operands)" in reason(
         "kda[chunk=64; q.state=fp8_e4m3/tile64; q.w=fp8_e4m3/row]")
     assert "every dot in fp32 (ieee)" in reason("kda[chunk=64]", torch.float32)
-    monkeypatch.setenv("LAQAT_CHUNK_GEMM", "tf32")
-    assert "(LAQAT_CHUNK_GEMM=tf32)" in reason("kda[chunk=64]")
+    assert "(n.gemm=tf32)" in reason("kda[chunk=64; n.gemm=tf32]")
 
 
-@pytest.mark.parametrize("key_block", [None, "32"], ids=["default", "blocks_of_32"])
-def test_gdn_bf16_backward_by_key_blocks(monkeypatch, key_block):
+@pytest.mark.parametrize("key_block", [None, 32], ids=["default", "blocks_of_32"])
+def test_gdn_bf16_backward_by_key_blocks(key_block):
     """GDN's backward intra stage with 16-bit GEMMs: dT (hence dA) complete before its key loop, whose blocks
     store their final dq, dk; the pair products' gradients multiplied in bf16. K = 72: by default one masked
     block of 128 columns; with blocks of 32, two full ones and a masked partial one. Every gradient against
@@ -157,13 +153,9 @@ def test_gdn_bf16_backward_by_key_blocks(monkeypatch, key_block):
     from la_compiler.kernels.chunk.bwd import bwd_key_block
     from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
 
-    if key_block is None:
-        monkeypatch.delenv("LAQAT_CHUNK_BWD_KEY_BLOCK", raising=False)
-    else:
-        monkeypatch.setenv("LAQAT_CHUNK_BWD_KEY_BLOCK", key_block)
     cu = torch.tensor([0, 21, 40])
     xs = make_inputs("gdn", B=1, T=40, H=1, HV=2, K=72, V=16, N=2, dtype=torch.bfloat16)
-    spec = RecurrenceSpec(kind="gdn", chunk=16)
+    spec = RecurrenceSpec(kind="gdn", chunk=16).replace(numerics={"bwd_key_block": key_block} if key_block else {})
     p = ChunkParams.from_spec(spec)
     assert bwd_intra_by_key_blocks(p) and bwd_key_block(p, torch.bfloat16) == 128
     x64 = [x.double().requires_grad_() for x in xs]

@@ -14,7 +14,8 @@ from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.common.codegen import CodegenError
 from la_compiler.kernels.reference.recurrent import sequence_bounds
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.options import NumericsOptions
+from la_compiler.spec import GEMM_SITES, RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import (ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, MAX_FLIP_FRACTION, OPERAND_SITES,
                                        QDQ_TOL, assert_backward_matches, chunk_case, count_flips, kernel_chunks,
@@ -106,26 +107,19 @@ def test_operand_sites_forward_and_backward(kind, fmt, C, varlen):
 
 
 @pytest.mark.parametrize("kind,fmt", [("gdn", "fp8_e4m3/row"), ("kda", "fp8_e4m3/row"), ("gdn", "int8/row")])
-def test_unfactored_scales_forward(monkeypatch, kind, fmt):
+def test_factored_scales_forward(kind, fmt):
     """The forward stages multiply the rounded pair products (GDN), W, U, the state update and both output
-    products on grid values with the row scales applied to the result (the default); LAQAT_CHUNK_FACTORED_SCALES=0
-    multiplies the dequantized operands, and the all-sites test's checks hold there too (W, state, A_qk element
-    for element, flips counted; outputs and every gradient)."""
+    products on grid values with the row scales applied to the result wherever both operands round per row to
+    FP8 / INT8; with accumulator emulation at those sites they multiply the dequantized operands."""
     from la_compiler.kernels.chunk.codegen import chunk_fwd_source
-    from la_compiler.kernels.chunk.snippets import FACTORED_ENV, factored_scales
 
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
     params = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant))
-    monkeypatch.delenv(FACTORED_ENV, raising=False)
-    assert factored_scales()
-    # on by default: pairs (GDN), W (amax pass and W loop), U, the state update, both output products
+    # pairs (GDN), W (amax pass and W loop), U, the state update, both output products
     assert chunk_fwd_source(params).count("grid_dot(") >= (8 if kind == "gdn" else 6)
-    monkeypatch.setenv(FACTORED_ENV, "0")
-    assert not factored_scales() and "grid_dot(" not in chunk_fwd_source(params)
-    test_operand_sites_forward_and_backward(kind, fmt, 8, kind == "gdn")
-    monkeypatch.setenv(FACTORED_ENV, "yes")
-    with pytest.raises(ValueError, match=FACTORED_ENV):
-        factored_scales()
+    emulated = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(
+        quant=quant, acc={site: "fp16:4" for site in GEMM_SITES}))
+    assert "grid_dot(" not in chunk_fwd_source(emulated)
 
 
 @pytest.mark.parametrize("kind,acc", [
@@ -169,7 +163,7 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped value
     heads."""
     from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
-    from la_compiler.kernels.chunk.launch import BWD_KEY_BLOCK_ENV, key_block
+    from la_compiler.kernels.chunk.launch import key_block
 
     cu = torch.tensor([0, 9, 25]) if varlen else None
     q, k, v, g, beta, h0 = make_inputs(kind, B=1 if varlen else 2, T=25 if varlen else 13, H=1, HV=HV, K=72, V=8,
@@ -177,43 +171,8 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     if state == "vk":
         h0 = h0.transpose(-1, -2).contiguous()
     spec = RecurrenceSpec(kind=kind, chunk=8, state=state)
-    assert bwd_intra_by_key_blocks(ChunkParams.from_spec(spec)) and key_block(128, BWD_KEY_BLOCK_ENV) < 72
+    assert bwd_intra_by_key_blocks(ChunkParams.from_spec(spec)) and key_block(128, None) < 72
     assert_backward_matches(spec, (q, k, v, g, beta, h0), cu, EXACT_TOL)
-
-
-@pytest.mark.parametrize("kind,varlen,quant,extra", [
-    ("gdn", True, {}, {}),
-    ("kda", False, {}, {}),
-    ("gdn", False, ALL_FP8, {}),
-    ("kda", True, {"state": "int8/tile16", "w": "nvfp4/block16"}, {}),
-    ("gdn", True, {}, dict(solve="neumann", degree=2)),
-])
-def test_intra_stage_split_in_two_kernels(monkeypatch, kind, varlen, quant, extra):
-    """LAQAT_CHUNK_INTRA_SPLIT=1 runs the intra stage as two kernels (A, A_qk, T; then W, U from the stored T):
-    the same outputs, final state, intermediates and gradients as the one-kernel stage, bit for bit, forward and
-    the backward's recompute; the two-kernel form against fp64 autograd too. A bad value is refused by name."""
-    from la_compiler.kernels.chunk.fwd import INTRA_SPLIT_ENV, intra_split
-
-    inputs, cu = chunk_case(kind, varlen, "kv", K=16, V=16)
-    spec = RecurrenceSpec(kind=kind, chunk=8, **extra).replace(quant=quant)
-    p = ChunkParams.from_spec(spec)
-    do = torch.randn(inputs[2].shape)
-    dht = torch.randn(inputs[5].shape)
-    runs = {}
-    for split in ("0", "1"):
-        monkeypatch.setenv(INTRA_SPLIT_ENV, split)
-        assert intra_split() == (split == "1")
-        parts = {}
-        o, ht = chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, intermediates=parts)
-        grads = chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)
-        runs[split] = [o, ht, *(parts[n] for n in ("w", "u", "A_qk", "h", "v_new", "g_cum")), *grads]
-    for a, b in zip(runs["0"], runs["1"]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    assert torch.isfinite(runs["1"][0]).all()
-    assert_backward_matches(spec, inputs, cu, ALL_SITES_TOL if quant is ALL_FP8 else QDQ_TOL if quant else EXACT_TOL)
-    monkeypatch.setenv(INTRA_SPLIT_ENV, "yes")
-    with pytest.raises(ValueError, match=INTRA_SPLIT_ENV):
-        intra_split()
 
 
 def test_gdn_whole_row_backward_by_value_blocks_of_32():
@@ -236,15 +195,14 @@ def test_gdn_whole_row_backward_by_value_blocks_of_32():
     ("gdn", False, {"state": "fp8_e4m3/tile16", "w": "fp8_e4m3/row", "wy_key.rhs": "fp8_e4m3/row"}),
     ("kda", True, {"state": "int8/tile16", "w": "nvfp4/block16"}),
 ])
-def test_forward_intra_by_key_blocks(monkeypatch, kind, varlen, quant):
-    """The forward intra stage reads keys in blocks (64 columns by default; 16 here, so K = 40 takes two
-    full blocks and a masked one): pair products summed over blocks, W block by block with its row /
+def test_forward_intra_by_key_blocks(kind, varlen, quant):
+    """The forward intra stage reads keys in blocks (64 columns by default; 16 here (n.key_block), so K = 40 takes
+    two full blocks and a masked one): pair products summed over blocks, W block by block with its row /
     NVFP4 global amax from a first pass over all blocks. Forward, W element by element, every gradient."""
     from la_compiler.kernels.chunk.fwd import intra_key_block
 
-    monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
     inputs, cu = chunk_case(kind, varlen, "kv", K=40, V=16)
-    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant)
+    spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant, numerics={"key_block": 16})
     assert intra_key_block(ChunkParams.from_spec(spec), 64, 16) == 16
     (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
     tol = QDQ_TOL if quant else EXACT_TOL
@@ -254,10 +212,11 @@ def test_forward_intra_by_key_blocks(monkeypatch, kind, varlen, quant):
     assert_backward_matches(spec, inputs, cu, tol)
 
 
-def test_intra_key_block_choice(monkeypatch):
+def test_intra_key_block_choice():
     """All key columns at once where a pair product or wy_key.rhs is rounded over them; a bad override
     is refused by name."""
     from la_compiler.kernels.chunk.fwd import intra_key_block
+    from la_compiler.options import OptionsError
 
     exact = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64))
     assert intra_key_block(exact, 256, 16) == 32 and intra_key_block(exact, 128, 16) == 32
@@ -267,9 +226,10 @@ def test_intra_key_block_choice(monkeypatch):
                                128, 16) == 128
     assert intra_key_block(ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=64).replace(acc={"output_score": "fp16:16"})),
                            256, 16) == 256
-    monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "48")
-    with pytest.raises(ValueError, match="LAQAT_CHUNK_KEY_BLOCK"):
-        intra_key_block(exact, 128, 16)
+    blocks16 = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64).replace(numerics={"key_block": 16}))
+    assert intra_key_block(blocks16, 128, 16) == 16 and intra_key_block(blocks16, 128, 32) == 32  # >= a W block
+    with pytest.raises(OptionsError, match=r"key_block: must be one of \[None, 16, 32, 64, 128\], got 48"):
+        ChunkParams(kind="kda", state="kv", chunk=64, numerics=NumericsOptions(key_block=48))
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
@@ -488,18 +448,17 @@ def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, kind):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_kda_decayed_keys_and_a_wide_output_block(monkeypatch, varlen):
+def test_kda_decayed_keys_and_a_wide_output_block(varlen):
     """KDA's intra stage writes kd = K ⊙ exp(G_last - G) for the h and dh stages (G_last: the chunk's last real
     row, so partial chunks too), by key blocks of 16 here (K = 40: a masked block); V = 96 runs the output stage
     as one masked 128-wide value block. kd against fp64 from the inputs, o and ht against the fp64 reference,
     every gradient against fp64 autograd (the dh stage reads kd from the backward's recompute)."""
     from la_compiler.kernels.chunk.fwd import output_value_block
 
-    monkeypatch.setenv("LAQAT_CHUNK_KEY_BLOCK", "16")
     C = 8
     inputs, cu = chunk_case("kda", varlen, "kv", K=40, V=96)
     assert output_value_block(96, rounds_operands=False) == 128
-    spec = RecurrenceSpec(kind="kda", chunk=C)
+    spec = RecurrenceSpec(kind="kda", chunk=C).replace(numerics={"key_block": 16})
     (o, ht, parts), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= EXACT_TOL and rel_l2(ht, ht_ref) <= EXACT_TOL
     k, g = inputs[1].double(), inputs[3].double()

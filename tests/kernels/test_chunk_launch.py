@@ -64,14 +64,14 @@ def test_launch_table():
         launch_config("fwd_x", 64, 64)
 
 
-def test_serial_stages_override(monkeypatch):
-    monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "2")
-    assert launch_config("fwd_h", 128, 64) == LaunchConfig(4, 2)
-    assert launch_config("bwd_dh", 128, 64) == LaunchConfig(4, 2)
-    assert launch_config("fwd_intra", 128, 64) == LaunchConfig(8, 1)  # only the serial loops
-    monkeypatch.setenv("LAQAT_CHUNK_SERIAL_STAGES", "two")
-    with pytest.raises(ValueError, match="LAQAT_CHUNK_SERIAL_STAGES must be 1, 2, 3 or 4, got 'two'"):
-        launch_config("fwd_h", 128, 64)
+def test_serial_stages_override():
+    from la_compiler.options import OptionsError, TuningOptions
+
+    assert launch_config("fwd_h", 128, 64, serial_stages=2) == LaunchConfig(4, 2)
+    assert launch_config("bwd_dh", 128, 64, serial_stages=2) == LaunchConfig(4, 2)
+    assert launch_config("fwd_intra", 128, 64, serial_stages=2) == LaunchConfig(8, 1)  # only the serial loops
+    with pytest.raises(OptionsError, match=r"serial_stages: must be one of \[None, 1, 2, 3, 4\], got 'two'"):
+        TuningOptions(serial_stages="two")
 
 
 def test_autotune_times_candidates_once_and_persists(tmp_path):
@@ -101,16 +101,14 @@ def test_autotune_times_candidates_once_and_persists(tmp_path):
         Tuner(tmp_path / "other.json", timer).best("k", [LaunchConfig(4, 3)], lambda c: c)
 
 
-def test_autotune_is_off_unless_asked(monkeypatch):
+def test_autotune_is_off_unless_asked():
     from la_compiler.kernels.chunk import autotune as chunk_autotune
+    from la_compiler.options import OptionsError, TuningOptions
 
-    monkeypatch.delenv("LAQAT_AUTOTUNE", raising=False)
-    assert not chunk_autotune.enabled()
-    monkeypatch.setenv("LAQAT_AUTOTUNE", "1")
-    assert not chunk_autotune.enabled()  # no CUDA / the interpreter: the table's configuration
-    monkeypatch.setenv("LAQAT_AUTOTUNE", "yes")
-    with pytest.raises(ValueError, match="LAQAT_AUTOTUNE must be 0 or 1, got 'yes'"):
-        chunk_autotune.enabled()
+    assert TuningOptions().autotune is False and not chunk_autotune.active(False)
+    assert not chunk_autotune.active(True)  # no CUDA / the interpreter: the table's configuration
+    with pytest.raises(OptionsError, match=r"autotune: must be one of \[False, True\], got 'yes'"):
+        TuningOptions(autotune="yes")
 
 
 def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
@@ -119,26 +117,32 @@ def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
     def timer(fn):
         return {2: 1.0}.get(fn()[4], 5.0)  # the launch result's num_stages: 2 stages fastest
 
-    monkeypatch.setattr(chunk_autotune, "enabled", lambda: True)
+    monkeypatch.setattr(chunk_autotune, "active", lambda requested: requested)
     monkeypatch.setattr(chunk_autotune, "key_of", lambda kernel, grid, constexprs: f"fake|{grid}")
     monkeypatch.setattr(chunk_autotune, "tuner", lambda: chunk_autotune.Tuner(tmp_path / "t.json", timer))
     kernel = FakeKernel(max_stages=3)
-    result = launch(kernel, (4,), "x", config=LaunchConfig(8, 1), BK=128)
+    result = launch(kernel, (4,), "x", config=LaunchConfig(8, 1), autotune=True, BK=128)
     assert result[3:5] == (8, 2)
+    untuned = FakeKernel(max_stages=3)
+    assert launch(untuned, (4,), "x", config=LaunchConfig(8, 1), BK=128)[3:5] == (8, 1)  # not asked: the table
 
 
-def test_fp32_dot_precision_knob(monkeypatch):
+def test_fp32_dot_precision_knob():
     import torch
 
+    from la_compiler.kernels.chunk.codegen import ChunkParams
     from la_compiler.kernels.chunk.precision import dot_precision
+    from la_compiler.spec import RecurrenceSpec, SpecError
 
-    monkeypatch.delenv("LAQAT_FP32_DOT", raising=False)
-    assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.bfloat16) == "tf32"
-    monkeypatch.setenv("LAQAT_FP32_DOT", "tf32x3")
-    assert dot_precision(torch.float32) == "tf32x3" and dot_precision(torch.float16) == "tf32"
-    monkeypatch.setenv("LAQAT_FP32_DOT", "tf32")
-    with pytest.raises(ValueError, match="LAQAT_FP32_DOT must be 'ieee' or 'tf32x3', got 'tf32'"):
-        dot_precision(torch.float32)
+    def params(text):
+        return ChunkParams.from_spec(RecurrenceSpec.parse(text))
+
+    exact = params("gdn[chunk=64]")
+    assert dot_precision(exact, torch.float32) == "ieee" and dot_precision(exact, torch.bfloat16) == "tf32"
+    tf32x3 = params("gdn[chunk=64; n.fp32_dot=tf32x3]")
+    assert dot_precision(tf32x3, torch.float32) == "tf32x3" and dot_precision(tf32x3, torch.float16) == "tf32"
+    with pytest.raises(SpecError, match=r"n.fp32_dot: must be one of \['ieee', 'tf32x3'\], got 'tf32'"):
+        params("gdn[chunk=64; n.fp32_dot=tf32]")
 
 
 def test_autotune_keeps_the_warps_where_the_table_says_so():

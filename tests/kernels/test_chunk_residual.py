@@ -7,7 +7,8 @@ from la_compiler.kernels.chunk.bwd import chunk_bwd
 from la_compiler.kernels.chunk.codegen import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
-from la_compiler.kernels.chunk.residual import KEEP_RESIDUAL_ENV, residual_layout, residual_size, residual_views
+from la_compiler.kernels.chunk.residual import residual_layout, residual_size, residual_views
+from la_compiler.options import OptionsError, TuningOptions
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import grads_of
@@ -17,7 +18,7 @@ NVFP4_PAIRS = {f"{site}.{side}": "nvfp4/block16" for site in ("key_interaction",
                for side in ("lhs", "rhs")}
 
 
-@pytest.mark.parametrize("mode", ["1", "all"])
+@pytest.mark.parametrize("mode", ["intra", "all"])
 @pytest.mark.parametrize("kind,varlen,quant,extra", [
     ("gdn", True, {}, {}),
     ("gdn", False, ALL_FP8, {}),
@@ -27,31 +28,32 @@ NVFP4_PAIRS = {f"{site}.{side}": "nvfp4/block16" for site in ("key_interaction",
     ("kda", False, ALL_FP8, {}),
     ("kda", False, NVFP4_PAIRS, dict(chunk=16)),
 ])
-def test_backward_from_the_kept_residual(monkeypatch, mode, kind, varlen, quant, extra):
-    """A training forward keeps T, A_qk and G (GDN) or P (KDA), with LAQAT_CHUNK_KEEP_RESIDUAL=all also W, U, h,
-    V_new (KDA: G, kd) (chunk_fwd's save_to); the backward's recompute loads them and runs only the W / U and h
-    kernels, or none: the same outputs and every gradient as the forward and backward without it, bit for bit,
-    a second backward from the same residual too (retain_graph), and against fp64 autograd; every kept part (NaN-filled before) holds what the recompute computes, wherever
-    that is written."""
-    monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
+def test_backward_from_the_kept_residual(mode, kind, varlen, quant, extra):
+    """A training forward keeps T, A_qk and G (GDN) or P (KDA), with t.keep_residual=all also W, U, h, V_new (KDA:
+    G, kd) (chunk_fwd's save_to); the backward's recompute loads them and runs only the W / U and h kernels, or
+    none: the same outputs and every gradient as the forward and backward without it, bit for bit, a second
+    backward from the same residual too (retain_graph), and against fp64 autograd; every kept part (NaN-filled
+    before) holds what the recompute computes, wherever that is written."""
+    tuning = TuningOptions(keep_residual=mode)
     inputs, cu = chunk_case(kind, varlen, "kv", K=16, V=16)
     spec = RecurrenceSpec(kind=kind, **{"chunk": 8, **extra}).replace(quant=quant)
     p = ChunkParams.from_spec(spec)
     q, v = inputs[0], inputs[2]
     do, dht = torch.randn(v.shape), torch.randn(inputs[5].shape)
-    residual = torch.full((residual_size(p, q, v, cu),), float("nan"))
-    names = {part.name for part in residual_layout(p, q, v, cu)[0]}
+    residual = torch.full((residual_size(p, q, v, cu, mode),), float("nan"))
+    names = {part.name for part in residual_layout(p, q, v, cu, mode)[0]}
     assert names >= {"t_solved", "A_qk", "g_cum" if kind == "gdn" else "p_pairs"}
     assert (mode == "all") == (names >= {"w", "u", "h", "v_new"})
-    kept = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, save_to=residual),
-            *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual)]
+    kept = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, save_to=residual, tuning=tuning),
+            *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual, tuning=tuning)]
     parts = {}
     plain = [*chunk_fwd(p, *inputs[:5], 0.4, inputs[5], cu, intermediates=parts),
              *chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu)]
-    again = chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual)  # the backward leaves it as it was
+    # the backward leaves the residual as it was
+    again = chunk_bwd(p, *inputs[:5], 0.4, do, dht, inputs[5], cu, saved=residual, tuning=tuning)
     for a, b in zip(kept + list(again), plain + plain[2:]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    views = residual_views(p, residual, q, v, cu)
+    views = residual_views(p, residual, q, v, cu, mode)
     assert torch.isfinite(views["t_solved"]).all() and torch.isfinite(views["A_qk"]).all()
     for name, view in views.items():  # KDA's P: the sub-chunk blocks above the diagonal are never written
         if parts[name] is None:  # (the Neumann solve's recompute keeps no T)
@@ -68,14 +70,14 @@ def test_backward_from_the_kept_residual(monkeypatch, mode, kind, varlen, quant,
         assert rel_l2(a, b) <= tol, name
 
 
-def test_bf16_parts_share_the_fp32_buffer(monkeypatch):
+def test_bf16_parts_share_the_fp32_buffer():
     """With 16-bit GEMMs W, U, h, V_new are kept in the input dtype: views of the fp32 buffer reinterpreted, each
     starting aligned, none overlapping, the buffer no larger than their sum (aligned)."""
     p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=16))
     q = torch.randn(1, 40, 2, 16, dtype=torch.bfloat16)
     v = torch.randn(1, 40, 4, 32, dtype=torch.bfloat16)
     cu = torch.tensor([0, 7, 40])
-    parts, size = residual_layout(p, q, v, cu, mode="all")
+    parts, size = residual_layout(p, q, v, cu, "all")
     by_name = {part.name: part for part in parts}
     assert by_name["w"].dtype == torch.bfloat16 and by_name["t_solved"].dtype == torch.float32
     assert by_name["h"].shape == (5, 4, 16, 32)  # ceil(40 / 16) + 2 sequences: a bound of the chunks (here 1 + 3)
@@ -84,15 +86,14 @@ def test_bf16_parts_share_the_fp32_buffer(monkeypatch):
         assert part.offset % 16 == 0 and part.offset >= ends
         ends = part.offset + part.fp32_elements()
     assert size - ends < 16
-    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "all")
-    views = residual_views(p, torch.zeros(size), q, v, cu)
+    views = residual_views(p, torch.zeros(size), q, v, cu, "all")
     assert views["w"].dtype == torch.bfloat16 and views["w"].shape == (1, 40, 4, 16)
 
 
-def test_kept_residual_is_checked(monkeypatch):
-    """A residual of the wrong size or dtype, one read under another LAQAT_CHUNK_KEEP_RESIDUAL than it was written
-    with, or one passed with LAQAT_CHUNK_KEEP_RESIDUAL=0, is refused by name; so is a bad value of the variable,
-    and saved with need_output."""
+def test_kept_residual_is_checked():
+    """A residual of the wrong size or dtype, one read under another t.keep_residual than it was written with, or
+    one passed with t.keep_residual=none, is refused by name; so is a bad value of the option, and saved with
+    need_output."""
     inputs, _ = chunk_case("gdn", False, "kv")
     q, v = inputs[0], inputs[2]
     p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8))
@@ -105,11 +106,12 @@ def test_kept_residual_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="need_output"):
         chunk_fwd(p, *inputs[:5], 0.4, inputs[5], saved=torch.zeros(n))
     do = torch.randn(v.shape)
-    for mode in ("all", "0"):
-        monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
-        with pytest.raises(ValueError, match=KEEP_RESIDUAL_ENV):
-            chunk_bwd(p, *inputs[:5], 0.4, do, None, inputs[5], saved=torch.zeros(n))
-    assert residual_size(p, q, v) == 0
-    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "no")
-    with pytest.raises(ValueError, match=KEEP_RESIDUAL_ENV):
-        residual_size(p, q, v)
+    for mode in ("all", "none"):
+        with pytest.raises(ValueError, match=f"t.keep_residual={mode}"):
+            chunk_bwd(p, *inputs[:5], 0.4, do, None, inputs[5], saved=torch.zeros(n),
+                      tuning=TuningOptions(keep_residual=mode))
+    assert residual_size(p, q, v, keep="none") == 0
+    with pytest.raises(OptionsError, match=r"keep_residual: must be one of \['intra', 'all', 'none'\], got 'no'"):
+        TuningOptions(keep_residual="no")
+    with pytest.raises(ValueError, match="keep must be one of"):
+        residual_size(p, q, v, keep="no")

@@ -35,11 +35,16 @@ def _elementwise_inputs(gen, n_random: int):
     return x, s
 
 
-def test_fp8_elementwise_matches_reference_over_a_million_values():
+# E4M3 rounding: the arithmetic form everywhere, the GPU's conversion where the kernels take it (sm_89 and later)
+E4M3_FORMS = [False] + [True] * K.hardware_fp8_cast()
+
+
+@pytest.mark.parametrize("hardware_cast", E4M3_FORMS, ids=lambda hw: "conversion" if hw else "arithmetic")
+def test_fp8_elementwise_matches_reference_over_a_million_values(hardware_cast):
     gen = torch.Generator().manual_seed(10)
     x, s = _elementwise_inputs(gen, 1_000_000)
     assert x.numel() >= 1_000_000
-    got = K.qdq_elementwise(x.to(DEVICE), s.to(DEVICE), "fp8_e4m3")
+    got = K.qdq_elementwise(x.to(DEVICE), s.to(DEVICE), "fp8_e4m3", hardware_cast=hardware_cast)
     assert mismatches(got, F.qdq_fp8_e4m3(x, s)) == 0
     assert mismatches(got, oracle_qdq_fp8(x, s)) == 0
 
@@ -119,14 +124,14 @@ def _quotient_inputs(gen, n: int):
 
 
 @pytest.mark.parametrize("division", ["fma", "rn"])
-def test_quotient_is_correctly_rounded(monkeypatch, division):
+def test_quotient_is_correctly_rounded(division):
     """x / scale bit for bit against IEEE division wherever a format can see it (2^-40 <= |x / s| <= 2^100,
     zeros, Inf, NaN); beyond 2^100 and below 2^-40 (the FMA form's q0, or a residual that underflowed) on the
-    same side of every format's clamp and rounding-to-zero threshold, with the sign of x / s."""
-    monkeypatch.setenv(K.DIVISION_ENV, division)
+    same side of every format's clamp and rounding-to-zero threshold, with the sign of x / s. Both forms: the
+    FMA one the kernels take (``qdq.FMA_DIVISION``) and ``tl.div_rn``."""
     gen = torch.Generator().manual_seed(16)
     x, s = _quotient_inputs(gen, 400_000)
-    got = K.qdq_elementwise(x.to(DEVICE), s.to(DEVICE), "quotient", fma=K.fma_division()).cpu()
+    got = K.qdq_elementwise(x.to(DEVICE), s.to(DEVICE), "quotient", fma=division == "fma").cpu()
     ref = x / s
     a = ref.abs()
     seen = ((a >= 2.0**-40) & (a <= 2.0**100)) | (a == 0) | torch.isinf(ref) | torch.isnan(ref)
@@ -145,21 +150,10 @@ def test_launchers_reject_bad_shapes():
 
 
 def test_hardware_fp8_cast_choice(monkeypatch):
-    """The GPU's E4M3 conversion is never taken under the interpreter (its cast is wrong at binade edges);
-    a bad LAQAT_QDQ_FP8_CAST is refused by name."""
+    """The GPU's E4M3 conversion is never taken under the interpreter (its cast is wrong at binade edges), and a
+    launcher refuses to force it there; the kernels' quotients take the FMA form."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(K.FP8_CAST_ENV, "1")
     assert K.hardware_fp8_cast() is False
-    monkeypatch.setenv(K.FP8_CAST_ENV, "yes")
-    with pytest.raises(ValueError, match="LAQAT_QDQ_FP8_CAST"):
-        K.hardware_fp8_cast()
-
-
-def test_division_choice(monkeypatch):
-    monkeypatch.delenv(K.DIVISION_ENV, raising=False)
-    assert K.fma_division() is True
-    monkeypatch.setenv(K.DIVISION_ENV, "rn")
-    assert K.fma_division() is False
-    monkeypatch.setenv(K.DIVISION_ENV, "exact")
-    with pytest.raises(ValueError, match="LAQAT_QDQ_DIVISION"):
-        K.fma_division()
+    with pytest.raises(ValueError, match="hardware_cast=True needs a GPU"):
+        K.qdq_elementwise(torch.ones(4), torch.ones(4), "fp8_e4m3", hardware_cast=True)
+    assert K.FMA_DIVISION.value is True

@@ -1,3 +1,4 @@
+import functools
 import subprocess
 import sys
 
@@ -5,9 +6,10 @@ import pytest
 import torch
 
 import la_compiler
-from la_compiler.backend import BackendOptionsError
+from la_compiler.backend import BackendOptionsError, laqat_backend
 from la_compiler.explainer import NothingMatchedWarning
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
+from la_compiler.record import CompileRecord
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import assert_close_rel
 from tests.ir_inputs import random_inputs
@@ -159,12 +161,10 @@ def test_activation_checkpointing_recomputes_the_residual(kind):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_keeping_everything_through_the_compiled_op(monkeypatch, kind):
-    """LAQAT_CHUNK_KEEP_RESIDUAL=all through the op compiled by laqat (Inductor checks every output's size against
-    the fake's), varlen: the residual's varlen bound is the same at trace and run time, and every gradient equals
-    the compiled default's, bit for bit."""
-    from la_compiler.kernels.chunk.residual import KEEP_RESIDUAL_ENV
-
+def test_keeping_everything_through_the_compiled_op(kind):
+    """options={"tuning": {"keep_residual": "all"}} through the op compiled by laqat (Inductor checks every output's
+    size against the fake's), varlen: the spec carries t.keep_residual=all, the residual's varlen bound is the
+    same at trace and run time, and every gradient equals the compiled default's, bit for bit."""
     xs, cu = random_inputs(kind, T=13, H=1, HV=2, K=8, V=8, initial_state=True, cu_seqlens=[0, 5, 13])
     call = _call(kind, kernel="chunk")
 
@@ -172,12 +172,17 @@ def test_keeping_everything_through_the_compiled_op(monkeypatch, kind):
         o, ht = call(*xs, cu)
         return (o * o).sum() + ht.sum()
 
-    def compiled_grads():
-        torch._dynamo.reset()  # the setting is read when the op is traced: a fresh compilation for each
-        return torch.autograd.grad(torch.compile(loss, backend="laqat", fullgraph=True)(*xs), xs)
+    def compiled_grads(options):
+        torch._dynamo.reset()  # a fresh compilation for each
+        record = CompileRecord()
+        compiled = torch.compile(loss, backend=functools.partial(laqat_backend, options=options, _record=record),
+                                 fullgraph=True)
+        grads = torch.autograd.grad(compiled(*xs), xs)
+        return grads, [m.spec for g in record.graphs for m in g.matches]
 
-    want = compiled_grads()
-    monkeypatch.setenv(KEEP_RESIDUAL_ENV, "all")
-    got = compiled_grads()
+    want, specs = compiled_grads({})
+    assert specs and not any("t.keep_residual" in spec for spec in specs)
+    got, specs = compiled_grads({"tuning": {"keep_residual": "all"}})
+    assert specs and all(spec.endswith("t.keep_residual=all]") for spec in specs)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

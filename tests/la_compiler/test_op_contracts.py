@@ -21,7 +21,6 @@ import la_compiler
 import la_compiler.backend  # noqa: F401  (registers every op the backend can put in a graph)
 import la_compiler.ir  # noqa: F401
 import la_compiler.ir_phase  # noqa: F401
-from la_compiler.kernels.chunk.residual import KEEP_RESIDUAL_ENV
 from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401
 from la_compiler.spec import RecurrenceSpec
 
@@ -87,18 +86,18 @@ class Case:
     h0: bool = False
     varlen: bool = False
     quant: tuple = ()
-    keep: str = "1"  # LAQAT_CHUNK_KEEP_RESIDUAL
+    keep: str = "intra"  # the tuning option t.keep_residual
     heads: tuple = (1, 1)  # (H, HV); the transposed layout takes (2, 2): a dim of one is not transposed
     batch: int = 1  # without cu_seqlens
 
     def spec(self, **changes) -> str:
         return RecurrenceSpec(kind=self.kind, kernel=self.kernel, chunk=CHUNK, quant=self.quant,
-                              **changes).to_string()
+                              **changes).replace(tuning={"keep_residual": self.keep}).to_string()
 
     def __str__(self):
         bits = [self.kind, self.kernel, self.layout, str(self.dtype).split(".")[-1]]
         bits += ["h0"] * self.h0 + ["varlen"] * self.varlen + ["state_fp8"] * bool(self.quant)
-        bits += [f"keep_{self.keep}"] * (self.keep != "1")
+        bits += [f"keep_{self.keep}"] * (self.keep != "intra")
         bits += [f"heads{self.heads[0]}x{self.heads[1]}"] * (self.heads != (1, 1)) + [f"B{self.batch}"] * (self.batch > 1)
         return "-".join(bits)
 
@@ -144,7 +143,7 @@ DELTA_RULE_CASES = [
     Case("kda", "chunk", "contiguous", h0=True, quant=STATE_FP8),
     Case("gdn", "chunk", "contiguous", BF16, h0=True, varlen=True, keep="all"),
     Case("kda", "chunk", "sliced", BF16, varlen=True, keep="all"),
-    Case("gdn", "chunk", "contiguous", h0=True, keep="0"),
+    Case("gdn", "chunk", "contiguous", h0=True, keep="none"),
     Case("gdn", "reference", "transposed", h0=True),
     Case("kda", "reference", "sliced", BF16, varlen=True, heads=(1, 2)),
     Case("kda", "reference", "contiguous", h0=True, varlen=True, quant=STATE_FP8),
@@ -156,28 +155,19 @@ EVAL_CASES = [DELTA_RULE_CASES[i] for i in (2, 6, 8, 15)]
 COMPOSITE_CASES = [DELTA_RULE_CASES[i] for i in (3, 13, 15)]
 
 
-@pytest.fixture
-def keep(monkeypatch):
-    def set_keep(case: Case):
-        monkeypatch.setenv(KEEP_RESIDUAL_ENV, case.keep)
-    return set_keep
-
-
 def _forward_args(case: Case, grad: bool):
     q, k, v, g, beta, h0, cu = recurrence_inputs(case, grad)
     return (q, k, v, g, beta, h0, cu, SCALE, case.spec())
 
 
 @pytest.mark.parametrize("case", DELTA_RULE_CASES, ids=str)
-def test_delta_rule_train(case, keep):
-    keep(case)
+def test_delta_rule_train(case):
     opcheck("delta_rule_train", _forward_args(case, grad=True))
 
 
 @pytest.mark.parametrize("case", BACKWARD_CASES, ids=str)
-def test_delta_rule_backward(case, keep):
+def test_delta_rule_backward(case):
     """From the residual its training forward keeps (empty for variants that keep none)."""
-    keep(case)
     args = _forward_args(case, grad=False)
     q, k, v, g, beta, h0, cu, scale, spec = args
     _, _, residual = torch.ops.laqat.delta_rule_train(*args)
@@ -186,16 +176,14 @@ def test_delta_rule_backward(case, keep):
 
 
 @pytest.mark.parametrize("case", EVAL_CASES, ids=str)
-def test_delta_rule_eval(case, keep):
-    keep(case)
+def test_delta_rule_eval(case):
     opcheck("delta_rule_eval", _forward_args(case, grad=False))
 
 
 @pytest.mark.parametrize("case", COMPOSITE_CASES, ids=str)
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
-def test_delta_rule(case, grad, keep):
+def test_delta_rule(case, grad):
     """The composite (delta_rule_train where a gradient flows, else delta_rule_eval)."""
-    keep(case)
     opcheck("delta_rule", _forward_args(case, grad=grad))
 
 
@@ -203,33 +191,33 @@ ROUNDED_PAIRS = (("key_interaction.lhs", "fp8_e4m3/row"), ("key_interaction.rhs"
 
 
 @pytest.mark.parametrize("kind,mode,dtype,varlen,quant,pairs", [
-    ("gdn", "1", torch.float32, False, (), "auto"),
+    ("gdn", "intra", torch.float32, False, (), "auto"),
     ("gdn", "all", BF16, True, (), "auto"),
-    ("kda", "1", torch.float32, False, (), "whole_rows"),  # the exact pairs kernel's two paths
-    ("kda", "1", torch.float32, True, (), "by_columns"),
-    ("kda", "1", torch.float32, False, ROUNDED_PAIRS, "auto"),  # the rounded pairs kernel
+    ("kda", "intra", torch.float32, False, (), "whole_rows"),  # the exact pairs kernel's two paths
+    ("kda", "intra", torch.float32, True, (), "by_columns"),
+    ("kda", "intra", torch.float32, False, ROUNDED_PAIRS, "auto"),  # the rounded pairs kernel
     ("kda", "all", BF16, True, STATE_FP8, "auto"),
 ], ids=lambda x: str(x).split(".")[-1] if not isinstance(x, tuple) else ("quant" if x else "exact"))
 def test_chunk_residual_every_element_written(monkeypatch, kind, mode, dtype, varlen, quant, pairs):
     """The training forward writes every element of the residual it returns (the op's output): none of a
     NaN-filled buffer stays NaN, alignment padding, KDA's P above the diagonal and a varlen batch's unused chunk
-    states (LAQAT_CHUNK_KEEP_RESIDUAL=all) included. Before, opcheck's AOT check saw the buffer differ between
+    states (t.keep_residual=all) included. Before, opcheck's AOT check saw the buffer differ between
     identical calls by up to 5e28 (uninitialised memory)."""
     from la_compiler.kernels.chunk import codegen as chunk_codegen
     from la_compiler.kernels.chunk.codegen import ChunkParams
     from la_compiler.kernels.chunk.fwd import chunk_fwd
     from la_compiler.kernels.chunk.residual import residual_gaps, residual_layout
+    from la_compiler.options import TuningOptions
 
-    monkeypatch.setenv(KEEP_RESIDUAL_ENV, mode)
     if pairs != "auto":  # whole row blocks as one product, or the diagonal block column by column
         monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", 1e9 if pairs == "whole_rows" else 0.0)
     case = Case(kind, varlen=varlen, dtype=dtype, quant=quant, heads=(1, 2))
     q, k, v, g, beta, h0, cu = recurrence_inputs(case, grad=False)
     p = ChunkParams.from_spec(RecurrenceSpec.parse(case.spec()))
-    parts, size = residual_layout(p, q, v, cu)
+    parts, size = residual_layout(p, q, v, cu, mode)
     assert residual_gaps(parts, size) or kind == "kda", "GDN's G (B T HV elements) leaves padding here"
     residual = torch.full((size,), float("nan"))
-    chunk_fwd(p, q, k, v, g, beta, SCALE, h0, cu, save_to=residual)
+    chunk_fwd(p, q, k, v, g, beta, SCALE, h0, cu, save_to=residual, tuning=TuningOptions(keep_residual=mode))
     assert not residual.isnan().any(), [part.name for part in parts
                                         if residual[part.offset: part.offset + part.fp32_elements()].isnan().any()]
     for part in parts:  # 16-bit parts: their own elements too, and no half of an fp32 element left over

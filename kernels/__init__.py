@@ -16,6 +16,7 @@ the families (docs/architecture.md, "Layers").
 """
 from la_compiler.kernels.chunk import variant as _chunk  # noqa: F401
 from la_compiler.kernels.decode import fused as _decode_fused  # noqa: F401
+from la_compiler.kernels.decode import serving as _decode_serving  # noqa: F401
 from la_compiler.kernels.fla import chunk_variant as _fla_chunk  # noqa: F401
 from la_compiler.kernels.recurrent import variant as _fused_recurrent  # noqa: F401
 from la_compiler.kernels.reference import decode_variant as _decode_reference  # noqa: F401

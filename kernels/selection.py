@@ -38,6 +38,7 @@ ORDER: tuple[str, ...] = (
     "fla_chunk",
     "fused_recurrent",
     "chunk",
+    "decode_serving",
     "decode_fused",
     "decode_reference",
     "reference",

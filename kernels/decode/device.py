@@ -1,6 +1,12 @@
 """Triton device functions of the decode-phase kernels (templates/decode_fused_kernels.tmpl).
 
 The numerics are those of kernels/reference/decode.py; the QDQ itself comes from kernels/common/qdq.py.
+
+The state tile sits in registers in one of two orientations: ``[BK, BV]`` (K-first, laqat's own) or
+``[BV, BK]`` (V-first, ``VFIRST``: vLLM's decode kernels). The orientation decides along which axis of the
+tile the sums over K run, and so the order in which Triton adds their terms; a serving profile takes
+vLLM's orientation so that its sums are vLLM's, term for term. ``along_k`` / ``along_v`` broadcast a
+vector over the tile, ``sum_k`` / ``sum_v`` reduce the tile over K / V.
 """
 import triton
 import triton.language as tl
@@ -9,15 +15,79 @@ from la_compiler.kernels.common.qdq import amax_abs, fp8_scale, int8_scale, qdq_
 
 
 @triton.jit
-def round_state(b_h, CODEC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The state codec on one [BK x BV] tile (one scale group; zero padding leaves amax unchanged)."""
+def along_k(x, VFIRST: tl.constexpr):
+    """A [BK] vector broadcast over the state tile's V axis."""
+    if VFIRST:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def along_v(x, VFIRST: tl.constexpr):
+    """A [BV] vector broadcast over the state tile's K axis."""
+    if VFIRST:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def sum_k(b_x, VFIRST: tl.constexpr):
+    """The tile summed over K: [BV]."""
+    if VFIRST:
+        return tl.sum(b_x, 1)
+    else:
+        return tl.sum(b_x, 0)
+
+
+@triton.jit
+def sum_v(b_x, VFIRST: tl.constexpr):
+    """The tile summed over V: [BK]."""
+    if VFIRST:
+        return tl.sum(b_x, 0)
+    else:
+        return tl.sum(b_x, 1)
+
+
+@triton.jit
+def tile_zeros(BK: tl.constexpr, BV: tl.constexpr, VFIRST: tl.constexpr):
+    if VFIRST:
+        return tl.zeros([BV, BK], dtype=tl.float32)
+    else:
+        return tl.zeros([BK, BV], dtype=tl.float32)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> bf16 -> fp32, round to nearest even, on the bits (what the GPU's cast does; Triton's
+    interpreter truncates in ``.to(tl.bfloat16)``). NaN stays NaN, overflow goes to inf."""
+    b_bits = x.to(tl.int32, bitcast=True)
+    b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & -65536
+    return tl.where(x == x, b_bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def round_cache(b_h, CACHE: tl.constexpr):
+    """The state as the serving cache stores it: 0 fp32 (unchanged), 1 bf16, 2 fp16 (round to nearest even)."""
+    if CACHE == 1:
+        b_h = round_bf16(b_h)
+    elif CACHE == 2:
+        b_h = b_h.to(tl.float16).to(tl.float32)
+    return b_h
+
+
+@triton.jit
+def round_state(b_h, CODEC: tl.constexpr, CACHE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The state codec on one state tile (one scale group; zero padding leaves amax unchanged), then the
+    serving cache's dtype. int8_h32 groups 32 values along V: only in the K-first orientation."""
     if CODEC == 1:
         b_h = qdq_fp8_e4m3(b_h, fp8_scale(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))
     elif CODEC == 2:
         b_h = qdq_int8(b_h, int8_scale(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))
     elif CODEC == 3:
         b_h = tl.reshape(qdq_int8_h32(tl.reshape(b_h, (BK * BV // 32, 32))), (BK, BV))
-    return b_h
+    return round_cache(b_h, CACHE)
 
 
 @triton.jit
@@ -42,27 +112,39 @@ def load_decay(p_g, m_k, IS_KDA: tl.constexpr):
 
 
 @triton.jit
-def decayed(b_h, b_g, IS_KDA: tl.constexpr):
+def decay_factor(b_g, IS_KDA: tl.constexpr, VFIRST: tl.constexpr):
+    """exp(g): a scalar (GDN) or a [BK] vector broadcast over the tile (KDA)."""
     if IS_KDA:
-        return b_h * tl.exp(b_g)[:, None]
+        return along_k(tl.exp(b_g), VFIRST)
     else:
-        return b_h * tl.exp(b_g)
+        return tl.exp(b_g)
 
 
 @triton.jit
 def token_update(b_h, b_k, b_v, b_g, b_beta, suffix, IS_KDA: tl.constexpr, REPLAY: tl.constexpr,
-                  FACTOR: tl.constexpr):
-    """S_a = D S; w = v - S_a^T k; u = beta w; S_b = S_a + k_f u_f^T. Returns (S_a, w, k_f, u_f, S_b)."""
-    b_ha = decayed(b_h, b_g, IS_KDA)
-    b_w = b_v - tl.sum(b_ha * b_k[:, None], 0)
+                 FACTOR: tl.constexpr, VFIRST: tl.constexpr):
+    """S_a = D S; w = v - S_a^T k; u = beta w; S_b = S_a + k_f u_f^T. Returns (S_a, w, k_f, u_f, S_b).
+    The operations and their order are those of vLLM's fused_recurrent kernels (``b_h *= exp(g)``,
+    ``b_v -= sum(b_h * k)``, ``b_v *= beta``, ``b_h += b_v * k``)."""
+    b_ha = b_h * decay_factor(b_g, IS_KDA, VFIRST)
+    b_w = b_v - sum_k(b_ha * along_k(b_k, VFIRST), VFIRST)
     b_u = b_beta * b_w
     b_kf = b_k
     b_uf = b_u
     if REPLAY and FACTOR != 0:
         b_kf = tl.where(suffix, round_factor(b_k, FACTOR), b_k)
         b_uf = tl.where(suffix, round_factor(b_u, FACTOR), b_u)
-    b_hb = b_ha + b_kf[:, None] * b_uf[None, :]
+    b_hb = b_ha + along_k(b_kf, VFIRST) * along_v(b_uf, VFIRST)
     return b_ha, b_w, b_kf, b_uf, b_hb
+
+
+@triton.jit
+def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.constexpr, VFIRST: tl.constexpr):
+    """Offsets of the state tile in memory (layout kv or vk), in the tile's register orientation."""
+    if STATE_VK:
+        return along_k(o_k, VFIRST) + along_v(o_v, VFIRST) * K
+    else:
+        return along_k(o_k, VFIRST) * V + along_v(o_v, VFIRST)
 
 
 @triton.jit

@@ -42,9 +42,15 @@ TEMPLATES = "la_compiler.kernels.decode.templates"
 
 CODEC_IDS = {None: 0, "fp8_e4m3": 1, "int8": 2, "int8_h32": 3}
 FACTOR_IDS = {"none": 0, "fp8_e4m3": 1, "int8": 2}
+CACHE_IDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 CHECKPOINT_EVERY = 16
 MAX_HEAD_DIM = 256
 NUM_WARPS: int | None = None  # None: 4 up to 4096 state elements per program, else 8 (benchmarks may override)
+# A serving profile's forward launches as vLLM 0.33 launches its decode kernels (value tiles of at most 32
+# columns; fused_recurrent_gated_delta_rule_packed_decode: 1 warp, fused_recurrent_kda_packed_decode: 4), so
+# that Triton lays the state tile out, and orders the sums over K, as it does for vLLM's kernels.
+SERVING_BLOCK_V = 32
+SERVING_NUM_WARPS = {"gdn": 1, "kda": 4}
 
 
 def _num_warps(BK: int, BV: int) -> int:
@@ -76,22 +82,27 @@ class DecodeParams:
     readout: str
     mode: str
     factor: str
+    vfirst: bool = False  # the state tile V-first in registers (a serving profile: vLLM's order of the sums)
+    cache: str = "float32"  # the serving cache's dtype, rounded to after the codec (float32: not rounded)
 
     @classmethod
-    def from_spec(cls, spec) -> "DecodeParams":
+    def from_spec(cls, spec, model_dtype=None) -> "DecodeParams":
+        """``model_dtype``: the dtype of v, which decides a serving profile's ``state_dtype: auto``."""
         spec = spec_of(spec)
         opts = _options(spec)
+        cache = opts.cache_dtype(spec.kind, model_dtype) if opts.serving else "float32"
         return cls(kind=spec.kind, state=spec.state, codec=opts.codec, readout=opts.readout, mode=opts.mode,
-                   factor=opts.factor_format)
+                   factor=opts.factor_format, vfirst=opts.vllm_order, cache=cache)
 
     def constants(self) -> dict[str, object]:
         return {"IS_KDA": self.kind == "kda", "STATE_VK": self.state == "vk", "CODEC": CODEC_IDS[self.codec],
                 "READ_STORED": self.readout == "stored", "REPLAY": self.mode == "replay",
-                "FACTOR": FACTOR_IDS[self.factor]}
+                "FACTOR": FACTOR_IDS[self.factor], "VFIRST": self.vfirst, "CACHE": CACHE_IDS[self.cache]}
 
 
-_DEVICE_IMPORT = ("from la_compiler.kernels.decode.device import (decayed, is_write, load_decay, round_state,\n"
-                  "                                                stored_length, token_update)\n"
+_DEVICE_IMPORT = ("from la_compiler.kernels.decode.device import (along_k, along_v, decay_factor, is_write,\n"
+                  "    load_decay, round_state, state_offsets, stored_length, sum_k, sum_v, tile_zeros,\n"
+                  "    token_update)\n"
                   "from la_compiler.kernels.common.qdq import qdq_log_grid")
 
 
@@ -99,7 +110,8 @@ def decode_source(p: DecodeParams) -> str:
     constants = "\n".join(f"{name} = tl.constexpr({value!r})" for name, value in p.constants().items())
     kernels = render(template(TEMPLATES, "decode_fused_kernels"), {}, where="decode_fused_kernels")
     title = (f"Decode-phase {p.kind.upper()} kernels ({p.mode} mode, state codec {p.codec}, readout {p.readout}, "
-             f"factors {p.factor}), state layout {p.state}.")
+             f"factors {p.factor}), state layout {p.state}"
+             + (f", vLLM's order of operations, {p.cache} state cache." if p.vfirst else "."))
     return module_source(title, dataclasses.asdict(p), [_DEVICE_IMPORT, constants, kernels])
 
 
@@ -111,17 +123,43 @@ def decode_module(p: DecodeParams) -> ModuleType:
 
 
 # ---- launchers ---------------------------------------------------------------------------------
-def _geometry(q, v, opts: DecodeOptions):
-    K, V = q.shape[-1], v.shape[-1]
-    BK = triton.next_power_of_2(K)
+def _tiles(K: int, V: int, opts: DecodeOptions) -> tuple[int, int]:
+    """(BK, BV): the state tile of one program; BV is the codec's scale group where there is a codec."""
     BV = opts.block_v if V >= opts.block_v else triton.next_power_of_2(V)
     if opts.codec is None:
-        BV = min(BV, 64)
+        BV = min(BV, SERVING_BLOCK_V if opts.serving else 64)
+    return triton.next_power_of_2(K), BV
+
+
+def _geometry(q, v, opts: DecodeOptions):
+    K, V = q.shape[-1], v.shape[-1]
+    BK, BV = _tiles(K, V, opts)
     return K, V, BK, BV, triton.cdiv(V, BV)
+
+
+def _forward_warps(p: DecodeParams, BK: int, BV: int) -> int:
+    if NUM_WARPS is None and p.vfirst:
+        return SERVING_NUM_WARPS[p.kind]
+    return _num_warps(BK, BV)
 
 
 def _flags(initial_state, cu_seqlens):
     return dict(USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None)
+
+
+def round_state(spec, state: torch.Tensor, model_dtype) -> torch.Tensor:
+    """``state`` [N, HV, K, V] (or V-first, the spec's layout) as the decode kernels round a cache on load:
+    the spec's state codec, then a serving profile's cache dtype (``model_dtype`` decides ``auto``); fp32."""
+    spec = spec_of(spec)
+    opts = _options(spec)
+    K, V = (state.shape[-2], state.shape[-1]) if spec.state == "kv" else (state.shape[-1], state.shape[-2])
+    BK, BV = _tiles(K, V, opts)
+    state = state.contiguous()
+    out = torch.empty(state.shape, dtype=torch.float32, device=state.device)
+    if state.numel():
+        decode_module(DecodeParams.from_spec(spec, model_dtype)).round_state_kernel[
+            (triton.cdiv(V, BV), state.shape[0] * state.shape[1])](state, out, K=K, V=V, BK=BK, BV=BV)
+    return out
 
 
 def _check(spec, q, v, cu_seqlens, prefill_lengths, valid_lengths, n):
@@ -152,7 +190,7 @@ def _decay_on_grid(p: DecodeParams, g, step, cu_seqlens, pre, n: int, T: int):
 
 
 def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, *,
-                 save_ckpt: bool):
+                 save_ckpt: bool, round_initial_state: bool = True):
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
     opts = _options(spec)
@@ -173,29 +211,31 @@ def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefi
     nck = max(triton.cdiv(max_len, CHECKPOINT_EVERY), 1)
     ckpt = torch.empty(n * HV * NV * nck * BK * BV if save_ckpt else 1, dtype=torch.float32, device=dev)
     cu = cu_seqlens.to(torch.int32).contiguous() if cu_seqlens is not None else pre
-    params = DecodeParams.from_spec(spec)
+    params = DecodeParams.from_spec(spec, v.dtype)
     g = _decay_on_grid(params, g, opts.decay_log_step, cu if cu_seqlens is not None else None, pre, n, T)
     decode_module(params).decode_fwd_kernel[(NV, n * HV)](
         q, k, v, g, beta, h0 if h0 is not None else q, o, ht, ckpt, cu, pre, val,
         float(scale), opts.window, T, nck,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=save_ckpt, STORE_O=not save_ckpt,
-        **_flags(initial_state, cu_seqlens), num_warps=_num_warps(BK, BV),
+        ROUND_H0=round_initial_state, **_flags(initial_state, cu_seqlens), num_warps=_forward_warps(params, BK, BV),
     )
-    return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g)
+    return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g, params)
 
 
 def decode_fused_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths=None,
-                         valid_lengths=None):
+                         valid_lengths=None, round_initial_state=True):
+    """``round_initial_state=False``: the initial state is a handoff state, not a cache (no rounding on load)."""
     o, ht, _ = _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths,
-                            valid_lengths, save_ckpt=False)
+                            valid_lengths, save_ckpt=False, round_initial_state=round_initial_state)
     return o, ht
 
 
 def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, *,
-                          prefill_lengths=None, valid_lengths=None):
+                          prefill_lengths=None, valid_lengths=None, round_initial_state=True):
     spec = spec_of(spec)
-    _, _, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g_used) = _run_forward(
-        spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, save_ckpt=True)
+    _, _, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g_used, params) = _run_forward(
+        spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths, save_ckpt=True,
+        round_initial_state=round_initial_state)
     B, T, H, _ = q.shape
     HV = v.shape[2]
     dev = q.device
@@ -209,7 +249,7 @@ def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, sca
     dh0 = torch.full_like(initial_state, float("nan"), dtype=torch.float32) if initial_state is not None else None
     scratch = torch.empty(n * HV * NV * CHECKPOINT_EVERY * BK * BV, dtype=torch.float32, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    decode_module(DecodeParams.from_spec(spec)).decode_bwd_kernel[(NV, n * HV)](
+    decode_module(params).decode_bwd_kernel[(NV, n * HV)](
         q.contiguous(), k.contiguous(), v.contiguous(), g_used, beta.contiguous(),
         h0 if h0 is not None else q, ckpt, scratch, cu, pre, val, do.contiguous(), dht.contiguous(),
         dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else dq,
@@ -227,9 +267,21 @@ def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, sca
             dh0.to(initial_state.dtype) if dh0 is not None else None)
 
 
+def source_modules(spec) -> dict[str, ModuleType]:
+    spec = spec_of(spec)
+    opts = _options(spec)
+    if opts.serving and spec.kind == "gdn" and opts.state_dtype == "auto":  # the cache dtype follows the inputs'
+        return {f"forward and backward, {name} inputs": decode_module(DecodeParams.from_spec(spec, getattr(torch, name)))
+                for name in ("bfloat16", "float16", "float32")}
+    return {"forward and backward": decode_module(DecodeParams.from_spec(spec))}
+
+
 def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
-    return (decode_reason(spec, "triton") or needs(triton_runs(ctx), not_float64(ctx))
-            or unsupported_reason(spec, ctx.head_k, ctx.head_v))
+    reason = decode_reason(spec, "triton")
+    if reason is None and _options(spec).serving is not None:
+        return ("a serving profile's prefix is the chunked prefill, not this kernel's token recurrence "
+                "(decode_serving runs it, with these kernels for the suffix)")
+    return reason or needs(triton_runs(ctx), not_float64(ctx)) or unsupported_reason(spec, ctx.head_k, ctx.head_v)
 
 
 register_variant(
@@ -239,5 +291,5 @@ register_variant(
     "fused Triton decode-phase training kernel (token / replay), fp32 state, fwd + bwd with state checkpoints",
     supports=supports,
     summary="fused Triton decode-phase kernel (token / replay), fwd + bwd",
-    source_modules=lambda spec: {"forward and backward": decode_module(DecodeParams.from_spec(spec))},
+    source_modules=source_modules,
 )

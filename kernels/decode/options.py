@@ -12,6 +12,14 @@ docs/decode_phase.md):
     x.replay_factor_qdq=0 | 1       replay: the stored rank-one factors k_t, u_t rounded in the
                                     state codec's scalar format (fp8_e4m3, or int8 for int8/int8_h32)
     x.decode_impl=auto | triton | torch   constrains the kernel family (selection table), never numerics
+    x.serving=vllm-0.33             the decode steps reproduce that server's recurrent kernel: its order of
+                                    operations (the state tile V-first in registers, so its sums over K are
+                                    the server's), token mode, output read from the working state
+    x.state_dtype=auto | float32 | bfloat16 | float16
+                                    (with x.serving) the server's state cache dtype (mamba_ssm_cache_dtype):
+                                    the state is rounded to it (nearest even) on load, at the handoff and at
+                                    every decode write, after the state codec if any; auto is vLLM's rule
+                                    (GDN: the model's dtype, that of v; KDA: float32)
 
 Unknown ``x.`` keys of a phased spec are an error, never ignored.
 """
@@ -26,8 +34,11 @@ from la_compiler.spec import RecurrenceSpec
 READOUTS = ("working", "stored")
 STATE_CODEC_FORMATS = ("fp8_e4m3", "int8", "int8_h32")
 FACTOR_FORMATS = ("none", "fp8_e4m3", "int8")
-KNOWN_EXTRAS = ("readout", "decay_log_step", "replay_window", "replay_factor_qdq", "decode_impl", "solve_impl")
+KNOWN_EXTRAS = ("readout", "decay_log_step", "replay_window", "replay_factor_qdq", "decode_impl", "solve_impl",
+                "serving", "state_dtype")
 DEFAULT_BLOCK_V = 64
+SERVING_PROFILES = ("vllm-0.33",)
+STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class DecodeOptionsError(ValueError):
@@ -43,6 +54,8 @@ class DecodeOptions:
     decay_log_step: float | None = None
     window: int = 1
     factor_format: str = "none"
+    serving: str | None = None  # a serving profile of SERVING_PROFILES: the decode steps follow that server
+    state_dtype: str = "float32"  # the serving cache's dtype (STATE_DTYPES); float32 rounds nothing
 
     def __post_init__(self):
         if self.mode not in ("token", "replay"):
@@ -60,6 +73,36 @@ class DecodeOptions:
                                      f"got {self.factor_format!r}")
         if self.mode == "token" and (self.window != 1 or self.factor_format != "none"):
             raise DecodeOptionsError("spec x.replay_window / x.replay_factor_qdq are only for phase=replay")
+        if self.state_dtype not in STATE_DTYPES:
+            raise DecodeOptionsError(f"spec x.state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+        if self.serving is None:
+            if self.state_dtype != "float32":
+                raise DecodeOptionsError("spec x.state_dtype is the serving cache's dtype: it needs x.serving")
+            return
+        if self.serving not in SERVING_PROFILES:
+            raise DecodeOptionsError(f"spec x.serving must be one of {SERVING_PROFILES}, got {self.serving!r}")
+        served = {"phase=token": self.mode == "token", "x.readout=working": self.readout == "working",
+                  "no x.decay_log_step": self.decay_log_step is None,
+                  "a state codec other than int8_h32": self.codec != "int8_h32"}
+        wrong = [what for what, ok in served.items() if not ok]
+        if wrong:
+            raise DecodeOptionsError(f"spec x.serving={self.serving} decodes as that server does: it needs "
+                                     f"{', '.join(wrong)}")
+
+    @property
+    def vllm_order(self) -> bool:
+        """The decode steps in vLLM's order of operations (the state tile V-first in registers)."""
+        return self.serving is not None
+
+    def cache_dtype(self, kind: str, model_dtype) -> str:
+        """The state cache's dtype for inputs of ``model_dtype`` (a torch dtype): float32, bfloat16 or float16.
+        ``auto`` is vLLM 0.33's MambaStateDtypeCalculator: GDN the model's dtype, KDA float32."""
+        if self.state_dtype != "auto":
+            return self.state_dtype
+        if kind == "kda":
+            return "float32"
+        name = str(model_dtype).removeprefix("torch.")
+        return name if name in ("bfloat16", "float16") else "float32"
 
     @staticmethod
     def from_spec(spec: RecurrenceSpec) -> "DecodeOptions":
@@ -98,6 +141,7 @@ class DecodeOptions:
                 decay_log_step=None if step is None else float(step),
                 window=1 if window is None else int(window),
                 factor_format="none" if factor == "0" else ("fp8_e4m3" if codec == "fp8_e4m3" else "int8"),
+                serving=extra.get("serving"), state_dtype=extra.get("state_dtype", "float32"),
             )
         except ValueError as e:
             if isinstance(e, DecodeOptionsError):

@@ -17,6 +17,11 @@ An initial state is a quantized cache: rounded once, on load. The final state is
 after the last valid token (the handoff is applied only if the suffix is non-empty).
 Every rounding has an identity (straight-through) gradient.
 
+A serving profile (``x.serving``, token mode) adds its state cache's dtype (``x.state_dtype``) to the
+codec: ``codec(S)`` is then the format's QDQ (if any) followed by the round to nearest even to
+bfloat16 / float16 (of the fp32 value, as the kernels hold it), at every place above where the codec
+applies. The order of operations inside a step does not matter here (fp64).
+
 Codecs (state tiles [K x BV] per sequence and head; NUMERICS.md):
     fp8_e4m3  s = amax/448 (1 if amax = 0); E4M3 round-to-nearest-even of clamp(x/s, ±448); * s
     int8      s = amax/127 (1 if amax = 0); clamp(round_half_even(x/s), ±127) * s
@@ -115,6 +120,13 @@ def round_log_decay(g: torch.Tensor, step: float) -> torch.Tensor:
     return torch.round(g / step) * step
 
 
+def round_to_cache(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """x rounded to nearest even in the cache dtype ("float32": unchanged), back in x's dtype."""
+    if dtype_name == "float32":
+        return x
+    return x.to(torch.float32).to(getattr(torch, dtype_name)).to(x.dtype)
+
+
 # ---- the recurrence -------------------------------------------------------------------------
 def delta_rule_decode_reference(
     q, k, v, g, beta, *, kind: str, options: DecodeOptions, prefill_lengths, valid_lengths,
@@ -136,8 +148,12 @@ def delta_rule_decode_reference(
     if len(prefill) != len(seqs) or len(valid) != len(seqs):
         raise ValueError(f"need one prefill/valid length per sequence ({len(seqs)}), got {len(prefill)}/{len(valid)}")
 
+    cache = options.cache_dtype(kind, v.dtype) if options.serving else "float32"
+
     def codec(S):
-        return S if options.codec is None else ste(S, qdq_state(S.detach(), options.codec, options.block_v))
+        if options.codec is not None:
+            S = ste(S, qdq_state(S.detach(), options.codec, options.block_v))
+        return S if cache == "float32" else ste(S, round_to_cache(S.detach(), cache))
 
     def factor(x, block):
         if options.mode != "replay" or options.factor_format == "none":

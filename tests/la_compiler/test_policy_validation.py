@@ -29,7 +29,7 @@ LOAD_ERRORS = [
     ({"linear_attention": [{"module": "*"}]}, "linear_attention[0]: unknown key(s) ['module']; allowed: "
                                               "['module_name', 'cfg']"),
     (la({"chunksize": 64}), "linear_attention[0].cfg: unknown key(s) ['chunksize']; allowed: ['backend', "
-                            "'chunk_size', 'state', 'solve', 'decode', 'matmul']"),
+                            "'chunk_size', 'state', 'solve', 'decode', 'matmul', 'numerics', 'serving', 'precision']"),
     (la({"solve": {"method": "exact", "order": 2}}), "linear_attention[0].cfg.solve: unknown key(s) ['order']; "
                                                      "allowed: ['method', 'degree', 'implementation']"),
     (la({"decode": {"mode": "replay", "replay": {"window": 4, "refresh": 2}}}),

@@ -1,13 +1,13 @@
-"""Fixtures of the serving parity tests: vLLM's kernels (the oracle) and the GPU's bf16 rounding."""
+"""Fixtures of the serving parity tests: vLLM's kernels (the oracle), Triton's interpreter as the GPU."""
 import os
 
 import pytest
 
 from tests.serving import vllm_oracle
-from tests.serving.interpreter_rounding import gpu_bf16_rounding
+from tests.serving.interpreter_as_gpu import interpreter_as_gpu
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm():
     """vLLM 0.33.0's kernel modules (tests/serving/vllm_oracle.py); skipped only if the wheel can be neither
     found in the cache nor downloaded from the package index."""
@@ -18,10 +18,11 @@ def vllm():
 
 
 @pytest.fixture
-def gpu_rounding():
-    """In Triton's interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU."""
+def as_gpu():
+    """In Triton's interpreter, fp32 -> bf16 casts round to nearest even and bf16 dots multiply the values,
+    as on the GPU (tests/serving/interpreter_as_gpu.py); compiled kernels are left alone."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
-    with gpu_bf16_rounding():
+    with interpreter_as_gpu():
         yield

@@ -1,0 +1,73 @@
+"""The decode_serving variant (a serving profile: chunked prefix + decode steps in vLLM's order) against the
+fp64 decode reference: outputs, final states and the gradient of every input, on packed sequences with empty
+prefixes and suffixes, grouped value heads, a cache dtype and a state codec; and the selection table's rows.
+"""
+import pytest
+import torch
+
+import la_compiler.kernels  # noqa: F401  (registers the variants)
+from la_compiler.kernels.decode.options import decode_options
+from la_compiler.kernels.decode.serving import decode_serving_backward, decode_serving_forward
+from la_compiler.kernels.reference.decode import delta_rule_decode_reference
+from la_compiler.kernels.selection import KernelSelectionError, select_kernel
+from la_compiler.spec import RecurrenceSpec
+from tests.helpers import rel_l2
+from tests.ir_inputs import random_inputs
+
+
+def _spec(kind, layout, state_dtype, fmt=None):
+    extra = {"readout": "working", "serving": "vllm-0.33", "state_dtype": state_dtype}
+    return RecurrenceSpec(kind, phase="token", state=layout, kernel="decode_serving",
+                          quant=(("state", fmt),) if fmt else (), extra=tuple(sorted(extra.items())))
+
+
+CASES = {
+    # id: (kind, layout, state dtype, state format, h0, B, T, H, HV, K, V, prefill, valid, cu_seqlens)
+    # packed: a prefix and a suffix, no prefix, no suffix (its final state is the prefix's, unrounded)
+    "gdn-bf16-cache-gqa-packed": ("gdn", "vk", "bfloat16", None, True, 1, 22, 1, 2, 16, 16, [7, 0, 4], [12, 6, 4],
+                                  [0, 12, 18, 22]),
+    "kda-fp8-codec-fp16-cache-batch": ("kda", "kv", "float16", "fp8_e4m3/tile16", False, 2, 9, 1, 1, 16, 16, [4, 8],
+                                       [9, 9], None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_serving_variant_matches_the_decode_reference(case):
+    kind, layout, state_dtype, fmt, use_h0, B, T, H, HV, K, V, prefill, valid, cu = CASES[case]
+    spec = _spec(kind, layout, state_dtype, fmt)
+    (q, k, v, g, beta, h0), cu_t = random_inputs(kind, B=B, T=T, H=H, HV=HV, K=K, V=V, initial_state=use_h0,
+                                                 cu_seqlens=cu, state_layout=layout)
+    pre, val = torch.tensor(prefill, dtype=torch.int32), torch.tensor(valid, dtype=torch.int32)
+    scale = K ** -0.5
+    o, ht = decode_serving_forward(spec, q, k, v, g, beta, h0, cu_t, scale, prefill_lengths=pre, valid_lengths=val)
+    ro, rh = delta_rule_decode_reference(q, k, v, g, beta, kind=kind, options=decode_options(spec),
+                                         prefill_lengths=prefill, valid_lengths=valid, scale=scale,
+                                         initial_state=h0, cu_seqlens=cu_t, state_layout=layout)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_l2(o, ro) < 1e-4 and rel_l2(ht, rh) < 1e-4, (rel_l2(o, ro), rel_l2(ht, rh))
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = decode_serving_backward(spec, q, k, v, g, beta, h0, cu_t, scale, do, dht, prefill_lengths=pre,
+                                    valid_lengths=val)
+    leaves = [x for x in (q, k, v, g, beta, h0) if x is not None]
+    want = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(), leaves)
+    assert (grads[5] is None) == (h0 is None)
+    for name, got, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, want):
+        assert got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert rel_l2(got, ref) < 1e-4, (name, rel_l2(got, ref))
+
+
+def test_selection_runs_serving_specs_on_the_serving_variant():
+    spec = _spec("gdn", "vk", "auto").replace(kernel="auto")
+    assert select_kernel(spec, device="cpu", dtype=torch.bfloat16, head_k=64, head_v=64).variant == "decode_serving"
+    torch_only = spec.replace(extra={**dict(spec.extra), "decode_impl": "torch"})
+    assert select_kernel(torch_only, device="cpu", dtype=torch.float32, head_k=64, head_v=64).variant == \
+        "decode_reference"
+    plain = RecurrenceSpec("gdn", phase="token", kernel="auto", extra=(("readout", "working"),))
+    choice = select_kernel(plain, device="cpu", dtype=torch.float32, head_k=8, head_v=8)
+    assert choice.variant == "decode_fused" and "x.serving" in dict(choice.rejected)["decode_serving"]
+
+
+def test_the_token_recurrence_kernel_refuses_a_serving_spec():
+    spec = _spec("kda", "kv", "bfloat16").replace(kernel="auto")
+    with pytest.raises(KernelSelectionError, match="chunked prefill"):
+        select_kernel(spec, device="cpu", dtype=torch.float32, head_k=16, head_v=16, requested="decode_fused")

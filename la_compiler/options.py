@@ -183,6 +183,9 @@ ENVIRONMENT = (
     EnvironmentVariable("LAQAT_MODELS_RESULTS", "tests/models", (
         "tests only: a directory where the model conformance tests write each model's JSON line with its CPU and "
         "wall seconds (docs/models.md)")),
+    EnvironmentVariable("LAQAT_TEST_CACHE", "tests/serving", (
+        "tests only: where the serving tests keep the vLLM wheel they fetch and the kernel files taken from it; "
+        "default `~/.cache/laqat-test`")),
     EnvironmentVariable("LAQAT_COMMIT", "examples/benchmarks/gpu_chores.sh, examples/qat/study.py", (
         "benchmark scripts: the commit a results record names, where the tree is no git checkout")),
     EnvironmentVariable("LAQAT_GPU_CACHE", "examples/benchmarks/gpu_chores.sh", (

@@ -279,13 +279,13 @@ def compare(path_a: str, path_b: str) -> int:
 # ---- main ----------------------------------------------------------------------------------------
 def set_up_environment(device: str) -> None:
     """Before torch / triton are imported: one thread (reproducible CPU reductions, one core), the interpreter
-    on the CPU, NaN-filled scratch buffers (an element a kernel does not write shows up)."""
+    on the CPU (under which the chunk kernels NaN-fill their scratch buffers: an element a kernel does not write
+    shows up)."""
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     if device == "cpu":
         if os.environ.setdefault("TRITON_INTERPRET", "1") != "1":
             sys.exit("--device cpu runs the Triton kernels in the interpreter: TRITON_INTERPRET must be 1")
-    os.environ.setdefault("LAQAT_NAN_FILL", "1")
 
 
 def import_la_compiler() -> None:

@@ -71,3 +71,45 @@ def test_the_token_recurrence_kernel_refuses_a_serving_spec():
     spec = _spec("kda", "kv", "bfloat16").replace(kernel="auto")
     with pytest.raises(KernelSelectionError, match="chunked prefill"):
         select_kernel(spec, device="cpu", dtype=torch.float32, head_k=16, head_v=16, requested="decode_fused")
+
+
+def test_a_model_compiled_with_the_recipe_trains_on_the_serving_variant():
+    """The recipe through the backend (annotate, phase pass, laqat::delta_rule_phased): the spec runs on
+    decode_serving; loss and gradients equal those of the eager model with the fp64 reference in its place."""
+    import la_compiler
+    from la_compiler.ir_phase import is_delta_rule_phased
+    from tests.la_compiler.test_phase import TinyKDA, _counting_backend
+
+    torch.manual_seed(0)
+    model = TinyKDA(head_dim=16, value_dim=16)
+    tokens = torch.randint(0, 16, (2, 9))
+    prefill, valid = [3, 6], [9, 7]
+    calls = []
+    compiled = torch.compile(model, backend=_counting_backend(calls, {"policy": "vllm_kda_state_bf16",
+                                                                      "compiler": "eager"}))
+    with la_compiler.phase(prefill, sequence_lengths=valid):
+        loss = compiled(tokens).square().mean()
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    specs = [n.args[-1] for n in calls[0].graph.nodes if is_delta_rule_phased(n)]
+    assert len(specs) == 1 and "kernel=decode_serving" in specs[0]
+    assert "x.serving=vllm-0.33" in specs[0] and "x.state_dtype=bfloat16" in specs[0]
+
+    options = decode_options(RecurrenceSpec.parse(specs[0]))
+
+    def reference_op(q, k, v, g, beta, h0, cu, scale, spec):
+        o, ht = delta_rule_decode_reference(q, k, v, g, beta, kind="kda", options=options, prefill_lengths=prefill,
+                                            valid_lengths=valid, scale=scale)
+        return o.float(), ht.float()
+
+    model.zero_grad()
+    real = torch.ops.laqat.delta_rule
+    try:
+        torch.ops.laqat.delta_rule = reference_op
+        ref_loss = model(tokens).square().mean()
+        ref_loss.backward()
+    finally:
+        torch.ops.laqat.delta_rule = real
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for a, p in zip(grads, model.parameters()):
+        assert rel_l2(a, p.grad) < 1e-4

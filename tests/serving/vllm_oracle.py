@@ -16,6 +16,9 @@ Two things differ from running inside vLLM, neither of them arithmetic:
   ``exp = tl.exp`` (and exp2, log, log2) become ``@triton.jit`` functions that call them (the
   interpreter patches ``tl``'s functions at launch, which a module-level alias does not see). Both
   compute the same operations. Compiled for a GPU, the files run unedited.
+
+On a machine that cannot reach the package index (a GPU host), ``python -m tests.serving.vllm_oracle
+--prepare out/vllm-oracle`` (run where it can) writes the extracted files, and ``load(src=...)`` reads them.
 """
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ import contextlib
 import hashlib
 import importlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,28 +144,34 @@ def fetch_wheel(directory: Path) -> Path:
     wheel = _wheel_in(directory)
     if wheel is not None:
         return wheel
+    # into a directory of this process's own, then renamed into place: pytest-xdist's workers may fetch at once
+    incoming = Path(tempfile.mkdtemp(prefix="download-", dir=directory))
     cmd = [sys.executable, "-m", "pip", "download", f"vllm=={VERSION}", "--no-deps", "--only-binary=:all:",
-           "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "-d", str(directory),
+           "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "-d", str(incoming),
            "--disable-pip-version-check", "-q"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        fetched = _wheel_in(incoming)
+        if done.returncode != 0 or fetched is None:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise IndexUnreachable(f"pip download vllm=={VERSION} failed (the package index cannot be reached?): "
+                                   + " | ".join(tail))
+        os.replace(fetched, directory / fetched.name)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise IndexUnreachable(f"pip download vllm=={VERSION} did not finish: {e}") from None
-    wheel = _wheel_in(directory)
-    if done.returncode != 0 or wheel is None:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise IndexUnreachable(f"pip download vllm=={VERSION} failed (the package index cannot be reached?): "
-                                + " | ".join(tail))
-    return wheel
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
+    return _wheel_in(directory)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def extract(wheel: Path, root: Path) -> Path:
-    """The kernel files and the stubs under ``root/<tag>``; the tag names the wheel and the edits."""
-    edits = INTERPRETER_EDITS if _interpreting() else {}
+def extract(wheel: Path, root: Path, *, interpreter: bool | None = None) -> Path:
+    """The kernel files and the stubs under ``root/src-<tag>``; the tag names the wheel and the edits
+    (the interpreter's, where ``interpreter`` or, left None, ``TRITON_INTERPRET=1``)."""
+    edits = INTERPRETER_EDITS if (_interpreting() if interpreter is None else interpreter) else {}
     tag = hashlib.sha256(repr((wheel.name, wheel.stat().st_size, KERNEL_FILES, sorted(edits.items()),
                                sorted(STUBS.items()))).encode()).hexdigest()[:12]
     src = root / f"src-{tag}"
@@ -184,7 +195,7 @@ def extract(wheel: Path, root: Path) -> Path:
     try:
         tmp.rename(src)
     except OSError:  # another process extracted the same tag first
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return src
 
 
@@ -220,13 +231,19 @@ def _first_config_only(module):
 _loaded: SimpleNamespace | None = None
 
 
-def load() -> SimpleNamespace:
+def load(src: Path | None = None) -> SimpleNamespace:
     """The oracle's modules: ``gdn_chunk``, ``gdn_recurrent``, ``gdn_post_conv``, ``kda_chunk``,
-    ``kda_recurrent`` (vLLM's own files) and ``src`` (where they were extracted)."""
+    ``kda_recurrent`` (vLLM's own files) and ``src`` (where they were extracted). ``src``: a directory
+    ``extract`` (or ``--prepare``) wrote before, e.g. on a machine that cannot reach the package index."""
     global _loaded
     if _loaded is None:
-        root = cache_dir()
-        src = extract(fetch_wheel(root), root)
+        if src is None:
+            root = cache_dir()
+            src = extract(fetch_wheel(root), root)
+        elif not (Path(src) / ".complete").exists():
+            raise OracleUnavailable(f"{src} holds no extracted vLLM kernels (write it with "
+                                    f"`python -m tests.serving.vllm_oracle --prepare DIR`)")
+        src = Path(src).resolve()
         names = {"gdn_chunk": f"{FLA_OPS}/chunk", "gdn_recurrent": f"{FLA_OPS}/fused_recurrent",
                  "gdn_post_conv": f"{FLA_OPS}/fused_gdn_prefill_post_conv", "kda_chunk": f"{KDA_OPS}/chunk",
                  "kda_recurrent": f"{KDA_OPS}/fused_recurrent"}
@@ -239,3 +256,19 @@ def load() -> SimpleNamespace:
                     _first_config_only(module)
         _loaded = SimpleNamespace(src=src, **modules)
     return _loaded
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Fetch vLLM's wheel and extract the oracle's kernel files.")
+    parser.add_argument("--prepare", metavar="DIR", required=True,
+                        help="extract into DIR/src-<tag> (prints the path), e.g. out/vllm-oracle to carry to a GPU")
+    parser.add_argument("--for-interpreter", action="store_true",
+                        help="apply the interpreter's source edits (by default the files are left as vLLM ships them)")
+    args = parser.parse_args(argv)
+    print(extract(fetch_wheel(cache_dir()), Path(args.prepare), interpreter=args.for_interpreter))
+
+
+if __name__ == "__main__":
+    main()

@@ -69,11 +69,11 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(p, q.dtype), GEMM_PRECISION=gemm)
     launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (cdiv(V, BV), N * HV),
-           q, k, parts["kd"], parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens,
-           lay.chunk_offsets, scale, T, USE_INITIAL_STATE=initial_state is not None,
-           USE_FINAL_STATE_GRADIENT=dht is not None,
-           config=launch_config("bwd_dh", BK, C, nvfp4_operands=has_nvfp4_operands(p),
-                                serial_stages=tuning.serial_stages), **common)
+                 q, k, parts["kd"], parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens,
+                 lay.chunk_offsets, scale, T, USE_INITIAL_STATE=initial_state is not None,
+                 USE_FINAL_STATE_GRADIENT=dht is not None,
+                 config=launch_config("bwd_dh", BK, C, nvfp4_operands=has_nvfp4_operands(p),
+                                      serial_stages=tuning.serial_stages), **common)
     if lay.NT:
         chunks_per_row = lay.NT if cu_seqlens is not None else cdiv(T, C)
         heads = HV * (1 if cu_seqlens is not None else B)
@@ -98,22 +98,24 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             config = dataclasses.replace(config, keep_warps=True)
         BV_intra = min(BV, GDN_WHOLE_ROW_BWD_VALUE_BLOCK) if p.kind == "gdn" and not by_key_blocks else BV
         launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
-               q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do, *intra_out,
-               cu_seqlens, lay.chunk_indices, scale, T, config=config, INDEX_64=index_64,
-               **dict(common, BK=BK_intra, BV=BV_intra))
+                     q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do,
+                     *intra_out, cu_seqlens, lay.chunk_indices, scale, T, config=config, INDEX_64=index_64,
+                     **dict(common, BK=BK_intra, BV=BV_intra))
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
             BKP = BK if rounded else BKP
             NKB = cdiv(K, BKP)
             BC = p.sub_chunk
             launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
-                   q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []), cu_seqlens,
-                   lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None,
-                   INDEX_64=index_64, DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("bwd_pairs", BKP, C),
-                   **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
+                         q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []),
+                         cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP,
+                         IS_VARLEN=cu_seqlens is not None,
+                         INDEX_64=index_64, DOT_PRECISION=common["DOT_PRECISION"],
+                         config=launch_config("bwd_pairs", BKP, C),
+                         **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
             launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
-                   rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
-                   IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("bwd_dg", BKP, C))
+                         rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
+                         IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("bwd_dg", BKP, C))
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)

@@ -177,44 +177,47 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         BKG = min(BK, PAIRS_KEY_BLOCK)
         if rerun:
             launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
-                   g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
-                   IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_cumsum", BKG, C))
+                         g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
+                         IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
+                         config=launch_config("fwd_cumsum", BKG, C))
         rounded = kda_rounds_pairs(p)  # rounded pairs: whole key rows (a pair's row scale spans K)
         BKP = BK if rounded else BKG
         sub_grid = (chunks_per_row * (C // BC), heads)
         if pair_amax is not None:
             launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
-                   q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
-                   IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("fwd_pair_amax", BKP, C))
+                         q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
+                         IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
+                         config=launch_config("fwd_pair_amax", BKP, C))
         if saved is None:  # else P and P_qk (in A_qk, finished by the intra stage) are the forward's
             launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
-                   q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens, lay.chunk_indices, T,
-                   H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
-                   DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
-                   **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
+                         q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens,
+                         lay.chunk_indices, T,
+                         H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
+                         DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
+                         **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
     if lay.NT and rerun:
         BK_intra = intra_key_block(p, BK, w_block)
         intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
                      **dict(common, BK=BK_intra))
         if saved is not None:  # T, A_qk (GDN: and G) from the training forward: W and U alone
             launch_tuned(kernels["wu"], (chunks_per_row, heads),
-                   q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale,
-                   T, STORE_T=False, **intra)
+                         q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens,
+                         lay.chunk_indices, scale, T, STORE_T=False, **intra)
         else:
             launch_tuned(kernels["intra"], (chunks_per_row, heads),
-                   q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens, lay.chunk_indices, scale, T,
-                   STORE_T=t_solved is not None, **intra)
+                         q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens,
+                         lay.chunk_indices, scale, T, STORE_T=t_solved is not None, **intra)
     if rerun:
         launch_tuned(kernels["h"], (cdiv(V, BV_h), N * HV),
-               k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
-               BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
-               config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4, serial_stages=tuning.serial_stages),
-               **common)
+                     k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
+                     BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
+                     config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4, serial_stages=tuning.serial_stages),
+                     **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
         launch_tuned(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
-               q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
-               BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, nvfp4_operands=nvfp4), **common)
+                     q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
+                     BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, nvfp4_operands=nvfp4), **common)
     if intermediates is not None:
         intermediates.update(g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, h=h[: lay.NT], v_new=v_new, t_solved=t_solved,
                              p_pairs=p_pairs, pair_amax=pair_amax)

@@ -142,8 +142,8 @@ def test_policy_numerics_and_tuning_reach_the_spec_and_explain():
 def test_tuning_options_change_no_output_bit():
     """The same forward and every gradient, bit for bit, under every residual mode, serial stages and NaN fill
     (the op, the chunk variant, the interpreter)."""
-    xs, cu = random_inputs("kda", B=1, T=13, H=1, HV=2, K=8, V=8, initial_state=True, cu_seqlens=[0, 5, 13])
-    base = RecurrenceSpec(kind="kda", chunk=8, kernel="chunk")
+    xs, cu = random_inputs("gdn", B=1, T=13, H=1, HV=2, K=8, V=8, initial_state=True, cu_seqlens=[0, 5, 13])
+    base = RecurrenceSpec(kind="gdn", chunk=8, kernel="chunk")
 
     def run(tuning):
         o, ht = torch.ops.laqat.delta_rule(*xs[:6], cu, 0.5, str(base.replace(tuning=tuning)))

@@ -24,8 +24,9 @@ bits: they belong to the policy (a `linear_attention` rule's `cfg.numerics`), tr
 options** decide how the chunk kernels launch and what they keep for the backward: they belong to the compile
 (`options={"tuning": {...}}`, also `la_compiler.explain(..., tuning={...})`) and appear in the spec as
 `t.<key>=<value>`, so that a compiled graph, its forward and its backward carry them. An option at its default
-writes nothing, so a spec without options reads as before. A bad key or value is an error naming it
-(`PolicyError`, `BackendOptionsError`, `SpecError`; all `ValueError`s).
+writes nothing, so a spec without options reads as before. A bad key or value is an error naming it: a
+`PolicyError`, `BackendOptionsError` or `SpecError` where it was given, an `OptionsError` from
+`la_compiler.NumericsOptions` / `TuningOptions` themselves (all `ValueError`s).
 
 ```python
 policy = {"linear_attention": [{"module_name": "*", "cfg": {"numerics": {"gemm": "tf32"}}}]}

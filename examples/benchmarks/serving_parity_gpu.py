@@ -1,0 +1,216 @@
+"""Serving profiles on CUDA: laqat's decode phase against vLLM 0.33.0's own Triton kernels, and its cost.
+
+    python -m tests.serving.vllm_oracle --prepare out/vllm-oracle     # where the package index is reachable
+    OUT=./out python examples/benchmarks/serving_parity_gpu.py --vllm-src out/vllm-oracle/src-<tag> [--quick]
+
+1. parity at [B, T, H, D] = [1, 4096, 16, 128], prefix 2048, bf16 inputs (canonical operands: q, k
+   l2-normalized, g and beta in fp32): vLLM prefills the prefix with its chunk kernel, stores the state in its
+   cache dtype and decodes the 2048 suffix tokens one step at a time (tests/serving/vllm_serving.py);
+   laqat runs the profile's spec (decode_serving) once. GDN (bf16 / fp16 / fp32 cache) and KDA (bf16 / fp32).
+   Per case: suffix outputs and final states equal bit for bit or not (how many differ, by how many units
+   in the last place), prefix outputs (units of the token's largest output, relative L2); then the same with
+   the decode kernels at 4 warps instead of vLLM's own count (whether Triton's sums depend on it).
+2. fwd+bwd timing through ``laqat::delta_rule_phased`` per profile (the recipes vllm_gdn_state_bf16,
+   vllm_kda_state_bf16, ``precision: vllm`` / ``vllm_kimi_k3``) at that shape and at decode_bench.py's KDA
+   [1, 257, 4, 128] prefix 64, against FLA's exact chunk kernels (fwd+bwd). Target: <= 2x FLA.
+Prints a table and writes $OUT/serving_parity_gpu.json. The oracle needs no vLLM install: the extracted
+kernel files (``--prepare``) and the stub package around them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_common import REPO, ensure_la_compiler, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
+
+ensure_la_compiler()
+sys.path.insert(0, str(REPO))  # tests/serving: the oracle and vLLM's serving loop
+
+from triton.testing import do_bench  # noqa: E402
+
+import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
+import la_compiler.kernels  # noqa: E402,F401
+from la_compiler.kernels.decode import fused as decode_fused  # noqa: E402
+from la_compiler.kernels.registry import get_variant  # noqa: E402
+from la_compiler.policy import Policy, load_policy  # noqa: E402
+from la_compiler.spec import RecurrenceSpec  # noqa: E402
+from tests.serving import vllm_oracle  # noqa: E402
+from tests.serving.vllm_serving import serve  # noqa: E402
+
+PARITY = [  # (kind, laqat policy cfg, vLLM cache dtype)
+    ("gdn", {"serving": {"state_dtype": "bfloat16"}}, torch.bfloat16),
+    ("gdn", {"serving": {"state_dtype": "float16"}}, torch.float16),
+    ("gdn", {"serving": {"state_dtype": "float32"}}, torch.float32),
+    ("kda", {"serving": {"state_dtype": "bfloat16", "model": "kimi_k3"}}, torch.bfloat16),
+    ("kda", {"serving": {"state_dtype": "float32", "model": "kimi_k3"}}, torch.float32),
+]
+PROFILES = {  # timing rows: name -> (kind, policy)
+    "vllm_gdn_state_bf16": ("gdn", "vllm_gdn_state_bf16"),
+    "precision: vllm (GDN, auto = bf16)": ("gdn", {"linear_attention": [{"module_name": "*",
+                                                                        "cfg": {"precision": "vllm"}}]}),
+    "vllm_kda_state_bf16": ("kda", "vllm_kda_state_bf16"),
+    "precision: vllm_kimi_k3 (auto = fp32)": ("kda", {"linear_attention": [{"module_name": "*",
+                                                                           "cfg": {"precision": "vllm_kimi_k3"}}]}),
+}
+
+
+def _inputs(kind, B, T, H, D, device="cuda"):
+    q = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, D, device=device).bfloat16()
+    g = 0.1 * F.logsigmoid(torch.randn((B, T, H) if kind == "gdn" else (B, T, H, D), device=device))
+    beta = torch.rand(B, T, H, device=device).sigmoid()
+    return q, k, v, g, beta
+
+
+def _spec(kind, policy) -> RecurrenceSpec:
+    res = load_policy(policy).resolve("model.layers.0.attn", kind)
+    return RecurrenceSpec(kind, state="vk", phase=res.phase, quant=res.quant, extra=res.extra,
+                          kernel="decode_serving")
+
+
+def _units(a, b, mantissa, per_row):
+    """max |a - b| in units of the last place (``mantissa`` bits) of |b| (per_row: of the row's largest |b|)."""
+    a, b = a.float(), b.float()
+    ref = b.abs().amax(-1, keepdim=True) if per_row else b.abs()
+    ulp = torch.exp2(torch.floor(torch.log2(ref.clamp_min(torch.finfo(torch.float32).tiny))) - mantissa)
+    return ((a - b).abs() / ulp).max().item()
+
+
+def parity(vllm, kind, cfg, cache, T=4096, H=16, D=128, prefix=2048, device="cuda") -> dict:
+    q, k, v, g, beta = _inputs(kind, 1, T, H, D, device)
+    o_ref, h_ref = serve(vllm, kind, q, k, v, g, beta, prefill_lengths=[prefix], valid_lengths=[T], cache_dtype=cache)
+    policy = Policy.from_dict({"linear_attention": [{"module_name": "*", "cfg": cfg}]})
+    spec = _spec(kind, policy)
+    mantissa = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[cache]
+    row = {"kind": kind, "cache": str(cache).removeprefix("torch."), "spec": spec.to_string()}
+    for label, warps in (("vllm_warps", None), ("4_warps", 4)):
+        decode_fused.NUM_WARPS = warps
+        try:
+            o, ht = get_variant("decode_serving").forward(spec, q, k, v, g, beta, None, None, D ** -0.5,
+                                                          prefill_lengths=torch.tensor([prefix], device=device),
+                                                          valid_lengths=torch.tensor([T], device=device))
+        finally:
+            decode_fused.NUM_WARPS = None
+        ht = ht.transpose(-1, -2)
+        pre, suf = o[0, :prefix], o[0, prefix:]
+        pre_ref, suf_ref = o_ref[0, :prefix], o_ref[0, prefix:]
+        row[label] = {
+            "suffix_equal": bool(torch.equal(suf, suf_ref)), "suffix_differ": int((suf != suf_ref).sum()),
+            "suffix_row_ulps": _units(suf, suf_ref, 7, True), "suffix_rel_l2": rel_l2(suf, suf_ref),
+            "state_equal": bool(torch.equal(ht, h_ref)), "state_differ": int((ht != h_ref).sum()),
+            "state_ulps": _units(ht, h_ref, mantissa, False), "state_rel_l2": rel_l2(ht, h_ref),
+            "prefix_equal": bool(torch.equal(pre, pre_ref)), "prefix_row_ulps": _units(pre, pre_ref, 7, True),
+            "prefix_rel_l2": rel_l2(pre, pre_ref)}
+    return row
+
+
+def _fla_exact(kind):
+    if kind == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+    else:
+        from fla.ops.kda import chunk_kda as fla
+    return fla
+
+
+def timing(kind, policy, B, T, H, D, prefix) -> dict:
+    q, k, v, g, beta = _inputs(kind, B, T, H, D)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    pre = torch.full((B,), prefix, dtype=torch.int32, device="cuda")
+    val = torch.full((B,), T, dtype=torch.int32, device="cuda")
+    spec = _spec(kind, policy).to_string()
+
+    def ours():
+        for x in leaves:
+            x.grad = None
+        o, _ = torch.ops.laqat.delta_rule_phased(*leaves, None, None, pre, val, D ** -0.5, spec)
+        o.float().sum().backward()
+
+    ms = do_bench(ours, return_mode="median")
+    return {"spec": spec, "ms": ms, "extra_mib": peak_extra_mib(ours)}
+
+
+def fla_timing(kind, B, T, H, D) -> dict:
+    q, k, v, g, beta = _inputs(kind, B, T, H, D)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    fla = _fla_exact(kind)
+
+    def run():
+        for x in leaves:
+            x.grad = None
+        o, _ = fla(*leaves, scale=D ** -0.5, output_final_state=True)
+        o.float().sum().backward()
+
+    return {"ms": do_bench(run, return_mode="median"), "extra_mib": peak_extra_mib(run)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-src", type=Path, default=None,
+                        help="the oracle's extracted files (python -m tests.serving.vllm_oracle --prepare DIR); "
+                             "default: fetch the wheel (needs the package index)")
+    parser.add_argument("--quick", action="store_true", help="timing only")
+    args = parser.parse_args()
+    out, result = start_cuda_run("serving_parity_gpu.py", "parity", "timing")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    if not args.quick:
+        vllm = vllm_oracle.load(args.vllm_src)
+        print("parity with vLLM 0.33.0, [1, 4096, 16, 128] bf16, prefix 2048 (suffix: 2048 decode steps)")
+        for kind, cfg, cache in PARITY:
+            try:
+                row = parity(vllm, kind, cfg, cache)
+            except Exception as e:
+                traceback.print_exc()
+                row = {"kind": kind, "cache": str(cache), "error": repr(e)}
+            result["parity"].append(row)
+            for label in ("vllm_warps", "4_warps"):
+                r = row.get(label)
+                if r is None:
+                    print(f"  {kind} {row['cache']}: ERROR {row.get('error')}")
+                    break
+                print(f"  {kind} cache {row['cache']:<8} {label:<10} suffix {'==' if r['suffix_equal'] else '!='} "
+                      f"({r['suffix_differ']} differ, {r['suffix_row_ulps']:.1f} row-ulps), state "
+                      f"{'==' if r['state_equal'] else '!='} ({r['state_differ']} differ, {r['state_ulps']:.1f} ulps), "
+                      f"prefix {r['prefix_row_ulps']:.1f} row-ulps rel {r['prefix_rel_l2']:.1e}", flush=True)
+
+    print("\nfwd+bwd through laqat::delta_rule_phased (median ms; x = / FLA exact chunk fwd+bwd)")
+    for shape in ((1, 4096, 16, 128, 2048), (1, 257, 4, 128, 64)):
+        B, T, H, D, prefix = shape
+        fla_ms = {}
+        for kind in ("gdn", "kda"):
+            try:
+                fla_ms[kind] = fla_timing(kind, B, T, H, D)
+                result["timing"].append({"shape": shape, "impl": f"FLA exact chunk ({kind})", **fla_ms[kind]})
+                print(f"  {shape} FLA exact {kind}: {fla_ms[kind]['ms']:.3f} ms", flush=True)
+            except Exception as e:  # FLA's GDN chunk backward refuses Triton < 3.7.1 on Hopper
+                traceback.print_exc()
+                result["timing"].append({"shape": shape, "impl": f"FLA exact chunk ({kind})", "error": repr(e)})
+        for name, (kind, policy) in PROFILES.items():
+            if shape[2] == 4 and kind == "gdn":
+                continue  # decode_bench.py's anchor shape is KDA's
+            try:
+                row = {"shape": shape, "profile": name, **timing(kind, policy, B, T, H, D, prefix)}
+                if kind in fla_ms:
+                    row["x_fla"] = row["ms"] / fla_ms[kind]["ms"]
+            except Exception as e:
+                traceback.print_exc()
+                row = {"shape": shape, "profile": name, "error": repr(e)}
+            result["timing"].append(row)
+            print(f"  {shape} {name:<40} " + (f"{row['ms']:.3f} ms" + (f"  x{row['x_fla']:.2f}" if "x_fla" in row
+                                                                     else "") if "ms" in row else row["error"]),
+                  flush=True)
+
+    path = out / "serving_parity_gpu.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from la_compiler.kernels.chunk import codegen as chunk_codegen
 from la_compiler.kernels.common import cache
 from la_compiler.kernels import sources
 from la_compiler.kernels.common.codegen import CodegenError, render
-from la_compiler.kernels.decode.fused import DecodeParams, decode_source
+from la_compiler.kernels.decode.fused import DecodeParams, decode_module, decode_source
 from la_compiler.kernels.sources import kernel_module_for_spec
 
 SPEC = "{kind}[src=user; layout=bthd; state={state}; chunk=64; solve=exact; phase=none; kernel=fused_recurrent]"
@@ -65,7 +66,18 @@ def test_key_covers_source_params_and_versions(monkeypatch):
     assert cache.cache_key("src", {"kind": "gdn"}) != base
 
 
-def test_generated_module_per_spec(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_generated_modules(monkeypatch):
+    """No generated module loaded earlier in this process (by another test, from another cache directory)."""
+    monkeypatch.setattr(cache, "_LOADED", {})
+    for per_process in (decode_module, chunk_codegen._module):
+        per_process.cache_clear()
+    yield
+    for per_process in (decode_module, chunk_codegen._module):
+        per_process.cache_clear()
+
+
+def test_generated_module_per_spec(tmp_path, monkeypatch, fresh_generated_modules):
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
     gdn_kv = kernel_module_for_spec(DECODE_SPEC.format(kind="gdn", state="kv"))
     others = [kernel_module_for_spec(DECODE_SPEC.format(kind=k, state=s)) for k, s in (("kda", "kv"), ("gdn", "vk"))]
@@ -101,7 +113,7 @@ def test_render_checks_placeholders():
         render("y = ${E}", {"E": "1\n2"})
 
 
-def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsys):
+def test_every_module_a_chunk_spec_runs_is_viewable(tmp_path, monkeypatch, capsys, fresh_generated_modules):
     """The chunk family's forward and backward stages are two modules: both reachable from the spec, both
     printed by ``laqat source``; a spec the kernels cannot run is refused by name."""
     from la_compiler.cli import main

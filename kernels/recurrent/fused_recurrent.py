@@ -43,6 +43,24 @@ def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.
 
 
 @triton.jit
+def token_pointers(q, k, v, g, beta, bos, i_h, i_hv, o_k, o_v, H: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
+    """Pointers to the sequence's first token in q, k (its q/k head), v, beta, g (its value head), and g's step
+    between tokens."""
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_beta = beta + bos * HV + i_hv
+    if IS_KDA:
+        p_g = g + (bos * HV + i_hv) * K + o_k
+        g_step = HV * K
+    else:
+        p_g = g + bos * HV + i_hv
+        g_step = HV
+    return p_q, p_k, p_v, p_beta, p_g, g_step
+
+
+@triton.jit
 def load_token(p_k, p_v, p_beta, p_g, m_k, m_v, IS_KDA: tl.constexpr):
     """A token's k, v, beta and log-decay g (a [BK] vector for KDA, a scalar for GDN), in fp32."""
     b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
@@ -114,16 +132,8 @@ def fused_recurrent_fwd_kernel(
     m_h = m_k[:, None] & m_v[None, :]
     o_h = state_offsets(o_k, o_v, K, V, STATE_V_FIRST)
 
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * HV + i_hv) * V + o_v
-    p_beta = beta + bos * HV + i_hv
-    if IS_KDA:
-        p_g = g + (bos * HV + i_hv) * K + o_k
-        g_step = HV * K  # between tokens
-    else:
-        p_g = g + bos * HV + i_hv
-        g_step = HV
+    p_q, p_k, p_v, p_beta, p_g, g_step = token_pointers(q, k, v, g, beta, bos, i_h, i_hv, o_k, o_v,
+                                                        H, HV, K, V, IS_KDA)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
@@ -230,16 +240,8 @@ def fused_recurrent_bwd_kernel(
     m_h = m_k[:, None] & m_v[None, :]
     o_h = state_offsets(o_k, o_v, K, V, STATE_V_FIRST)
 
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * HV + i_hv) * V + o_v
-    p_beta = beta + bos * HV + i_hv
-    if IS_KDA:
-        p_g = g + (bos * HV + i_hv) * K + o_k
-        g_step = HV * K  # between tokens
-    else:
-        p_g = g + bos * HV + i_hv
-        g_step = HV
+    p_q, p_k, p_v, p_beta, p_g, g_step = token_pointers(q, k, v, g, beta, bos, i_h, i_hv, o_k, o_v,
+                                                        H, HV, K, V, IS_KDA)
 
     NC = tl.cdiv(seq_len, C)
     if IS_VARLEN:
@@ -264,7 +266,6 @@ def fused_recurrent_bwd_kernel(
     tl.debug_barrier()
 
     # pass 2: the adjoint dS of the state, from the last token back to the first
-    p_q = q + (bos * H + i_h) * K + o_k
     p_do = do + (bos * HV + i_hv) * V + o_v
     p_dq = dq + (i_v * total_tokens * HV + bos * HV + i_hv) * K + o_k
     p_dk = dk + (i_v * total_tokens * HV + bos * HV + i_hv) * K + o_k

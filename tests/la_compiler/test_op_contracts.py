@@ -231,14 +231,18 @@ PHASED_CASES = [
     Case("gdn", "decode_reference", "sliced", BF16, quant=STATE_FP8),
     Case("gdn", "decode_fused", "contiguous", h0=True, quant=STATE_FP8),
     Case("kda", "decode_fused", "sliced", BF16, varlen=True, quant=STATE_FP8),
+    Case("gdn", "decode_serving", "transposed", BF16, h0=True, varlen=True),  # vLLM 0.33, bf16 state cache
+    Case("kda", "decode_serving", "contiguous", h0=True, quant=STATE_FP8),
 ]
+SERVING = (("serving", "vllm-0.33"), ("state_dtype", "bfloat16"))  # decode_serving's spec options
 PREFILL = {False: ([3], [8]), True: ([2, 4], [3, 5])}  # (prefill lengths, valid lengths) by varlen
 
 
 def _phased_args(case: Case, grad: bool):
     q, k, v, g, beta, h0, cu = recurrence_inputs(case, grad)
     prefill, valid = torch.ops.laqat.phase_lengths(q, cu)
-    spec = case.spec(phase="token", extra=(("readout", "working"),))
+    serving = SERVING if case.kernel == "decode_serving" else ()
+    spec = case.spec(phase="token", extra=tuple(sorted((("readout", "working"),) + serving)))
     return (q, k, v, g, beta, h0, cu, prefill, valid, SCALE, spec)
 
 

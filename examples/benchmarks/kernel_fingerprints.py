@@ -83,6 +83,36 @@ CHUNK_CASES = [
     ("gdn-kv-k512-refused", "gdn", "kv", {}, (1, 70, 1, 1, 512, 32, None), (1, 19, 1, 1, 512, 16, None)),
 ]
 
+# further chunk paths (not chunk_bench cases): the Neumann solve, accumulator emulation, NVFP4 / INT8 W, NVFP4
+# GEMM operands (an h stage over all of V), the int8_h32 state codec, GDN's rounded pair products, chunks of 16
+# (the row-by-row solve) and 32. (name, kind, layout, quant, spec fields, gpu shape, tiny shape)
+NVFP4_ALL = {site: "nvfp4/block16" for site in OPERANDS}
+ACC_SOME = {"key_interaction": "fp16:16", "state_update": "bf16:16", "output_value": "fp16:8", "wy_key": "bf16:8"}
+CHUNK_PATH_CASES = [
+    ("gdn-kv-neumann3", "gdn", "kv", {}, {"solve": "neumann", "degree": 3},
+     (1, 200, 2, 2, 64, 64, None), (1, 37, 1, 2, 16, 16, None)),
+    ("kda-vk-varlen-neumann2-pairs-fp8", "kda", "vk", PAIR_SITES_FP8, {"solve": "neumann", "degree": 2},
+     (1, 200, 1, 2, 64, 64, (0, 70, 200)), (1, 40, 1, 2, 16, 16, (0, 13, 40))),
+    ("gdn-kv-acc", "gdn", "kv", {}, {"acc": ACC_SOME}, (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 2, 32, 16, None)),
+    ("kda-vk-acc-chunk32", "kda", "vk", {}, {"acc": ACC_SOME, "chunk": 32},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 1, 32, 16, None)),
+    ("gdn-vk-w-nvfp4-state-int8h32", "gdn", "vk", {"w": "nvfp4/block16", "state": "int8_h32/tile32"}, {},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 2, 32, 32, None)),
+    ("kda-kv-w-int8-block16-chunk16", "kda", "kv", {"w": "int8/block16"}, {"chunk": 16},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 2, 32, 16, None)),
+    ("gdn-kv-varlen-pairs-nvfp4", "gdn", "kv", PAIR_SITES_NVFP4, {},
+     (1, 200, 1, 2, 64, 64, (0, 70, 200)), (1, 40, 1, 2, 16, 16, (0, 13, 40))),
+    ("gdn-vk-pairs-fp8-chunk32", "gdn", "vk", PAIR_SITES_FP8, {"chunk": 32},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 2, 32, 16, None)),
+    ("kda-kv-all-nvfp4", "kda", "kv", NVFP4_ALL, {}, (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 1, 16, 16, None)),
+    ("gdn-kv-all-nvfp4-state-fp8", "gdn", "kv", {**NVFP4_ALL, "state": "fp8_e4m3/tile16"}, {},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 2, 16, 16, None)),
+    ("gdn-kv-all-int8", "gdn", "kv", {site: "int8/row" for site in OPERANDS}, {"chunk": 32},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 2, 32, 16, None)),
+    ("kda-vk-all-fp8-acc", "kda", "vk", FP8_ALL, {"acc": {"output_state": "bf16:16", "state_read": "fp16:8"}},
+     (1, 130, 1, 2, 64, 64, None), (1, 37, 1, 1, 16, 16, None)),
+]
+
 # the fused recurrent variant, exact: (name, kind, layout, gpu shape, tiny shape)
 RECURRENT_CASES = [
     ("gdn-kv-gqa", "gdn", "kv", (2, 256, 2, 4, 128, 128, None), (2, 19, 2, 4, 16, 16, None)),
@@ -138,6 +168,9 @@ def build_cases(shapes: str) -> dict[str, dict]:
 
     for name, kind, layout, quant, big, tiny in CHUNK_CASES:
         spec = RecurrenceSpec(kind=kind, chunk=64, state=layout, kernel="chunk").replace(quant=quant)
+        add("chunk", name, spec, kind, layout, big if gpu else tiny)
+    for name, kind, layout, quant, fields, big, tiny in CHUNK_PATH_CASES:
+        spec = RecurrenceSpec(kind=kind, chunk=64, state=layout, kernel="chunk").replace(quant=quant, **fields)
         add("chunk", name, spec, kind, layout, big if gpu else tiny)
     for name, kind, layout, big, tiny in RECURRENT_CASES:
         add("fused_recurrent", name, RecurrenceSpec(kind=kind, state=layout, kernel="fused_recurrent"), kind, layout,

@@ -16,9 +16,8 @@ import functools
 
 import torch
 
-from la_compiler.kernels.chunk import codegen as chunk_codegen
-from la_compiler.kernels.chunk.codegen import (ChunkParams, bwd_intra_by_key_blocks, chunk_bwd_module,
-                                             kda_splits_pair_grads)
+from la_compiler.kernels.chunk import forms as chunk_forms
+from la_compiler.kernels.chunk.codegen import ChunkParams, bwd_intra_by_key_blocks, kda_splits_pair_grads
 from la_compiler.kernels.chunk.fwd import check_inputs, chunk_fwd, chunk_layout, nan_fill, needs_int64_index, scratch
 from la_compiler.kernels.chunk.launch import (BWD_KEY_BLOCK_16BIT, GDN_BWD_KEY_BLOCK_16BIT,
                                             GDN_WHOLE_ROW_BWD_VALUE_BLOCK, KEY_BLOCK, cdiv, key_block, launch,
@@ -26,6 +25,7 @@ from la_compiler.kernels.chunk.launch import (BWD_KEY_BLOCK_16BIT, GDN_BWD_KEY_B
 from la_compiler.options import DEFAULT_TUNING, TuningOptions
 from la_compiler.kernels.chunk.precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk.snippets import has_nvfp4_operands, kda_rounds_pairs
+from la_compiler.kernels.chunk.stages import stage_kernel
 
 
 def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_state=None, cu_seqlens=None,
@@ -43,11 +43,14 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     parts: dict = {}
     chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, intermediates=parts, need_output=False,
               saved=saved, tuning=tuning)
-    launch_tuned = functools.partial(launch, autotune=tuning.autotune)
 
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)
-    module = chunk_bwd_module(p)
+
+    def run(stage, grid, *args, **launch_constexprs):  # one backward stage: its kernel, the spec's constexprs
+        kernel, spec_constexprs = stage_kernel(p, "bwd", stage)
+        launch(kernel, grid, *args, autotune=tuning.autotune, **spec_constexprs, **launch_constexprs)
+
     BK = max(16, next_power_of_2(K))
     BV = min(64, max(16, next_power_of_2(V)))
     dev, f32 = q.device, torch.float32
@@ -68,7 +71,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     index_64 = needs_int64_index(B, T, C, max(H, HV), K, V, max(lay.NT, 1), HV)
     common = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(p, q.dtype), GEMM_PRECISION=gemm)
-    launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_dh"), (cdiv(V, BV), N * HV),
+    run("dh", (cdiv(V, BV), N * HV),
                  q, k, parts["kd"], parts["w"], parts["g_cum"], parts["A_qk"], do, dht, dh, dv_new, dh0, cu_seqlens,
                  lay.chunk_offsets, scale, T, USE_INITIAL_STATE=initial_state is not None,
                  USE_FINAL_STATE_GRADIENT=dht is not None,
@@ -97,7 +100,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             # 32, at one and three stages; eight never did (docs/kernels-chunk.md, "Key blocks")
             config = dataclasses.replace(config, keep_warps=True)
         BV_intra = min(BV, GDN_WHOLE_ROW_BWD_VALUE_BLOCK) if p.kind == "gdn" and not by_key_blocks else BV
-        launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_intra"), (chunks_per_row, heads),
+        run("intra", (chunks_per_row, heads),
                      q, k, v, beta, g, parts["g_cum"], t_solved, p_pairs, parts["h"], dh, parts["v_new"], dv_new, do,
                      *intra_out, cu_seqlens, lay.chunk_indices, scale, T, config=config, INDEX_64=index_64,
                      **dict(common, BK=BK_intra, BV=BV_intra))
@@ -106,14 +109,14 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             BKP = BK if rounded else BKP
             NKB = cdiv(K, BKP)
             BC = p.sub_chunk
-            launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_pairs"), (chunks_per_row * (C // BC), heads, NKB),
+            run("pairs", (chunks_per_row * (C // BC), heads, NKB),
                          q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []),
                          cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP,
                          IS_VARLEN=cu_seqlens is not None,
                          INDEX_64=index_64, DOT_PRECISION=common["DOT_PRECISION"],
                          config=launch_config("bwd_pairs", BKP, C),
-                         **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
-            launch_tuned(getattr(module, f"chunk_{p.kind}_bwd_kernel_dg"), (chunks_per_row, heads, NKB),
+                         **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_forms.DIAG_DOT_MAX_RANGE}))
+            run("dg", (chunks_per_row, heads, NKB),
                          rest[2], dg, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
                          IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64, config=launch_config("bwd_dg", BKP, C))
     if group > 1:

@@ -27,6 +27,7 @@ from la_compiler.kernels.chunk.snippets import (
     acc_dot, kda_pair_grads, acc_values, kda_pair_grads_rounded, kda_pairs, kda_pairs_rounded, kda_rounds_pairs,
     factored_values, operand_values, lines, load_solved, solve, state_qdq, w_amax_pass, w_qdq)
 from la_compiler.kernels.chunk.precision import GEMM_HELPER
+from la_compiler.kernels.chunk.forms import DIAG_DOT_MAX_RANGE  # noqa: F401
 from la_compiler.kernels.chunk.params import ChunkParams, OPERAND_SITES, parse_acc, unsupported  # noqa: F401
 from la_compiler.kernels.common.codegen import CodegenError, module_source, render, template  # noqa: F401
 
@@ -66,12 +67,6 @@ _PAIRS_FROM_KERNEL = (
     "b_Pqk = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)")
 
 
-# KDA's exact pair kernels take a diagonal sub-chunk block through its first real row f (tensor-core dots,
-# like the blocks off the diagonal) when every |G_i - G_f| in it is at most this: the factors
-# exp(G_i - G_f), exp(G_f - G_j) then lie within e^(+-40) (1e+-17), far inside fp32's (and TF32's) normal
-# range, and their product keeps fp32's relative precision. A block with a steeper decay runs row by row
-# (every exponent G_i - G_j <= 0), as before. docs/kernels-chunk.md, "The diagonal blocks".
-DIAG_DOT_MAX_RANGE = 40.0
 
 
 def kda_pairs_kernel(p: ChunkParams) -> bool:

@@ -18,8 +18,9 @@ import functools
 import torch
 
 from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs
-from la_compiler.kernels.chunk import codegen as chunk_codegen
-from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_fwd_module, kda_pairs_kernel, max_head_k
+from la_compiler.kernels.chunk import forms as chunk_forms
+from la_compiler.kernels.chunk.codegen import ChunkParams, kda_pairs_kernel, max_head_k
+from la_compiler.kernels.chunk.stages import stage_kernel
 from la_compiler.kernels.chunk.pair_rounding import kda_pairs_nvfp4
 from la_compiler.kernels.chunk.residual import clear_gaps, residual_views
 from la_compiler.kernels.chunk.precision import dot_precision, gemm_precision, intermediate_dtype
@@ -126,9 +127,9 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     initial_state = None if initial_state is None else initial_state.contiguous()
     C = p.chunk
     lay = chunk_layout(B, T, C, cu_seqlens)
-    module = chunk_fwd_module(p)
-    kernels = {stage: getattr(module, f"chunk_{p.kind}_fwd_kernel_{stage}") for stage in ("intra", "h", "o", "wu")}
-    launch_tuned = functools.partial(launch, autotune=tuning.autotune)
+    def run(stage, grid, *args, **launch_constexprs):  # one forward stage: its kernel, the spec's constexprs
+        kernel, spec_constexprs = stage_kernel(p, "fwd", stage)
+        launch(kernel, grid, *args, autotune=tuning.autotune, **spec_constexprs, **launch_constexprs)
     w_block = 16 if p.w_quant is None else max(16, getattr(_cfg(p.w_quant), "block_size", None) or 16)
     BK = max(w_block, next_power_of_2(K))
     BV_io = min(64, max(16, next_power_of_2(V)))
@@ -176,7 +177,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     if lay.NT and kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
         if rerun:
-            launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_cumsum"), (chunks_per_row, heads, cdiv(K, BKG)),
+            run("cumsum", (chunks_per_row, heads, cdiv(K, BKG)),
                          g, g_cum, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKG,
                          IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                          config=launch_config("fwd_cumsum", BKG, C))
@@ -184,38 +185,38 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         BKP = BK if rounded else BKG
         sub_grid = (chunks_per_row * (C // BC), heads)
         if pair_amax is not None:
-            launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_pair_amax"), (chunks_per_row, heads),
+            run("pair_amax", (chunks_per_row, heads),
                          q, k, g_cum, pair_amax, cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BK=BKP,
                          IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                          config=launch_config("fwd_pair_amax", BKP, C))
         if saved is None:  # else P and P_qk (in A_qk, finished by the intra stage) are the forward's
-            launch_tuned(getattr(module, f"chunk_{p.kind}_fwd_kernel_pairs"), sub_grid,
+            run("pairs", sub_grid,
                          q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens,
                          lay.chunk_indices, T,
                          H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                          DOT_PRECISION=common["DOT_PRECISION"], config=launch_config("fwd_pairs", BKP, C, rounded),
-                         **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_codegen.DIAG_DOT_MAX_RANGE}))
+                         **({} if rounded else {"DIAG_DOT_MAX_RANGE": chunk_forms.DIAG_DOT_MAX_RANGE}))
     if lay.NT and rerun:
         BK_intra = intra_key_block(p, BK, w_block)
         intra = dict(BV=BV_io, config=launch_config("fwd_intra", BK_intra, C), INDEX_64=index_64,
                      **dict(common, BK=BK_intra))
         if saved is not None:  # T, A_qk (GDN: and G) from the training forward: W and U alone
-            launch_tuned(kernels["wu"], (chunks_per_row, heads),
+            run("wu", (chunks_per_row, heads),
                          q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens,
                          lay.chunk_indices, scale, T, STORE_T=False, **intra)
         else:
-            launch_tuned(kernels["intra"], (chunks_per_row, heads),
+            run("intra", (chunks_per_row, heads),
                          q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved, p_pairs, cu_seqlens,
                          lay.chunk_indices, scale, T, STORE_T=t_solved is not None, **intra)
     if rerun:
-        launch_tuned(kernels["h"], (cdiv(V, BV_h), N * HV),
+        run("h", (cdiv(V, BV_h), N * HV),
                      k, kd, w, u, g_cum, h, v_new, initial_state, ht, cu_seqlens, lay.chunk_offsets, T,
                      BV=BV_h, USE_INITIAL_STATE=initial_state is not None,
                      config=launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4, serial_stages=tuning.serial_stages),
                      **common)
     if lay.NT and need_output:
         BV_o = output_value_block(V, rounds)
-        launch_tuned(kernels["o"], (cdiv(V, BV_o), chunks_per_row, heads),
+        run("o", (cdiv(V, BV_o), chunks_per_row, heads),
                      q, g_cum, A_qk, h, v_new, o, cu_seqlens, lay.chunk_indices, scale, T,
                      BV=BV_o, INDEX_64=index_64, config=launch_config("fwd_o", BK, C, nvfp4_operands=nvfp4), **common)
     if intermediates is not None:

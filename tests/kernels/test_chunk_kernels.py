@@ -392,11 +392,11 @@ def test_selection_row_takes_only_what_the_kernels_implement():
 @pytest.mark.parametrize("max_range", [-1.0, 40.0], ids=["rows", "dots"])
 def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
     """KDA's exact pair kernels take a diagonal sub-chunk block through its first real row (tensor-core dots)
-    when its decay range is at most chunk.codegen.DIAG_DOT_MAX_RANGE, else row by row: each form alone
+    when its decay range is at most chunk.forms.DIAG_DOT_MAX_RANGE, else row by row: each form alone
     (-1 forces rows everywhere; at 40 these inputs' blocks all go by dots), forward and every gradient."""
-    from la_compiler.kernels.chunk import codegen as chunk_codegen
+    from la_compiler.kernels.chunk import forms as chunk_forms
 
-    monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", max_range)
+    monkeypatch.setattr(chunk_forms, "DIAG_DOT_MAX_RANGE", max_range)
     cu = torch.tensor([0, 17, 17, 50])
     inputs = make_inputs("kda", B=1, T=50, H=1, HV=2, K=16, V=16, N=3, dtype=torch.float32)
     spec = RecurrenceSpec(kind="kda", chunk=32)
@@ -408,9 +408,9 @@ def test_kda_diagonal_blocks_by_dots_and_by_rows(monkeypatch, max_range):
 def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
     """Without the range guard a steep block's factors exp(G_f - G_j) overflow: the guard is what keeps the
     strong-decay test finite."""
-    from la_compiler.kernels.chunk import codegen as chunk_codegen
+    from la_compiler.kernels.chunk import forms as chunk_forms
 
-    monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", 1e9)
+    monkeypatch.setattr(chunk_forms, "DIAG_DOT_MAX_RANGE", 1e9)
     q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=32, H=1, HV=1, K=8, V=8, dtype=torch.float32, decay=8.0)
     g[:, :16] = -7.0  # G falls by 105 across the first sub-chunk
     o, _ = chunk_fwd(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=32)), q, k, v, g, beta, 0.4, h0)

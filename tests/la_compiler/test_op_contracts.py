@@ -203,14 +203,14 @@ def test_chunk_residual_every_element_written(monkeypatch, kind, mode, dtype, va
     NaN-filled buffer stays NaN, alignment padding, KDA's P above the diagonal and a varlen batch's unused chunk
     states (t.keep_residual=all) included. Before, opcheck's AOT check saw the buffer differ between
     identical calls by up to 5e28 (uninitialised memory)."""
-    from la_compiler.kernels.chunk import codegen as chunk_codegen
+    from la_compiler.kernels.chunk import forms as chunk_forms
     from la_compiler.kernels.chunk.codegen import ChunkParams
     from la_compiler.kernels.chunk.fwd import chunk_fwd
     from la_compiler.kernels.chunk.residual import residual_gaps, residual_layout
     from la_compiler.options import TuningOptions
 
     if pairs != "auto":  # whole row blocks as one product, or the diagonal block column by column
-        monkeypatch.setattr(chunk_codegen, "DIAG_DOT_MAX_RANGE", 1e9 if pairs == "whole_rows" else 0.0)
+        monkeypatch.setattr(chunk_forms, "DIAG_DOT_MAX_RANGE", 1e9 if pairs == "whole_rows" else 0.0)
     case = Case(kind, varlen=varlen, dtype=dtype, quant=quant, heads=(1, 2))
     q, k, v, g, beta, h0, cu = recurrence_inputs(case, grad=False)
     p = ChunkParams.from_spec(RecurrenceSpec.parse(case.spec()))

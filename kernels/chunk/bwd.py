@@ -109,7 +109,7 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             BKP = BK if rounded else BKP
             NKB = cdiv(K, BKP)
             BC = p.sub_chunk
-            run("pairs", (chunks_per_row * (C // BC), heads, NKB),
+            run("pairs_rounded" if rounded else "pairs", (chunks_per_row * (C // BC), heads, NKB),
                          q, k, parts["g_cum"], dpair, *rest, dq, dk, *([parts["pair_amax"]] if rounded else []),
                          cu_seqlens, lay.chunk_indices, T, H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP,
                          IS_VARLEN=cu_seqlens is not None,

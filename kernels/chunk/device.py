@@ -65,6 +65,29 @@ def sub_dot(a, b, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
         return tl.sum(a[:, :, None] * b[None, :, :], 1)
 
 
+# ---- program ids -------------------------------------------------------------------------------------
+@triton.jit
+def chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV: tl.constexpr, H: tl.constexpr,
+                  C: tl.constexpr, IS_VARLEN: tl.constexpr, INDEX_64: tl.constexpr):
+    """(i_n, i_t, bos, seq_len, i_chunk, i_h) of a per-chunk program: chunk i_t of sequence i_n (varlen: from
+    chunk_indices, whose row i is (sequence, chunk within it)) starting at token bos, the sequence's length, the
+    chunk's index over all sequences, and the q/k head i_h of value head i_hv."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64 if INDEX_64 else tl.int32)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64 if INDEX_64 else tl.int32)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64 if INDEX_64 else tl.int32) - bos).to(tl.int32)
+        i_chunk = i_c.to(tl.int64 if INDEX_64 else tl.int32)
+    else:
+        i_n = i_b.to(tl.int64 if INDEX_64 else tl.int32)
+        i_t = i_c.to(tl.int32)
+        bos = i_n * T
+        seq_len = T
+        i_chunk = i_n * tl.cdiv(T, C) + i_t
+    i_h = i_hv // (HV // H)
+    return i_n, i_t, bos, seq_len, i_chunk, i_h
+
+
 # ---- GEMM operand sites ------------------------------------------------------------------------------
 @triton.jit
 def tile_amax(x):

@@ -190,7 +190,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
                          IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,
                          config=launch_config("fwd_pair_amax", BKP, C))
         if saved is None:  # else P and P_qk (in A_qk, finished by the intra stage) are the forward's
-            run("pairs", sub_grid,
+            run("pairs_rounded" if rounded else "pairs", sub_grid,
                          q, k, g_cum, p_pairs, A_qk, *([pair_amax] if rounded else []), cu_seqlens,
                          lay.chunk_indices, T,
                          H=H, HV=HV, K=K, C=C, BC=BC, BK=BKP, IS_VARLEN=cu_seqlens is not None, INDEX_64=index_64,

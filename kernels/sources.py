@@ -1,11 +1,11 @@
 """What a spec runs, for people reading it: the modules of its kernel variant and how the spec specializes them.
 
 A variant names the modules its kernels live in by role (``KernelVariant.source_modules``). The chunk family
-generates its "forward" and "backward" stages per spec, the decode family one "forward and backward" module:
-the spec's choices are written into the generated source, which the code cache keeps. The recurrent family's
-"forward and backward" kernels are the package's own ``recurrent/fused_recurrent.py``, specialized by
-``tl.constexpr`` values that the spec fixes (``KernelVariant.constexprs``). ``laqat source SPEC`` prints the
-files and those values.
+generates its "forward" and "backward" stages per spec: the spec's choices are written into the generated
+source, which the code cache keeps. The recurrent and decode families' "forward and backward" kernels are the
+package's own ``recurrent/fused_recurrent.py`` and ``decode/kernels.py``, specialized by ``tl.constexpr``
+values that the spec fixes (``KernelVariant.constexprs``). ``laqat source SPEC`` prints the files and those
+values.
 """
 from __future__ import annotations
 

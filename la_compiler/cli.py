@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 
 def _cmd_spec(args) -> int:
@@ -48,20 +49,22 @@ def _cmd_kernels(args) -> int:
 
 def _cmd_source(args) -> int:
     from la_compiler.kernels.common.codegen import CodegenError
-    from la_compiler.kernels.sources import constexprs_of_spec, paths_of_spec
+    from la_compiler.kernels.sources import constexprs_of_spec, is_generated, kernel_modules_for_spec
 
     try:
-        paths = paths_of_spec(args.spec)
+        modules = kernel_modules_for_spec(args.spec)
         constexprs = constexprs_of_spec(args.spec)
     except (CodegenError, ValueError) as e:
         print(f"laqat source: {e}", file=sys.stderr)
         return 2
-    # kernels not generated per spec: the spec's choices are these constexpr values, not the file's text
+    # kernels not generated per spec: the spec's choices are these constexpr values, not the file's text (a
+    # generated module beside them, decode_serving's chunked prefix, holds its own)
     values = ", ".join(f"{name}={value!r}" for name, value in constexprs.items())
-    for role, path in paths.items():
+    for role, module in modules.items():
+        path = Path(module.__file__)
         if args.paths:
             print(f"{role}: {path}")
-        elif constexprs:
+        elif constexprs and not is_generated(module):
             print(f"# ---- {role}: {path}\n# specialized by the spec with tl.constexpr {values} "
                   f"(the inputs fix the other flags at launch)\n{path.read_text()}")
         else:
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("kernels", help="list kernel variants and the selection table")
     p.set_defaults(fn=_cmd_kernels)
     p = sub.add_parser("source", help="print the Triton kernels a spec runs (generated or found in the cache for "
-                                      "chunk and decode_fused; fused_recurrent's file and its constexpr values)")
+                                      "chunk; fused_recurrent's and decode_fused's files and their constexpr values)")
     p.add_argument("spec", help="a spec string whose kernel= names a Triton family (chunk, fused_recurrent, "
                                 "decode_fused)")
     p.add_argument("--paths", action="store_true", help="print only the files, one per module (and the "

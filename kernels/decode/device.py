@@ -1,4 +1,4 @@
-"""Triton device functions of the decode-phase kernels (templates/decode_fused_kernels.tmpl).
+"""Triton device functions of the decode-phase kernels (kernels.py).
 
 The numerics are those of kernels/reference/decode.py; the QDQ itself comes from kernels/common/qdq.py.
 

@@ -12,11 +12,12 @@ from its checkpoint into a per-program scratch, and then runs the reverse recurr
 the block (identity gradient through every rounding). dq/dk/dg/dbeta are summed over value
 tiles (and grouped heads) outside the kernel.
 
-The kernels are generated per spec: ``templates/decode_fused_kernels.tmpl`` plus module
-constants for what the spec fixes (kind, state layout, codec, readout, replay, factor
-rounding), written to and loaded from the code cache (``cache.source_of(spec)`` shows them).
-What the inputs decide (initial state, varlen) stays a ``tl.constexpr`` argument; the lengths,
-the replay window and the grid step are runtime values, so changing the phase compiles nothing.
+The kernels are the plain Triton of ``kernels.py``, specialized by ``tl.constexpr`` arguments: what
+the spec fixes (kind, state layout, codec, readout, replay, factor rounding, a serving profile's order
+and cache dtype) is ``DecodeParams.constants()``, passed by name at every launch (``laqat source SPEC``
+shows the file and those values). What the inputs decide (initial state, varlen) stays a
+``tl.constexpr`` argument too; the lengths, the replay window and the grid step are runtime values, so
+changing the phase compiles nothing.
 
 A decay grid (``decay_log_step``) does not depend on the state, so it is applied once before the
 token loops (``decay_grid_kernel``, one elementwise pass writing an fp32 copy of g) rather than in
@@ -31,14 +32,11 @@ from types import ModuleType
 import torch
 import triton
 
-from la_compiler.kernels.common import cache
-from la_compiler.kernels.common.codegen import module_source, render, template
 from la_compiler.kernels.common.support import needs, not_float64, triton_runs
+from la_compiler.kernels.decode import kernels
 from la_compiler.kernels.decode.options import DecodeOptions, decode_options, decode_reason, require_lengths
 from la_compiler.kernels.registry import SelectionContext, register_variant, spec_of
 from la_compiler.spec import RecurrenceSpec
-
-TEMPLATES = "la_compiler.kernels.decode.templates"
 
 CODEC_IDS = {None: 0, "fp8_e4m3": 1, "int8": 2, "int8_h32": 3}
 FACTOR_IDS = {"none": 0, "fp8_e4m3": 1, "int8": 2}
@@ -71,10 +69,10 @@ def unsupported_reason(spec, head_k: int, head_v: int) -> str | None:
     return None
 
 
-# ---- generation: one module per spec, from templates/decode_fused_kernels.tmpl ---------------
+# ---- what a spec fixes of the kernels ---------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DecodeParams:
-    """What the decode kernels are specialized on (baked into the generated module as constants)."""
+    """What the decode kernels are specialized on (their ``tl.constexpr`` arguments, ``constants()``)."""
 
     kind: str
     state: str  # memory layout of h0 / ht / dht / dh0: "kv" or "vk" (V-first)
@@ -94,32 +92,16 @@ class DecodeParams:
         return cls(kind=spec.kind, state=spec.state, codec=opts.codec, readout=opts.readout, mode=opts.mode,
                    factor=opts.factor_format, vfirst=opts.vllm_order, cache=cache)
 
-    def constants(self) -> dict[str, object]:
-        return {"IS_KDA": self.kind == "kda", "STATE_VK": self.state == "vk", "CODEC": CODEC_IDS[self.codec],
-                "READ_STORED": self.readout == "stored", "REPLAY": self.mode == "replay",
-                "FACTOR": FACTOR_IDS[self.factor], "VFIRST": self.vfirst, "CACHE": CACHE_IDS[self.cache]}
+    def constants(self, *names: str) -> dict[str, object]:
+        """The ``tl.constexpr`` values of the kernels (kernels.py) that these params fix; only ``names`` if given
+        (``round_state_kernel`` takes four of them)."""
+        values = {"IS_KDA": self.kind == "kda", "STATE_VK": self.state == "vk", "CODEC": CODEC_IDS[self.codec],
+                  "READ_STORED": self.readout == "stored", "REPLAY": self.mode == "replay",
+                  "FACTOR": FACTOR_IDS[self.factor], "VFIRST": self.vfirst, "CACHE": CACHE_IDS[self.cache]}
+        return {name: values[name] for name in names} if names else values
 
 
-_DEVICE_IMPORT = ("from la_compiler.kernels.decode.device import (along_k, along_v, decay_factor, is_write,\n"
-                  "    load_decay, round_state, state_offsets, stored_length, sum_k, sum_v, tile_zeros,\n"
-                  "    token_update)\n"
-                  "from la_compiler.kernels.common.qdq import qdq_log_grid")
-
-
-def decode_source(p: DecodeParams) -> str:
-    constants = "\n".join(f"{name} = tl.constexpr({value!r})" for name, value in p.constants().items())
-    kernels = render(template(TEMPLATES, "decode_fused_kernels"), {}, where="decode_fused_kernels")
-    title = (f"Decode-phase {p.kind.upper()} kernels ({p.mode} mode, state codec {p.codec}, readout {p.readout}, "
-             f"factors {p.factor}), state layout {p.state}"
-             + (f", vLLM's order of operations, {p.cache} state cache." if p.vfirst else "."))
-    return module_source(title, dataclasses.asdict(p), [_DEVICE_IMPORT, constants, kernels])
-
-
-@functools.lru_cache(maxsize=None)  # the code cache hashes the whole source: once per process and params
-def decode_module(p: DecodeParams) -> ModuleType:
-    """The loaded module with ``decode_fwd_kernel`` and ``decode_bwd_kernel`` for ``p``."""
-    return cache.load_source(f"decode_{p.kind}_{p.mode}", decode_source(p), {"family": "decode_fused",
-                                                                             **dataclasses.asdict(p)})
+ROUND_STATE_CONSTEXPRS = ("STATE_VK", "CODEC", "VFIRST", "CACHE")  # round_state_kernel's; decay_grid_kernel: none
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -157,8 +139,9 @@ def round_state(spec, state: torch.Tensor, model_dtype) -> torch.Tensor:
     state = state.contiguous()
     out = torch.empty(state.shape, dtype=torch.float32, device=state.device)
     if state.numel():
-        decode_module(DecodeParams.from_spec(spec, model_dtype)).round_state_kernel[
-            (triton.cdiv(V, BV), state.shape[0] * state.shape[1])](state, out, K=K, V=V, BK=BK, BV=BV)
+        kernels.round_state_kernel[(triton.cdiv(V, BV), state.shape[0] * state.shape[1])](
+            state, out, K=K, V=V, BK=BK, BV=BV,
+            **DecodeParams.from_spec(spec, model_dtype).constants(*ROUND_STATE_CONSTEXPRS))
     return out
 
 
@@ -171,7 +154,7 @@ def _check(spec, q, v, cu_seqlens, prefill_lengths, valid_lengths, n):
                          f"{valid_lengths.numel()}")
 
 
-def _decay_on_grid(p: DecodeParams, g, step, cu_seqlens, pre, n: int, T: int):
+def _decay_on_grid(g, step, cu_seqlens, pre, n: int, T: int):
     """g with the suffix tokens' log-decays rounded to the grid (fp32); g itself without a grid."""
     if step is None:
         return g
@@ -183,7 +166,7 @@ def _decay_on_grid(p: DecodeParams, g, step, cu_seqlens, pre, n: int, T: int):
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if n else 0
     BW = triton.next_power_of_2(W)
     BT = max(1, min(16, 4096 // BW))
-    decode_module(p).decay_grid_kernel[(triton.cdiv(max(longest, 1), BT), n)](
+    kernels.decay_grid_kernel[(triton.cdiv(max(longest, 1), BT), n)](
         g, out, cu_seqlens if cu_seqlens is not None else pre, pre, float(step), T,
         W=W, BT=BT, BW=BW, IS_VARLEN=cu_seqlens is not None)
     return out
@@ -212,12 +195,13 @@ def _run_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefi
     ckpt = torch.empty(n * HV * NV * nck * BK * BV if save_ckpt else 1, dtype=torch.float32, device=dev)
     cu = cu_seqlens.to(torch.int32).contiguous() if cu_seqlens is not None else pre
     params = DecodeParams.from_spec(spec, v.dtype)
-    g = _decay_on_grid(params, g, opts.decay_log_step, cu if cu_seqlens is not None else None, pre, n, T)
-    decode_module(params).decode_fwd_kernel[(NV, n * HV)](
+    g = _decay_on_grid(g, opts.decay_log_step, cu if cu_seqlens is not None else None, pre, n, T)
+    kernels.decode_fwd_kernel[(NV, n * HV)](
         q, k, v, g, beta, h0 if h0 is not None else q, o, ht, ckpt, cu, pre, val,
         float(scale), opts.window, T, nck,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=save_ckpt, STORE_O=not save_ckpt,
-        ROUND_H0=round_initial_state, **_flags(initial_state, cu_seqlens), num_warps=_forward_warps(params, BK, BV),
+        ROUND_H0=round_initial_state, **_flags(initial_state, cu_seqlens), **params.constants(),
+        num_warps=_forward_warps(params, BK, BV),
     )
     return o, ht, (ckpt, nck, pre, val, cu, opts, (K, V, BK, BV, NV), n, g, params)
 
@@ -249,13 +233,13 @@ def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, sca
     dh0 = torch.full_like(initial_state, float("nan"), dtype=torch.float32) if initial_state is not None else None
     scratch = torch.empty(n * HV * NV * CHECKPOINT_EVERY * BK * BV, dtype=torch.float32, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    decode_module(params).decode_bwd_kernel[(NV, n * HV)](
+    kernels.decode_bwd_kernel[(NV, n * HV)](
         q.contiguous(), k.contiguous(), v.contiguous(), g_used, beta.contiguous(),
         h0 if h0 is not None else q, ckpt, scratch, cu, pre, val, do.contiguous(), dht.contiguous(),
         dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else dq,
         float(scale), opts.window, T, nck, total,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_flags(initial_state, cu_seqlens),
-        num_warps=_num_warps(BK, BV),
+        **params.constants(), num_warps=_num_warps(BK, BV),
     )
     group = HV // H
     dq = dq.sum(0).view(B, T, H, group, K).sum(3)
@@ -268,12 +252,19 @@ def decode_fused_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, sca
 
 
 def source_modules(spec) -> dict[str, ModuleType]:
+    DecodeParams.from_spec(spec)  # refuses a spec the kernels cannot run
+    return {"forward and backward": kernels}
+
+
+def constexprs(spec) -> dict[str, object]:
+    """The ``tl.constexpr`` values the spec fixes (``DecodeParams.constants()``). A GDN serving profile with
+    ``state_dtype: auto`` leaves CACHE out: the inputs' dtype fixes it at launch."""
     spec = spec_of(spec)
     opts = _options(spec)
-    if opts.serving and spec.kind == "gdn" and opts.state_dtype == "auto":  # the cache dtype follows the inputs'
-        return {f"forward and backward, {name} inputs": decode_module(DecodeParams.from_spec(spec, getattr(torch, name)))
-                for name in ("bfloat16", "float16", "float32")}
-    return {"forward and backward": decode_module(DecodeParams.from_spec(spec))}
+    values = DecodeParams.from_spec(spec).constants()
+    if opts.serving and spec.kind == "gdn" and opts.state_dtype == "auto":
+        del values["CACHE"]
+    return values
 
 
 def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
@@ -292,4 +283,5 @@ register_variant(
     supports=supports,
     summary="fused Triton decode-phase kernel (token / replay), fwd + bwd",
     source_modules=source_modules,
+    constexprs=constexprs,
 )

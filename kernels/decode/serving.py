@@ -198,4 +198,5 @@ register_variant(
     supports=supports,
     summary="serving profile: chunked prefix + decode steps as the server computes them, fwd + bwd",
     source_modules=_source_modules,
+    constexprs=fused.constexprs,  # the suffix's (the prefix's chunk modules are generated: they hold their own)
 )

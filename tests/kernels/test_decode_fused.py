@@ -4,6 +4,8 @@ Forward (outputs, final state) and the gradient of every input, across token / r
 modes, codecs, readouts, the decay grid, layouts, grouped heads, partial tiles, empty
 prefixes and suffixes, padding and packed sequences.
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,16 +98,24 @@ def test_selection_picks_the_fused_kernel_for_decode_specs_and_honours_implement
     assert get_variant("decode_fused").forward is decode_fused_forward
 
 
-def test_generated_source_is_specialized_per_spec_and_viewable():
-    from la_compiler.kernels.common import cache
+def test_kernels_are_specialized_per_spec_by_constexprs_and_viewable():
+    from la_compiler.kernels.decode import kernels
+    from la_compiler.kernels.decode.fused import DecodeParams
 
     replay = _spec("gdn", "replay", "int8_h32/tile32", {"replay_window": "4", "replay_factor_qdq": "1"}, "vk")
     token = _spec("kda", "token", "fp8_e4m3/tile64", {"readout": "stored"}, "kv")
-    a, b = sources.source_of(replay), sources.source_of(token.to_string())
-    assert "CODEC = tl.constexpr(3)" in a and "REPLAY = tl.constexpr(True)" in a and "STATE_VK = tl.constexpr(True)" in a
-    assert "CODEC = tl.constexpr(1)" in b and "READ_STORED = tl.constexpr(True)" in b and "IS_KDA = tl.constexpr(True)" in b
-    assert "def decode_fwd_kernel(" in a and "def decode_bwd_kernel(" in a
-    assert sources.path_of(replay) != sources.path_of(token)
+    a, b = sources.constexprs_of_spec(replay), sources.constexprs_of_spec(token.to_string())
+    assert a["CODEC"] == 3 and a["REPLAY"] is True and a["STATE_VK"] is True and a["FACTOR"] == 2  # int8 factors
+    assert b["CODEC"] == 1 and b["READ_STORED"] is True and b["IS_KDA"] is True and b["REPLAY"] is False
+    assert a != b and sources.path_of(replay) == sources.path_of(token) == Path(kernels.__file__)
+    text = sources.source_of(replay)
+    assert "def decode_fwd_kernel(" in text and "def decode_bwd_kernel(" in text
+    # a serving profile: vLLM's order; with state_dtype auto, GDN's cache dtype is the inputs' (fixed at launch)
+    auto = _spec("gdn", "token", None, {"serving": "vllm-0.33", "state_dtype": "auto"}, "vk")
+    assert sources.constexprs_of_spec(auto)["VFIRST"] is True and "CACHE" not in sources.constexprs_of_spec(auto)
+    assert [DecodeParams.from_spec(auto, dtype).constants()["CACHE"]
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)] == [0, 1, 2]
+    assert sources.constexprs_of_spec(_spec("gdn", "token", None, SERVING_BF16, "vk"))["CACHE"] == 1
 
 
 def test_fused_decode_rejects_bad_lengths():
@@ -119,15 +129,13 @@ def test_fused_decode_rejects_bad_lengths():
 @pytest.mark.parametrize("kind,cu", [("kda", None), ("gdn", [0, 3, 3, 10])], ids=["kda", "gdn-packed"])
 def test_decay_grid_pass_rounds_the_suffix_only(kind, cu):
     """The pre-pass against torch: round-half-even of g / step at t >= prefill, g untouched in the prefix."""
-    from la_compiler.kernels.decode.fused import DecodeParams, _decay_on_grid
+    from la_compiler.kernels.decode.fused import _decay_on_grid
 
-    spec = _spec(kind, "token", "fp8_e4m3/tile16", {"decay_log_step": "0.125"}, "kv")
     (q, k, v, g, beta, _), cu_t = random_inputs(kind, B=1 if cu else 2, T=10, H=1, HV=2, K=4, V=16, cu_seqlens=cu)
     g = g * 3  # several grid steps wide
     pre = torch.tensor([2, 0, 4] if cu else [2, 7], dtype=torch.int32)
     n = pre.numel()
-    got = _decay_on_grid(DecodeParams.from_spec(spec), g.contiguous(), 0.125,
-                         None if cu is None else cu_t.to(torch.int32), pre, n, g.shape[1])
+    got = _decay_on_grid(g.contiguous(), 0.125, None if cu is None else cu_t.to(torch.int32), pre, n, g.shape[1])
     bounds = cu if cu else [0, 10, 20]
     flat_g, flat_got = g.reshape(-1, *g.shape[2:]), got.reshape(-1, *g.shape[2:])
     for i in range(n):

@@ -1,3 +1,38 @@
+"""The decode-phase kernels of the "decode_fused" variant (launched by fused.py), forward and backward.
+
+One program per (sequence, value head, value tile of BV columns), each running its sequence token by token:
+the exact prefix, the handoff, then the decode suffix with the rounding of kernels/reference/decode.py (the
+numerics contract; docs/decode_phase.md), in the same order. ``round_state_kernel`` rounds a cache as the
+kernels do on load; ``decay_grid_kernel`` applies a decay grid once, before the token loops.
+
+Plain ``@triton.jit`` kernels specialized by ``tl.constexpr`` arguments. The spec fixes eight of them
+(``fused.DecodeParams.constants()``; the launchers pass them by name):
+
+    IS_KDA        the decay is one value per key channel (KDA), else a scalar per value head (GDN)
+    STATE_VK      h0 / ht / dht / dh0 are [V, K] in memory instead of [K, V]
+    CODEC         the state codec: 0 none, 1 fp8_e4m3, 2 int8, 3 int8_h32 (``fused.CODEC_IDS``)
+    READ_STORED   the readout uses the stored (rounded) state, else the working one
+    REPLAY        replay mode: a suffix write is rounded at anchor refreshes only (every window-th suffix
+                  token), else (token mode) at every suffix token
+    FACTOR        the rounding of replay's factors k and u: 0 none, 1 fp8_e4m3, 2 int8 (``fused.FACTOR_IDS``)
+    VFIRST        the state tile V-first in registers (a serving profile: vLLM's order of the sums)
+    CACHE         the serving cache's dtype, rounded to after the codec: 0 float32 (nothing), 1 bfloat16,
+                  2 float16 (``fused.CACHE_IDS``; for a GDN serving profile with ``state_dtype: auto`` it
+                  follows the inputs' dtype)
+
+``round_state_kernel`` takes the four of them it depends on; ``decay_grid_kernel`` none. What the inputs
+decide stays a ``tl.constexpr`` set at launch (USE_H0, IS_VARLEN, SAVE_CKPT, STORE_O, ROUND_H0); the
+lengths, the replay window and the grid step are runtime values, so changing the phase compiles nothing.
+Device functions: device.py; the QDQ: kernels/common/qdq.py.
+"""
+import triton
+import triton.language as tl
+
+from la_compiler.kernels.common.qdq import qdq_log_grid
+from la_compiler.kernels.decode.device import (along_k, along_v, decay_factor, is_write, load_decay, round_state,
+                                                state_offsets, stored_length, sum_k, sum_v, tile_zeros, token_update)
+
+
 @triton.jit
 def decode_fwd_kernel(
     q, k, v, g, beta, h0, o, ht, ckpt, cu_seqlens, prefill, valid,
@@ -5,6 +40,8 @@ def decode_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, SAVE_CKPT: tl.constexpr, STORE_O: tl.constexpr,
     ROUND_H0: tl.constexpr,
+    IS_KDA: tl.constexpr, STATE_VK: tl.constexpr, CODEC: tl.constexpr, READ_STORED: tl.constexpr,
+    REPLAY: tl.constexpr, FACTOR: tl.constexpr, VFIRST: tl.constexpr, CACHE: tl.constexpr,
 ):
     """Token by token: the exact prefix, the handoff, the decode suffix with its rounding; o and the final
     state (or, with SAVE_CKPT, the state entering every CK-th token instead of o). ROUND_H0=False: the
@@ -79,6 +116,8 @@ def decode_bwd_kernel(
     scale, window, T, NCK, TOTAL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IS_KDA: tl.constexpr, STATE_VK: tl.constexpr, CODEC: tl.constexpr, READ_STORED: tl.constexpr,
+    REPLAY: tl.constexpr, FACTOR: tl.constexpr, VFIRST: tl.constexpr, CACHE: tl.constexpr,
 ):
     """Blocks of CK tokens in reverse: the block's states recomputed from its checkpoint into the
     scratch, then the reverse recurrence (identity gradient through every rounding)."""
@@ -213,7 +252,9 @@ def decay_grid_kernel(g, g_grid, cu_seqlens, prefill, step, T, W: tl.constexpr, 
 
 
 @triton.jit
-def round_state_kernel(h, out, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def round_state_kernel(h, out, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       STATE_VK: tl.constexpr, CODEC: tl.constexpr, VFIRST: tl.constexpr,
+                       CACHE: tl.constexpr):
     """The state as a cache holds it: the codec (and the serving cache's dtype) on every [K x BV] tile of
     h [N, HV, K, V] (or V-first), one program per (sequence and head, value tile)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)

@@ -1,1 +1,0 @@
-"""Templates of the decode family (read by ``la_compiler.kernels.common.codegen.template``)."""

@@ -48,23 +48,22 @@ def _cmd_kernels(args) -> int:
 
 
 def _cmd_source(args) -> int:
-    from la_compiler.kernels.common.codegen import CodegenError
-    from la_compiler.kernels.sources import constexprs_of_spec, is_generated, kernel_modules_for_spec
+    from la_compiler.kernels.common.errors import KernelParamsError
+    from la_compiler.kernels.sources import constexprs_of_spec, kernel_modules_for_spec
 
     try:
         modules = kernel_modules_for_spec(args.spec)
         constexprs = constexprs_of_spec(args.spec)
-    except (CodegenError, ValueError) as e:
+    except (KernelParamsError, ValueError) as e:
         print(f"laqat source: {e}", file=sys.stderr)
         return 2
-    # kernels not generated per spec: the spec's choices are these constexpr values, not the file's text (a
-    # generated module beside them, decode_serving's chunked prefix, holds its own)
+    # the spec's choices are these constexpr values, not the file's text
     values = ", ".join(f"{name}={value!r}" for name, value in constexprs.items())
     for role, module in modules.items():
         path = Path(module.__file__)
         if args.paths:
             print(f"{role}: {path}")
-        elif constexprs and not is_generated(module):
+        elif constexprs:
             print(f"# ---- {role}: {path}\n# specialized by the spec with tl.constexpr {values} "
                   f"(the inputs fix the other flags at launch)\n{path.read_text()}")
         else:
@@ -82,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_spec)
     p = sub.add_parser("kernels", help="list kernel variants and the selection table")
     p.set_defaults(fn=_cmd_kernels)
-    p = sub.add_parser("source", help="print the Triton kernels a spec runs (generated or found in the cache for "
-                                      "chunk; fused_recurrent's and decode_fused's files and their constexpr values)")
+    p = sub.add_parser("source", help="print the Triton kernels a spec runs (their files) and the constexpr values "
+                                      "the spec specializes them with")
     p.add_argument("spec", help="a spec string whose kernel= names a Triton family (chunk, fused_recurrent, "
                                 "decode_fused)")
     p.add_argument("--paths", action="store_true", help="print only the files, one per module (and the "

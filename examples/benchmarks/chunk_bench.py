@@ -45,7 +45,7 @@ from triton.testing import do_bench  # noqa: E402
 import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
 from la_compiler.options import NumericsOptions, TuningOptions  # noqa: E402
 from la_compiler.kernels.chunk.bwd import chunk_bwd  # noqa: E402
-from la_compiler.kernels.chunk.codegen import ChunkParams, unsupported  # noqa: E402
+from la_compiler.kernels.chunk.params import ChunkParams, unsupported  # noqa: E402
 from la_compiler.kernels.chunk.fwd import chunk_fwd  # noqa: E402
 from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference  # noqa: E402

@@ -41,7 +41,7 @@ ensure_la_compiler()
 from la_compiler.kernels.chunk import bwd as chunk_bwd_module  # noqa: E402
 from la_compiler.kernels.chunk import fwd as chunk_fwd_module  # noqa: E402
 from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs  # noqa: E402
-from la_compiler.kernels.chunk.codegen import ChunkParams  # noqa: E402
+from la_compiler.kernels.chunk.params import ChunkParams  # noqa: E402
 from la_compiler.kernels.chunk.launch import LaunchConfig  # noqa: E402
 from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
 from la_compiler.spec import RecurrenceSpec  # noqa: E402

@@ -17,14 +17,15 @@ import functools
 import torch
 
 from la_compiler.kernels.chunk import forms as chunk_forms
-from la_compiler.kernels.chunk.codegen import ChunkParams, bwd_intra_by_key_blocks, kda_splits_pair_grads
+from la_compiler.kernels.chunk.forms import (bwd_intra_by_key_blocks, has_nvfp4_operands, kda_rounds_pairs,
+                                            kda_splits_pair_grads)
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import check_inputs, chunk_fwd, chunk_layout, nan_fill, needs_int64_index, scratch
 from la_compiler.kernels.chunk.launch import (BWD_KEY_BLOCK_16BIT, GDN_BWD_KEY_BLOCK_16BIT,
                                             GDN_WHOLE_ROW_BWD_VALUE_BLOCK, KEY_BLOCK, cdiv, key_block, launch,
                                             launch_config, next_power_of_2)
 from la_compiler.options import DEFAULT_TUNING, TuningOptions
 from la_compiler.kernels.chunk.precision import dot_precision, gemm_precision, intermediate_dtype
-from la_compiler.kernels.chunk.snippets import has_nvfp4_operands, kda_rounds_pairs
 from la_compiler.kernels.chunk.stages import stage_kernel
 
 

@@ -103,16 +103,20 @@ def qdq_operand(x, gam, FMT: tl.constexpr, AXIS: tl.constexpr, M: tl.constexpr, 
     the tile, or ``gam`` when WHOLE_AMAX (an amax over the whole operand, of which the tile is a block);
     ``gam`` is unused otherwise. FMT "": x unchanged."""
     if FMT == "nvfp4":
-        if not WHOLE_AMAX:
-            gam = tile_amax(x)
+        # the block amaxes before the tile's global one, in the order of the generated kernels' expression (the
+        # same instructions in the same order on sm_90; the values do not depend on it)
         if AXIS == 1:
             x3 = tl.reshape(x, (M, N // 16, 16))
-            return tl.reshape(qdq_e2m1(x3, nvfp4_block_scale(tl.max(amax_abs(x3), axis=2),
-                                                             nvfp4_global_scale(gam))[:, :, None]), (M, N))
+            b_bamax = tl.max(amax_abs(x3), axis=2)
+            if not WHOLE_AMAX:
+                gam = tile_amax(x)
+            return tl.reshape(qdq_e2m1(x3, nvfp4_block_scale(b_bamax, nvfp4_global_scale(gam))[:, :, None]), (M, N))
         else:
             x3 = tl.reshape(x, (M // 16, 16, N))
-            return tl.reshape(qdq_e2m1(x3, nvfp4_block_scale(tl.max(amax_abs(x3), axis=1),
-                                                             nvfp4_global_scale(gam))[:, None, :]), (M, N))
+            b_bamax = tl.max(amax_abs(x3), axis=1)
+            if not WHOLE_AMAX:
+                gam = tile_amax(x)
+            return tl.reshape(qdq_e2m1(x3, nvfp4_block_scale(b_bamax, nvfp4_global_scale(gam))[:, None, :]), (M, N))
     elif FMT == "fp8_e4m3":
         if AXIS == 1:
             return qdq_fp8_e4m3(x, fp8_scale(tl.max(amax_abs(x), axis=1))[:, None])

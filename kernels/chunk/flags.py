@@ -11,6 +11,7 @@
   holds all of V, else 0); ``W_Q`` ("", "fp8_e4m3", "int8", "nvfp4") and ``W_BLOCK`` (0: one scale per row;
   N: blocks of N columns); ``W_AMAX_PASS``: W's row amax spans every key block (row scales, NVFP4);
 * ``SOLVE`` ("blocked", "rows" (exact) or "neumann") and ``DEGREE`` (the Neumann degree, else 0);
+* ``SUB_CHUNK``: KDA's sub-chunk rows (``ChunkParams.sub_chunk``; the whole-row pair products' blocks);
 * the stage forms decided by the spec (``chunk/forms.py``): ``FACTORED_*``, ``GDN_DECAYS_VALUES``,
   ``PAIRS_ROUNDED``, ``SPLIT_PAIR_GRADS``, ``GDN_KEY_BLOCKS``, ``H_FULL_V``.
 """
@@ -56,6 +57,7 @@ def spec_constexprs(p: ChunkParams) -> dict:
     values["W_AMAX_PASS"] = w is not None and (w.format == "nvfp4" or w.group == "row")
     values["SOLVE"] = "neumann" if p.solve == "neumann" else forms.solve_form(p)
     values["DEGREE"] = p.degree or 0
+    values["SUB_CHUNK"] = p.sub_chunk  # KDA's sub-chunk rows (ChunkParams.sub_chunk)
     values.update(forms.stage_forms(p))
     return values
 

@@ -1,4 +1,4 @@
-"""Launchers of the generated chunked (WY) forward kernels, and the recipe that chains them.
+"""Launchers of the chunked (WY) forward kernels, and the recipe that chains them.
 
     chunk_kda_fwd_cumsum / pair_amax / pairs  -> KDA: g_cum, (NVFP4 pair amaxes), P, P_qk   (by sub-chunk)
     chunk_fwd_intra  -> g_cum (GDN), W, U, A_qk      (all chunks in parallel)
@@ -19,15 +19,15 @@ import torch
 
 from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs
 from la_compiler.kernels.chunk import forms as chunk_forms
-from la_compiler.kernels.chunk.codegen import ChunkParams, kda_pairs_kernel, max_head_k
+from la_compiler.kernels.chunk.forms import (has_nvfp4_operands, kda_pairs_kernel, kda_pairs_nvfp4, kda_rounds_pairs,
+                                            max_head_k, pairs_need_all_keys)
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.stages import stage_kernel
-from la_compiler.kernels.chunk.pair_rounding import kda_pairs_nvfp4
 from la_compiler.kernels.chunk.residual import clear_gaps, residual_views
 from la_compiler.kernels.chunk.precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.kernels.chunk.launch import PAIRS_KEY_BLOCK, cdiv, key_block, launch, launch_config, next_power_of_2
 from la_compiler.quant.config import QuantConfig
 from la_compiler.options import DEFAULT_TUNING, TuningOptions, interpreter
-from la_compiler.kernels.chunk.snippets import has_nvfp4_operands, kda_rounds_pairs, pairs_need_all_keys
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from la_compiler.kernels.common.codegen import CodegenError
+from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.options import NumericsOptions
 from la_compiler.quant.config import QuantConfig
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
@@ -46,43 +46,43 @@ class ChunkParams:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise CodegenError(f"chunk: kind must be one of {KINDS}, got {self.kind!r}")
+            raise KernelParamsError(f"chunk: kind must be one of {KINDS}, got {self.kind!r}")
         if self.state not in STATE_LAYOUTS:
-            raise CodegenError(f"chunk: state layout must be one of {STATE_LAYOUTS}, got {self.state!r}")
+            raise KernelParamsError(f"chunk: state layout must be one of {STATE_LAYOUTS}, got {self.state!r}")
         if not isinstance(self.numerics, NumericsOptions):
-            raise CodegenError(f"chunk: numerics must be a NumericsOptions, got {self.numerics!r}")
+            raise KernelParamsError(f"chunk: numerics must be a NumericsOptions, got {self.numerics!r}")
         if self.chunk < 1 or self.chunk & (self.chunk - 1):
-            raise CodegenError(f"chunk: chunk size must be a power of two, got {self.chunk}")
+            raise KernelParamsError(f"chunk: chunk size must be a power of two, got {self.chunk}")
         if (self.solve == "neumann") != (self.degree is not None) or self.solve not in ("exact", "neumann"):
-            raise CodegenError(f"chunk: solve must be exact or neumann with a degree, got {self.solve}/{self.degree}")
+            raise KernelParamsError(f"chunk: solve must be exact or neumann with a degree, got {self.solve}/{self.degree}")
         if self.state_quant is not None:
             cfg = _parse(self.state_quant)
             if cfg.format not in STATE_FORMATS or cfg.group != "tile" or cfg.ste != "identity":
-                raise CodegenError(f"chunk: q.state={self.state_quant} is not implemented by the chunk kernels "
+                raise KernelParamsError(f"chunk: q.state={self.state_quant} is not implemented by the chunk kernels "
                                    f"(they take {STATE_FORMATS} with tile<BV> groups and the identity STE)")
         for site, fmt in self.operands:
             cfg = _parse(fmt)
             if site not in OPERAND_SITES:
-                raise CodegenError(f"chunk: q.{site} is not a GEMM operand site of the chunk kernels")
+                raise KernelParamsError(f"chunk: q.{site} is not a GEMM operand site of the chunk kernels")
             row = cfg.format in ("fp8_e4m3", "int8") and cfg.group == "row"
             if not (row or cfg.format == "nvfp4") or cfg.ste != "identity":
-                raise CodegenError(f"chunk: q.{site}={fmt} is not implemented by the chunk kernels "
+                raise KernelParamsError(f"chunk: q.{site}={fmt} is not implemented by the chunk kernels "
                                    "(GEMM operands take fp8_e4m3/row, int8/row or nvfp4/block16, identity STE)")
             if cfg.format == "nvfp4" and self.chunk % 16:
-                raise CodegenError(f"chunk: q.{site}={fmt}: NVFP4 blocks of 16 along a chunk need chunk % 16 == 0, "
+                raise KernelParamsError(f"chunk: q.{site}={fmt}: NVFP4 blocks of 16 along a chunk need chunk % 16 == 0, "
                                    f"got chunk={self.chunk}")
         for site, text in self.acc:
             if site not in GEMM_SITES:
-                raise CodegenError(f"chunk: acc.{site}: not a GEMM site")
+                raise KernelParamsError(f"chunk: acc.{site}: not a GEMM site")
             try:
                 parse_acc(text)
             except ValueError as e:
-                raise CodegenError(f"chunk: acc.{site}={text}: {e}") from None
+                raise KernelParamsError(f"chunk: acc.{site}={text}: {e}") from None
         if self.w_quant is not None:
             cfg = _parse(self.w_quant)
             ok = cfg.format in W_FORMATS and cfg.group in ("row", "block") and cfg.ste == "identity"
             if not ok:
-                raise CodegenError(f"chunk: q.w={self.w_quant} is not implemented by the chunk kernels "
+                raise KernelParamsError(f"chunk: q.w={self.w_quant} is not implemented by the chunk kernels "
                                    f"(they take {W_FORMATS} with row or block<N> groups and the identity STE)")
 
     @property
@@ -106,7 +106,7 @@ class ChunkParams:
         spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
         why = unsupported(spec)
         if why:
-            raise CodegenError(f"chunk kernels cannot run {spec}: {why}")
+            raise KernelParamsError(f"chunk kernels cannot run {spec}: {why}")
         quant = spec.quant_map
         w = quant.get("w") or quant.get("state_read.lhs")
         return cls(kind=spec.kind, state=spec.state, chunk=spec.chunk, solve=spec.solve, degree=spec.degree,
@@ -128,7 +128,7 @@ def unsupported(spec: RecurrenceSpec) -> str | None:
                         operands=_operand_sites(quant), acc=spec.acc)
         ChunkParams(kind=spec.kind, state=spec.state, chunk=spec.chunk, solve=spec.solve, degree=spec.degree,
                     **cls_args)
-    except (CodegenError, ValueError) as e:
+    except (KernelParamsError, ValueError) as e:
         return str(e)
     return None
 

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.launch import cdiv
 from la_compiler.kernels.chunk.precision import gemm_precision, intermediate_dtype
 from la_compiler.options import DEFAULT_TUNING, KEEP_RESIDUAL

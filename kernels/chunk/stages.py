@@ -1,30 +1,67 @@
 """The kernel of every chunk stage, and the constexprs a spec fixes in it: what the launchers (fwd.py, bwd.py)
-run for ``ChunkParams``.
+run for ``ChunkParams``, and what ``laqat source SPEC`` shows.
 
 A stage module holds the ``@triton.jit`` kernel of each of its stages (``KERNELS``: stage -> kernel) and the
 names of the spec-derived constexprs each takes (``SPEC_CONSTEXPRS``: stage -> names, values from
-``chunk/flags.py``); its launch arguments are the launcher's. A stage not listed here still comes from the
-generated module of ``chunk/codegen.py``.
+``chunk/flags.py``); its launch arguments are the launcher's (the shapes, blocks, precisions and input flags).
 """
 from __future__ import annotations
 
-from la_compiler.kernels.chunk.codegen import chunk_bwd_module, chunk_fwd_module
+from types import ModuleType
+
+from la_compiler.kernels.chunk import (bwd_dg, bwd_dh, bwd_intra, bwd_pairs, forms, fwd_h, fwd_intra, fwd_o,
+                                       fwd_pairs)
 from la_compiler.kernels.chunk.flags import pick
 from la_compiler.kernels.chunk.params import ChunkParams
 
-# (direction, stage) -> stage module
-STAGES: dict[tuple[str, str], object] = {}
-
 # pairs_rounded: KDA's pair products (or their gradients) with rounding, column by column (forms.kda_rounds_pairs)
-FORWARD_STAGES = ("cumsum", "pair_amax", "pairs", "pairs_rounded", "intra", "wu", "h", "o")
-BACKWARD_STAGES = ("dh", "intra", "pairs", "pairs_rounded", "dg")
-_GENERATED_NAME = {"pairs_rounded": "pairs"}  # the templates' kernel of the stage
+STAGES: dict[tuple[str, str], ModuleType] = {
+    ("fwd", "cumsum"): fwd_pairs,
+    ("fwd", "pair_amax"): fwd_pairs,
+    ("fwd", "pairs"): fwd_pairs,
+    ("fwd", "pairs_rounded"): fwd_pairs,
+    ("fwd", "intra"): fwd_intra,
+    ("fwd", "wu"): fwd_intra,
+    ("fwd", "h"): fwd_h,
+    ("fwd", "o"): fwd_o,
+    ("bwd", "dh"): bwd_dh,
+    ("bwd", "intra"): bwd_intra,
+    ("bwd", "pairs"): bwd_pairs,
+    ("bwd", "pairs_rounded"): bwd_pairs,
+    ("bwd", "dg"): bwd_dg,
+}
 
 
 def stage_kernel(p: ChunkParams, direction: str, stage: str):
     """(kernel, spec constexprs) of one stage for ``p``: ``kernel[grid](*args, **constexprs, **launch's)``."""
-    module = STAGES.get((direction, stage))
-    if module is not None:
-        return module.KERNELS[stage], pick(p, module.SPEC_CONSTEXPRS[stage])
-    generated = chunk_fwd_module(p) if direction == "fwd" else chunk_bwd_module(p)
-    return getattr(generated, f"chunk_{p.kind}_{direction}_kernel_{_GENERATED_NAME.get(stage, stage)}"), {}
+    module = STAGES[(direction, stage)]
+    return module.KERNELS[stage], pick(p, module.SPEC_CONSTEXPRS[stage])
+
+
+def stages_of(p: ChunkParams) -> list[tuple[str, str]]:
+    """The (direction, stage) pairs a training step of ``p`` can launch (the backward's recompute of W and U from
+    a kept residual included)."""
+    pairs = "pairs_rounded" if forms.kda_rounds_pairs(p) else "pairs"
+    forward = []
+    if forms.kda_pairs_kernel(p):
+        forward += ["cumsum"] + (["pair_amax"] if forms.kda_pairs_nvfp4(p) else []) + [pairs]
+    forward += ["intra", "wu", "h", "o"]
+    backward = ["dh", "intra"] + ([pairs, "dg"] if forms.kda_splits_pair_grads(p) else [])
+    return [("fwd", s) for s in forward] + [("bwd", s) for s in backward]
+
+
+def modules_of(p: ChunkParams) -> dict[str, ModuleType]:
+    """The stage modules ``p`` runs, by role ("forward intra, wu", ...), in launch order."""
+    roles: dict[ModuleType, list[str]] = {}
+    for direction, stage in stages_of(p):
+        roles.setdefault(STAGES[(direction, stage)], []).append(stage)
+    return {f"{'backward' if module.__name__.split('.')[-1].startswith('bwd') else 'forward'} {', '.join(names)}":
+            module for module, names in roles.items()}
+
+
+def constexprs_of(p: ChunkParams) -> dict[str, object]:
+    """Every spec-derived constexpr of the stages ``p`` runs, with its value."""
+    names = []
+    for direction, stage in stages_of(p):
+        names += [n for n in STAGES[(direction, stage)].SPEC_CONSTEXPRS[stage] if n not in names]
+    return pick(p, tuple(names))

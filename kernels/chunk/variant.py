@@ -1,17 +1,20 @@
-"""The "chunk" kernel variant: generated chunked (WY) Triton kernels of GDN/KDA, forward and backward.
+"""The "chunk" kernel variant: chunked (WY) Triton kernels of GDN/KDA, forward and backward.
 
 Forward: ``chunk/fwd.py`` (intra, h, o); backward: ``chunk/bwd.py`` (forward recomputed, then
 dh, intra). Exact numerics, the Neumann solve, state / W quantization, the FP8/INT8 (row) and NVFP4
 GEMM operand sites and accumulator emulation, and every numerics option (``n.<name>``, through ChunkParams); the
 tuning options (``t.<name>``) reach the launchers. What else a spec asks for is refused by
-``chunk.codegen.unsupported`` (the selection table then moves on).
+``chunk.params.unsupported`` (the selection table then moves on). The kernels of each stage and the constexprs
+a spec fixes in them: ``chunk/stages.py``.
 """
 from __future__ import annotations
 
 import functools
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_bwd_module, chunk_fwd_module, max_head_k, unsupported
+from la_compiler.kernels.chunk import stages
+from la_compiler.kernels.chunk.forms import max_head_k
+from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.chunk.precision import describe
 from la_compiler.kernels.chunk.residual import residual_size
@@ -68,21 +71,26 @@ def detail(spec: RecurrenceSpec, ctx: SelectionContext) -> str:
 
 
 def source_modules(spec: RecurrenceSpec) -> dict:
-    """The forward stages and the backward stages: two generated modules."""
-    p = ChunkParams.from_spec(spec)
-    return {"forward": chunk_fwd_module(p), "backward": chunk_bwd_module(p)}
+    """The stage modules a training step of ``spec`` launches, by role ("forward intra, wu", "backward dh", ...)."""
+    return stages.modules_of(ChunkParams.from_spec(spec))
+
+
+def constexprs(spec: RecurrenceSpec) -> dict:
+    """The spec-derived constexprs of those stages (``chunk/flags.py``)."""
+    return stages.constexprs_of(ChunkParams.from_spec(spec))
 
 
 register_variant(
     "chunk",
     chunk_forward,
     chunk_backward,
-    "generated chunked (WY) Triton kernels, forward and backward (exact, Neumann solve, state and W QDQ, "
+    "chunked (WY) Triton kernels, forward and backward (exact, Neumann solve, state and W QDQ, "
     "FP8/INT8 row and NVFP4 GEMM operand sites, fp16/bf16 accumulator emulation)",
     supports=supports,
-    summary="generated chunked (WY) Triton kernels: state/W/operand QDQ, accumulators, fwd + bwd",
+    summary="chunked (WY) Triton kernels: state/W/operand QDQ, accumulators, fwd + bwd",
     residual_size=chunk_residual_size,
     detail=detail,
     source_modules=source_modules,
+    constexprs=constexprs,
     numerics=NumericsOptions.keys(),
 )

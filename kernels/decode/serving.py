@@ -182,6 +182,12 @@ def _prefill_reason(spec, ctx) -> str | None:
     return None if why is None else f"its prefix runs on the chunk kernels, which cannot: {why}"
 
 
+def _constexprs(spec) -> dict:
+    """The chunked prefix's constexprs (named "prefix <NAME>") and the decode suffix's."""
+    prefix = get_variant("chunk").constexprs(prefill_spec(spec))
+    return {**{f"prefix {name}": value for name, value in prefix.items()}, **fused.constexprs(spec)}
+
+
 def _source_modules(spec) -> dict:
     spec = spec_of(spec)
     prefix = {f"prefix (chunk) {role}": module
@@ -198,5 +204,5 @@ register_variant(
     supports=supports,
     summary="serving profile: chunked prefix + decode steps as the server computes them, fwd + bwd",
     source_modules=_source_modules,
-    constexprs=fused.constexprs,  # the suffix's (the prefix's chunk modules are generated: they hold their own)
+    constexprs=_constexprs,
 )

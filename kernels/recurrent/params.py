@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from la_compiler.kernels.common.codegen import CodegenError
+from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.spec import KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 
@@ -16,15 +16,15 @@ class FusedRecurrentParams:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise CodegenError(f"fused_recurrent: kind must be one of {KINDS}, got {self.kind!r}")
+            raise KernelParamsError(f"fused_recurrent: kind must be one of {KINDS}, got {self.kind!r}")
         if self.state not in STATE_LAYOUTS:
-            raise CodegenError(f"fused_recurrent: state layout must be one of {STATE_LAYOUTS}, got {self.state!r}")
+            raise KernelParamsError(f"fused_recurrent: state layout must be one of {STATE_LAYOUTS}, got {self.state!r}")
 
     @classmethod
     def from_spec(cls, spec: RecurrenceSpec | str) -> "FusedRecurrentParams":
         spec = spec if isinstance(spec, RecurrenceSpec) else RecurrenceSpec.parse(spec)
         if not spec.is_exact:
-            raise CodegenError(
+            raise KernelParamsError(
                 f"fused_recurrent implements exact numerics only; {spec} has quant sites, "
                 "accumulator emulation, a non-exact solve or a phase")
         return cls(kind=spec.kind, state=spec.state)

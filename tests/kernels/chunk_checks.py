@@ -3,7 +3,7 @@ side, every gradient against fp64 autograd, and rounding flips counted (NUMERICS
 import torch
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.reference.recurrent import sequence_bounds

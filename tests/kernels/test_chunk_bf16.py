@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.chunk.precision import gemm_precision, intermediate_dtype
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
@@ -151,7 +151,7 @@ def test_gdn_bf16_backward_by_key_blocks(key_block):
     block of 128 columns; with blocks of 32, two full ones and a masked partial one. Every gradient against
     fp64 autograd at FLA's bar, with grouped value heads on a packed batch."""
     from la_compiler.kernels.chunk.bwd import bwd_key_block
-    from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
+    from la_compiler.kernels.chunk.forms import bwd_intra_by_key_blocks
 
     cu = torch.tensor([0, 21, 40])
     xs = make_inputs("gdn", B=1, T=40, H=1, HV=2, K=72, V=16, N=2, dtype=torch.bfloat16)

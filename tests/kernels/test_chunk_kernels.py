@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.codegen import ChunkParams, unsupported
+from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
-from la_compiler.kernels.common.codegen import CodegenError
+from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.kernels.reference.recurrent import sequence_bounds
 from la_compiler.options import NumericsOptions
 from la_compiler.spec import GEMM_SITES, RecurrenceSpec
@@ -111,15 +111,17 @@ def test_factored_scales_forward(kind, fmt):
     """The forward stages multiply the rounded pair products (GDN), W, U, the state update and both output
     products on grid values with the row scales applied to the result wherever both operands round per row to
     FP8 / INT8; with accumulator emulation at those sites they multiply the dequantized operands."""
-    from la_compiler.kernels.chunk.codegen import chunk_fwd_source
+    from la_compiler.kernels.chunk.flags import spec_constexprs
 
+    factored = ("FACTORED_WY", "FACTORED_STATE_UPDATE", "FACTORED_OUTPUT_STATE", "FACTORED_OUTPUT_VALUE")
     quant = {site: fmt for site in OPERAND_SITES if site != "state_read.lhs"}
     params = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant))
-    # pairs (GDN), W (amax pass and W loop), U, the state update, both output products
-    assert chunk_fwd_source(params).count("grid_dot(") >= (8 if kind == "gdn" else 6)
+    # W and U, the state update, both output products; GDN's pair products too (KDA's come from its pairs kernel)
+    values = spec_constexprs(params)
+    assert all(values[name] for name in factored) and values["FACTORED_PAIRS"]
     emulated = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=8).replace(
         quant=quant, acc={site: "fp16:4" for site in GEMM_SITES}))
-    assert "grid_dot(" not in chunk_fwd_source(emulated)
+    assert not any(spec_constexprs(emulated)[name] for name in (*factored, "FACTORED_PAIRS"))
 
 
 @pytest.mark.parametrize("kind,acc", [
@@ -162,7 +164,7 @@ def test_pair_gradients_by_key_block(kind, varlen, state, HV):
     dA complete before it): above 64 columns with fp32 inputs, blocks of 32, so K = 72 takes two full blocks
     and a masked partial one. Every gradient against fp64 autograd, on a packed batch and with grouped value
     heads."""
-    from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
+    from la_compiler.kernels.chunk.forms import bwd_intra_by_key_blocks
     from la_compiler.kernels.chunk.launch import key_block
 
     cu = torch.tensor([0, 9, 25]) if varlen else None
@@ -179,7 +181,7 @@ def test_gdn_whole_row_backward_by_value_blocks_of_32():
     """GDN's backward intra stage over whole key rows (a key-side operand site rounds: one key block) steps
     through V in blocks of 32 (chunk.launch.GDN_WHOLE_ROW_BWD_VALUE_BLOCK): V = 80 takes two full blocks and a
     masked partial one. Every gradient against fp64 autograd of the rounding reference, packed sequences."""
-    from la_compiler.kernels.chunk.codegen import bwd_intra_by_key_blocks
+    from la_compiler.kernels.chunk.forms import bwd_intra_by_key_blocks
     from la_compiler.kernels.chunk.launch import GDN_WHOLE_ROW_BWD_VALUE_BLOCK
 
     cu = torch.tensor([0, 9, 25])
@@ -307,7 +309,7 @@ def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
     sub-chunks with none; g down to about -6 per token makes G fall by ~100 across a sub-chunk, so any
     exponent taken from a padded row or the wrong side of the diagonal overflows fp32 (exp(88.7)) and
     shows up as inf / NaN. Forward, final state and every gradient against fp64 autograd."""
-    from la_compiler.kernels.chunk.codegen import kda_pairs_kernel, kda_splits_pair_grads
+    from la_compiler.kernels.chunk.forms import kda_pairs_kernel, kda_splits_pair_grads
 
     cu = torch.tensor([0, 17, 17, 50])
     q, k, v, g, beta, h0 = make_inputs("kda", B=1, T=50, H=1, HV=2, K=8, V=16, N=3, dtype=torch.float32, decay=8.0)
@@ -354,7 +356,7 @@ def test_chunk_variant_through_the_ir_op(kind):
 def test_unsupported_specs_are_refused_by_name(text, match):
     spec = RecurrenceSpec.parse(text)
     assert match in unsupported(spec)
-    with pytest.raises(CodegenError, match=match):
+    with pytest.raises(KernelParamsError, match=match):
         ChunkParams.from_spec(spec)
 
 
@@ -486,15 +488,27 @@ def test_gdn_chunk_decay_on_values_only_where_no_state_update_operand_rounds(qua
     """GDN's h stage scales V_new's rows by the chunk decay (K^T loaded as is) unless the state_update operands are
     rounded or accumulated: NUMERICS.md's state_update.lhs is K ⊙ exp(G_C - G), so that form stays there. Both
     forms against the fp64 reference (which rounds at the same sites)."""
-    from la_compiler.kernels.chunk.codegen import chunk_fwd_source
-    from la_compiler.kernels.chunk.snippets import gdn_decays_values
+    from la_compiler.kernels.chunk.flags import spec_constexprs
+    from la_compiler.kernels.chunk.forms import gdn_decays_values
 
     spec = RecurrenceSpec(kind="gdn", chunk=8).replace(quant=quant, acc=acc)
     p = ChunkParams.from_spec(spec)
     assert gdn_decays_values(p) == on_values
-    assert ("# K^T" in chunk_fwd_source(p)) == on_values
+    assert spec_constexprs(p)["GDN_DECAYS_VALUES"] == on_values  # the h stage's form (chunk/fwd_h.py)
     assert not gdn_decays_values(ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=8)))
     inputs, cu = chunk_case("gdn", True, "kv", K=16, V=16)
     (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)
     tol = EXACT_TOL if not quant and not acc else QDQ_TOL
     assert rel_l2(o, o_ref) <= tol and rel_l2(ht, ht_ref) <= tol
+
+
+@pytest.mark.parametrize("kind,site", [("kda", "output_value.rhs"), ("gdn", "output_state.rhs")])
+def test_nvfp4_output_operand_over_several_value_blocks(kind, site):
+    """An NVFP4 output operand whose global amax spans every value block (V = 128: two output blocks of 64): each
+    program still writes its own block of o (its amax loop must not move the program's value columns), every
+    element finite and the forward as the reference rounds it."""
+    inputs, cu = chunk_case(kind, False, "kv", K=16, V=128)
+    spec = RecurrenceSpec(kind=kind, chunk=16).replace(quant={site: "nvfp4/block16"})
+    (o, ht, _), (o_ref, ht_ref, _) = run_kernel_and_reference(spec, inputs, cu)  # finite: no block left unwritten
+    assert rel_l2(o[..., :64], o_ref[..., :64]) <= QDQ_TOL and rel_l2(o[..., 64:], o_ref[..., 64:]) <= QDQ_TOL
+    assert rel_l2(ht, ht_ref) <= QDQ_TOL

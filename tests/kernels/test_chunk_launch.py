@@ -130,7 +130,7 @@ def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
 def test_fp32_dot_precision_knob():
     import torch
 
-    from la_compiler.kernels.chunk.codegen import ChunkParams
+    from la_compiler.kernels.chunk.params import ChunkParams
     from la_compiler.kernels.chunk.precision import dot_precision
     from la_compiler.spec import RecurrenceSpec, SpecError
 
@@ -158,7 +158,7 @@ def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch)
     import torch
 
     from la_compiler.kernels.chunk import bwd as chunk_bwd
-    from la_compiler.kernels.chunk.codegen import ChunkParams
+    from la_compiler.kernels.chunk.params import ChunkParams
     from la_compiler.spec import RecurrenceSpec
     from tests.kernels.chunk_inputs import make_inputs
 
@@ -172,7 +172,7 @@ def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch)
     q, k, v, g, beta, _ = make_inputs(kind, B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32)
     p = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=16, kernel="chunk"))
     chunk_bwd.chunk_bwd(p, q, k, v, g, beta, 0.25, torch.randn_like(v))
-    intra = seen[f"chunk_{kind}_bwd_kernel_intra"]
+    intra = seen["chunk_bwd_kernel_intra"]
     assert intra.keep_warps == (kind == "gdn")
     assert not any(c.keep_warps for name, c in seen.items() if not name.endswith("_intra"))
 

@@ -4,10 +4,11 @@ rounds at the same sites (interpreter on CPU)."""
 import pytest
 import torch
 
-from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_fwd_source, kda_pairs_kernel, kda_splits_pair_grads
-from la_compiler.kernels.chunk.pair_rounding import column_side_by_products
+from la_compiler.kernels.chunk.flags import spec_constexprs
+from la_compiler.kernels.chunk.forms import (column_side_by_products, kda_pairs_kernel, kda_rounds_pairs,
+                                            kda_splits_pair_grads)
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
-from la_compiler.kernels.chunk.snippets import kda_rounds_pairs
 from la_compiler.kernels.reference.recurrent import sequence_bounds
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
@@ -43,7 +44,7 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
     params = ChunkParams.from_spec(spec)
     assert kda_pairs_kernel(params) and kda_rounds_pairs(params)
     assert kda_splits_pair_grads(params) == (not solve)
-    assert ("fwd_kernel_pair_amax" in chunk_fwd_source(params)) == fmt.startswith("nvfp4")
+    assert spec_constexprs(params)["PAIRS_NVFP4"] == fmt.startswith("nvfp4")  # the chunk-wide amax kernel runs
     assert column_side_by_products(params) == (not fmt.startswith("nvfp4"))  # both forms of the column side
     (o, ht, parts), (o_ref, ht_ref, ref) = run_kernel_and_reference(spec, inputs, cu)
     assert rel_l2(o, o_ref) <= QDQ_TOL and rel_l2(ht, ht_ref) <= QDQ_TOL

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
 from la_compiler.kernels.chunk.residual import residual_layout, residual_size, residual_views

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.codegen import ChunkParams
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.spec import RecurrenceSpec
 from tests import interpreter_speedups

@@ -115,7 +115,7 @@ def test_ir_op_keeps_the_variants_residual_only_where_a_gradient_flows(kind, ker
     needs a gradient, to delta_rule_eval under no_grad; traced for autograd, the backward op takes the residual."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from la_compiler.kernels.chunk.codegen import ChunkParams
+    from la_compiler.kernels.chunk.params import ChunkParams
     from la_compiler.kernels.chunk.residual import residual_size
 
     (q, k, v, g, beta, h0), _ = random_inputs(kind, T=5, H=1, HV=2, K=8, V=8, initial_state=True)

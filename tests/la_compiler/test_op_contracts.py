@@ -204,7 +204,7 @@ def test_chunk_residual_every_element_written(monkeypatch, kind, mode, dtype, va
     states (t.keep_residual=all) included. Before, opcheck's AOT check saw the buffer differ between
     identical calls by up to 5e28 (uninitialised memory)."""
     from la_compiler.kernels.chunk import forms as chunk_forms
-    from la_compiler.kernels.chunk.codegen import ChunkParams
+    from la_compiler.kernels.chunk.params import ChunkParams
     from la_compiler.kernels.chunk.fwd import chunk_fwd
     from la_compiler.kernels.chunk.residual import residual_gaps, residual_layout
     from la_compiler.options import TuningOptions

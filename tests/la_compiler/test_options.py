@@ -14,8 +14,9 @@ import torch
 
 import la_compiler
 from la_compiler.backend import BackendOptions, BackendOptionsError
-from la_compiler.kernels.chunk.codegen import ChunkParams, chunk_bwd_module, chunk_fwd_module
-from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.chunk.fwd import chunk_fwd, intra_key_block
+from la_compiler.kernels.chunk.params import ChunkParams
+from la_compiler.kernels.chunk.precision import gemm_precision
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.options import ENVIRONMENT, NumericsOptions, OptionsError, TuningOptions
@@ -89,15 +90,18 @@ def test_defaults_write_nothing_and_options_round_trip():
     assert Policy.exact().resolve("layers.0", "gdn").numerics == ()
 
 
-def test_a_numerics_option_enters_the_code_cache_key_and_changes_bits():
-    """ChunkParams carries the spec's numerics, so the generated modules' cache keys differ; n.key_block=16 sums
-    GDN's pair products over two key blocks at K = 24 (whole rows by default): other bits, the same contract."""
+def test_a_numerics_option_enters_the_kernels_constexprs_and_changes_bits():
+    """ChunkParams carries the spec's numerics, and each option reaches a constexpr of the launched kernels (so
+    Triton compiles them apart): n.gemm=tf32 the GEMM precision of 16-bit inputs, n.key_block the forward intra
+    stage's key block; n.key_block=16 sums GDN's pair products over two key blocks at K = 24 (whole rows by
+    default): other bits, the same contract."""
     default = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8))
-    for numerics in ({"gemm": "tf32"}, {"key_block": 16}):
-        other = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8).replace(numerics=numerics))
-        assert other.numerics != default.numerics
-        assert chunk_fwd_module(other).__laqat_key__ != chunk_fwd_module(default).__laqat_key__
-        assert chunk_bwd_module(other).__laqat_key__ != chunk_bwd_module(default).__laqat_key__
+    tf32 = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8).replace(numerics={"gemm": "tf32"}))
+    assert tf32.numerics != default.numerics
+    assert gemm_precision(tf32, torch.bfloat16) == "tf32" != gemm_precision(default, torch.bfloat16)
+    keyed = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8).replace(numerics={"key_block": 16}))
+    assert keyed.numerics != default.numerics
+    assert intra_key_block(keyed, 32, 16) == 16 != intra_key_block(default, 32, 16)
     (q, k, v, g, beta, _), _ = random_inputs("gdn", B=1, T=19, H=1, K=24, V=8, requires_grad=False)
     blocked = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=8).replace(numerics={"key_block": 16}))
     o, ht = chunk_fwd(default, q, k, v, g, beta, 0.4)

@@ -1,1 +1,0 @@
-"""Templates of the chunk family (read by ``la_compiler.kernels.common.codegen.template``)."""

@@ -1,0 +1,6 @@
+"""The error of a kernel family's parameters: a spec the family cannot specialize its kernels for."""
+
+
+class KernelParamsError(ValueError):
+    """A spec a kernel family cannot run (``ChunkParams``, ``FusedRecurrentParams``: the reason names the spec field),
+    or a spec that names no Triton kernel family (``kernels/sources.py``)."""

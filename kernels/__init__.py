@@ -1,7 +1,7 @@
 """Kernels: one sub-package per family, the registry and the selection table at the bottom.
 
-    common/      what every family shares: QDQ device functions, the code cache, template rendering,
-                 input checks, autograd glue, shared selection conditions
+    common/      what every family shares: QDQ device functions, the kernel-parameter error, the on-disk
+                 cache's atomic writes, input checks, autograd glue, shared selection conditions
     chunk/       chunked (WY) Triton kernels, forward and backward, every quant site
     recurrent/   token-by-token Triton kernels (exact numerics)
     decode/      fused Triton kernels of decode-phase training

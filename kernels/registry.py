@@ -11,9 +11,9 @@ imports no family.
         -> (dq, dk, dv, dg, dbeta, dh0 or None)
     supports(spec, ctx: SelectionContext) -> None (it computes the spec on ctx) | why not
     detail(spec, ctx) -> str               what a chosen variant adds to its selection reason (optional)
-    source_modules(spec) -> {role: module} the modules a spec runs, generated or not (optional; kernels/sources.py)
-    constexprs(spec) -> {name: value}      the ``tl.constexpr`` values a spec fixes of kernels that are not
-                                           generated per spec (optional; a generated module holds its own)
+    source_modules(spec) -> {role: module} the modules a spec runs (optional; kernels/sources.py)
+    constexprs(spec) -> {name: value}      the ``tl.constexpr`` values a spec fixes in those modules' kernels
+                                           (optional)
 
 A variant lists the numerics options it applies (``numerics``: ``la_compiler.options.NumericsOptions`` field
 names); a spec that sets another (``n.<name>``) is refused for it before its ``supports`` is asked

@@ -2,7 +2,7 @@
 
 * ``NumericsOptions`` change result bits: a policy sets them (``linear_attention`` rules, ``cfg.numerics``), so
   they travel with the model; the annotate pass writes a non-default value into the spec as ``n.<name>=<value>``
-  and the chunk kernels take them through ``ChunkParams``, hence the code-cache key.
+  and the chunk kernels take them through ``ChunkParams``, hence constexprs of the launched kernels.
 * ``TuningOptions`` never change result bits: ``torch.compile(..., options={"tuning": {...}})`` sets them for
   the whole compile, written into the spec as ``t.<name>=<value>`` (the kernels read them from there, so a
   forward and its backward always agree). Unset, a field takes the launch table's choice
@@ -171,8 +171,8 @@ class EnvironmentVariable:
 CACHE_DIR_ENV = "LAQAT_CACHE_DIR"
 ENVIRONMENT = (
     EnvironmentVariable(CACHE_DIR_ENV, "la_compiler.options.cache_dir", (
-        "where generated kernel source (`kernels/<key[:2]>/`) and the autotuner's choices (`autotune/chunk.json`) "
-        "are cached; default `$XDG_CACHE_HOME/laqat`, else `~/.cache/laqat`")),
+        "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
+        "stay in Triton's own cache; default `$XDG_CACHE_HOME/laqat`, else `~/.cache/laqat`")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "

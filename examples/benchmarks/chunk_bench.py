@@ -1,4 +1,4 @@
-"""The generated chunked (WY) kernels against FLA's chunk kernels on CUDA: exactness, time, memory.
+"""laqat's chunked (WY) kernels against FLA's chunk kernels on CUDA: exactness, time, memory.
 
     OUT=./out python examples/benchmarks/chunk_bench.py [--quick] [--kinds gdn,kda] [--shapes 1x1024x4x64,...]
         [--policies "laqat exact,laqat FP8 state"] [--skip-exactness] [--no-emulation-above TOKENS]

@@ -8,7 +8,7 @@
 #                                               one detached process per group): later FLA rows find them in Triton's
 #                                               cache. It shares the GPU: time nothing while it runs
 #   examples/benchmarks/gpu_chores.sh pack     the compile caches (Triton's cubins and FLA's autotune choices,
-#                                               laqat's generated sources) to $OUT/caches.tgz.* in 15 MB pieces:
+#                                               laqat's autotune choices) to $OUT/caches.tgz.* in 15 MB pieces:
 #                                               carried back as .gpu-cache/, a later machine skips minutes of compiling
 #   examples/benchmarks/gpu_chores.sh bundle   every log and JSON under $OUT into $OUT/results.tgz (for a device that
 #                                               returns few files)

@@ -130,7 +130,7 @@ def main():
     args = parser.parse_args()
     out, result = start_cuda_run("recurrent_vs_fla.py", "exactness", "versus_fla")
 
-    print("exactness (fp32, generated kernel vs fp64 reference, max relative L2 over o, ht and every gradient)")
+    print("exactness (fp32, laqat's kernel vs fp64 reference, max relative L2 over o, ht and every gradient)")
     for case in [] if args.skip_exactness else EXACT_CASES:
         try:
             r = exactness(case)

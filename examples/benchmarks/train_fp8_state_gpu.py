@@ -1,4 +1,4 @@
-"""On CUDA: a GDN + KDA model compiled with the FP8-state recipe trains through the generated chunk kernels.
+"""On CUDA: a GDN + KDA model compiled with the FP8-state recipe trains through laqat's chunk kernels.
 
     OUT=./out python examples/benchmarks/train_fp8_state_gpu.py [--steps 30] [--seq-len 512]
 

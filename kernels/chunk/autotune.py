@@ -1,7 +1,7 @@
 """Opt-in autotuning of the chunk kernels' launch configurations (the tuning option ``t.autotune=true``, CUDA only).
 
 Without it every launch takes ``chunk.launch.launch_config``'s table. With it, the first launch of a
-kernel for a given (generated module, constants, grid, GPU, Triton) times a small list of
+kernel for a given (kernel, constexpr values, grid, GPU, Triton) times a small list of
 configurations around the table's (warps 4/8 x stages 1-3, at most six), keeps the fastest and writes
 the choice to ``<cache dir>/autotune/chunk.json`` (``la_compiler.options.cache_dir``; atomically), so later
 processes skip the timing. Configurations Triton refuses for shared memory are skipped. Every chunk kernel writes its

@@ -1,10 +1,10 @@
-"""Launchers of the generated chunked (WY) backward kernels, and the recipe that chains them.
+"""Launchers of the chunked (WY) backward kernels, and the recipe that chains them.
 
     chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, T (exact solve), h (rounded chunk-start states), V_new
     chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
     chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
-    chunk_kda_bwd_pairs     -> KDA exact: the pair products' share of dq, dk, dG    (sub-chunks x key blocks)
-    chunk_kda_bwd_dg        -> dg = reverse cumsum of dG within each chunk           (chunks x key blocks)
+    chunk_bwd_pairs         -> KDA exact: the pair products' share of dq, dk, dG    (sub-chunks x key blocks)
+    chunk_bwd_dg            -> KDA exact: dg = reverse cumsum of dG within each chunk (chunks x key blocks)
 
 Exact gradients of the emulated forward with identity straight-through at every QDQ; the
 derivation and what is recomputed rather than stored are in docs/kernels-chunk.md.

@@ -2,7 +2,7 @@
 value head, from the stored chunk-start state h_n (rounded), the state gradient dh = dS_n+1 and dV_new, with A and
 T recomputed (docs/kernels-chunk.md, "What the backward recomputes and what it keeps"). It takes one of three
 forms, fixed by the spec: KDA with the exact solve (SPLIT_PAIR_GRADS) runs its key-side gradients key block by
-key block and hands dP, dP_qk and its fp32 shares of dq, dk, dG to chunk_kda_bwd_kernel_pairs; GDN with exact
+key block and hands dP, dP_qk and its fp32 shares of dq, dk, dG to chunk_bwd_kernel_pairs; GDN with exact
 pair products and the exact solve (GDN_KEY_BLOCKS) completes dT, hence dA and the pair products' gradients,
 before its key loop, whose blocks then store their final dq, dk; every other spec holds whole key rows (BK >= K,
 one key block) and takes the pair products and their gradients here, before the value loop where the Neumann
@@ -244,7 +244,7 @@ def kda_pairs_rounded(b_q, b_k, b_G, o_c, o_k, C: tl.constexpr, BK: tl.constexpr
                       ACC_OUTPUT_SCORE: tl.constexpr, ACC_OUTPUT_SCORE_BLOCK: tl.constexpr):
     """KDA pair products when key_interaction / output_score are quantized: the per-pair operand
     k_j exp(G_i - G_j) (row (i, j) over the key channels) must exist to be rounded, so column by column over whole
-    key rows (the exact solve's pair products run in chunk_kda_fwd_kernel_pairs / chunk_kda_bwd_kernel_pairs).
+    key rows (the exact solve's pair products run in chunk_fwd_kernel_pairs / chunk_bwd_kernel_pairs).
     Returns P, P_qk and the rounded K_l, Q_l."""
     # column by column: the pairwise operands k_j exp(G_i - G_j) (rows (i, j) over K) are rounded per pair
     b_kl = qdq_operand(b_k, 0.0, Q_KEY_INTERACTION_LHS, 1, C, BK, False)
@@ -625,7 +625,7 @@ def chunk_bwd_kernel_intra(
             b_dGlast = tl.sum(b_t, 0) + tl.exp(b_glast) * tl.sum(b_dlast, 0)
             b_dG += tl.where(o_c == i_row_last, b_dGlast, 0.0)
         if SPLIT_PAIR_GRADS:
-            # this key block's share of dq, dk, dG (fp32) for chunk_kda_bwd_kernel_pairs
+            # this key block's share of dq, dk, dG (fp32) for chunk_bwd_kernel_pairs
             tl.store(dq + r_qk_v, b_dq, mask=m_ck)
             tl.store(dk + r_qk_v, b_dk, mask=m_ck)
             tl.store(dg + r_qk_v, b_dG, mask=m_ck)
@@ -654,10 +654,10 @@ def chunk_bwd_kernel_intra(
         b_dA = tl.where(m_strict, b_dA, 0.0)
         b_dPqk = tl.where(m_causal, b_dAqk * scale, 0.0)
         if SPLIT_PAIR_GRADS:
-            # P from the forward recompute (chunk_kda_fwd_kernel_pairs; unwritten above the diagonal)
+            # P from the forward recompute (chunk_fwd_kernel_pairs; unwritten above the diagonal)
             b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_strict, other=0)
             b_dbeta += tl.sum(b_dA * b_P, 1)
-            # the pair products' gradients run key block by key block (chunk_kda_bwd_kernel_pairs): hand over
+            # the pair products' gradients run key block by key block (chunk_bwd_kernel_pairs): hand over
             # dP, dP_qk
             tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])
             tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])

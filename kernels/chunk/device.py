@@ -103,8 +103,8 @@ def qdq_operand(x, gam, FMT: tl.constexpr, AXIS: tl.constexpr, M: tl.constexpr, 
     the tile, or ``gam`` when WHOLE_AMAX (an amax over the whole operand, of which the tile is a block);
     ``gam`` is unused otherwise. FMT "": x unchanged."""
     if FMT == "nvfp4":
-        # the block amaxes before the tile's global one, in the order of the generated kernels' expression (the
-        # same instructions in the same order on sm_90; the values do not depend on it)
+        # the block amaxes before the tile's global one (this order fixes the instructions' order on sm_90; the
+        # values do not depend on it)
         if AXIS == 1:
             x3 = tl.reshape(x, (M, N // 16, 16))
             b_bamax = tl.max(amax_abs(x3), axis=2)

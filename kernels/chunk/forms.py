@@ -65,7 +65,7 @@ def kda_rounds_pairs(p: ChunkParams) -> bool:
 def pairs_need_all_keys(p: ChunkParams) -> bool:
     """The forward intra stage must see all key columns in one block: GDN's rounded or accumulator-emulated
     pair product (row scales over K, NVFP4 global amax, reduction blocks rounded in order; KDA's come from
-    chunk_kda_fwd_kernel_pairs) or an NVFP4 wy_key.rhs (global amax over the chunk's [C x K] operand)."""
+    chunk_fwd_kernel_pairs) or an NVFP4 wy_key.rhs (global amax over the chunk's [C x K] operand)."""
     rounded = p.kind == "gdn" and any(site.split(".")[0] in PAIRWISE_SITES for site, _ in p.operands + p.acc)
     return rounded or nvfp4_site(p, "wy_key.rhs")
 
@@ -79,14 +79,14 @@ def solve_form(p: ChunkParams) -> str:
 
 
 def kda_pairs_kernel(p: ChunkParams) -> bool:
-    """KDA's pair products run in their own forward kernel (chunk_kda_fwd_kernel_pairs, one program per
+    """KDA's pair products run in their own forward kernel (chunk_fwd_kernel_pairs, one program per
     sub-chunk like FLA's): exact ones by key blocks and tensor-core dots, rounded ones (operand QDQ or
     accumulator emulation at key_interaction / output_score) column by column over whole key rows."""
     return p.kind == "kda"
 
 
 def kda_pairs_nvfp4(p: ChunkParams) -> bool:
-    """NVFP4 at a pairwise site: its global amax spans the chunk (chunk_kda_fwd_kernel_pair_amax first)."""
+    """NVFP4 at a pairwise site: its global amax spans the chunk (chunk_fwd_kernel_pair_amax first)."""
     return any(nvfp4_site(p, f"{site}.{side}") for site in PAIRWISE_SITES for side in ("lhs", "rhs"))
 
 

@@ -1,6 +1,6 @@
 """Launchers of the chunked (WY) forward kernels, and the recipe that chains them.
 
-    chunk_kda_fwd_cumsum / pair_amax / pairs  -> KDA: g_cum, (NVFP4 pair amaxes), P, P_qk   (by sub-chunk)
+    chunk_fwd_cumsum / pair_amax / pairs  -> KDA: g_cum, (NVFP4 pair amaxes), P, P_qk   (by sub-chunk)
     chunk_fwd_intra  -> g_cum (GDN), W, U, A_qk      (all chunks in parallel)
     chunk_fwd_h      -> h (chunk-start states), V_new, final state   (sequential over chunks)
     chunk_fwd_o      -> o                      (all chunks in parallel)

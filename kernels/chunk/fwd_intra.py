@@ -1,8 +1,8 @@
 """The forward intra stage of the chunked (WY) kernels, and its W / U half alone.
 
 One program per chunk x value head computes everything of the chunk that does not depend on the state:
-G = cumsum(g) (GDN; KDA's comes from chunk_kda_fwd_kernel_cumsum), the pair products
-P = K K^T ⊙ Γ and P_qk = Q K^T ⊙ Γ (GDN here, by key blocks; KDA's from chunk_kda_fwd_kernel_pairs),
+G = cumsum(g) (GDN; KDA's comes from chunk_fwd_kernel_cumsum), the pair products
+P = K K^T ⊙ Γ and P_qk = Q K^T ⊙ Γ (GDN here, by key blocks; KDA's from chunk_fwd_kernel_pairs),
 A = strict_tril(diag(beta) P), A_qk = scale tril(P_qk), T = (I + A)^-1 (blocked or row-by-row forward
 substitution) or its Neumann polynomial, then W = T diag(beta)(exp(G) ⊙ K) (+ the W quantizer),
 U = T diag(beta) V and KDA's decayed keys K ⊙ exp(G_C - G). ``chunk_fwd_kernel_wu`` is that second half
@@ -87,7 +87,7 @@ def solve(b_A, p_pairs, beta, bos, i_t, seq_len, i_hv, o_c, HV: tl.constexpr, C:
     tile's last axis, inside a warp, where a sum over its middle axis crossed warps (a shared-memory round trip
     per step).
 
-    Row i of every D_b: KDA's A = diag(beta) P is read from p_pairs in memory (chunk_kda_fwd_kernel_pairs wrote
+    Row i of every D_b: KDA's A = diag(beta) P is read from p_pairs in memory (chunk_fwd_kernel_pairs wrote
     P), as FLA's solve_tril reads its rows; GDN's A exists only in registers (its pair products are computed
     in the same kernel). Each was the faster form for its kind on the H200 (KDA [8, 4096, 16, 128] intra
     stage: 0.58 ms against 0.81 from registers; GDN: 0.51 against 0.54 from a copy of the diagonal blocks in
@@ -308,7 +308,7 @@ def chunk_fwd_kernel_intra(
     Keys are read in blocks of BK columns (the pair products are sums over key columns; W's columns are
     independent), so no program holds a full-width [C x K] tile; BK >= K where a rounded pair operand or
     the W quantizer's tile needs all columns at once (chunk.fwd.intra_key_block). KDA's exact pair
-    products come from chunk_kda_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""
+    products come from chunk_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, seq_len, i_chunk, i_h = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
@@ -325,7 +325,7 @@ def chunk_fwd_kernel_intra(
 
     b_beta = tl.load(beta + r_hv, mask=m_c, other=0).to(tl.float32)
     if KDA:
-        b_G = None  # per key block from g_cum (chunk_kda_fwd_kernel_cumsum wrote it)
+        b_G = None  # per key block from g_cum (chunk_fwd_kernel_cumsum wrote it)
     else:
         b_g = tl.load(g + r_hv, mask=m_c, other=0).to(tl.float32)
         b_G = tl.cumsum(b_g, 0)
@@ -333,7 +333,7 @@ def chunk_fwd_kernel_intra(
     m_strict = o_c[:, None] > o_c[None, :]
     m_causal = o_c[:, None] >= o_c[None, :]
     if KDA:
-        # P, P_qk from chunk_kda_fwd_kernel_pairs (the blocks above the diagonal are unwritten: masked here)
+        # P, P_qk from chunk_fwd_kernel_pairs (the blocks above the diagonal are unwritten: masked here)
         b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)
         b_Pqk = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)
     else:

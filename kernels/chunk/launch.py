@@ -36,7 +36,7 @@ class LaunchConfig:
 def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nvfp4_operands: bool = False,
                   serial_stages: int | None = None) -> LaunchConfig:
     """stage: one of fwd_cumsum, fwd_pair_amax, fwd_pairs, fwd_intra, fwd_h, fwd_o, bwd_dh, bwd_intra, bwd_pairs, bwd_dg;
-    ``rounds_operands`` (the pair stages): the pair products are rounded (chunk.snippets.kda_rounds_pairs);
+    ``rounds_operands`` (the pair stages): the pair products are rounded (chunk.forms.kda_rounds_pairs);
     ``nvfp4_operands`` (the h, o and dh stages): a GEMM operand site rounds to NVFP4 (its blocks of 16 add live
     tiles; the h stage holds all of V); ``serial_stages`` (the tuning option t.serial_stages): the pipeline depth
     of the h and dh stages instead of the table's. At K = 128 two stages prefetch the next chunk's W, U, K at

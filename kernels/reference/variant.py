@@ -1,7 +1,7 @@
 """The "reference" kernel variant: the fp64 torch reference, run as a kernel.
 
 Slow (in Python) but exact, on every device; the lower pass selects it only where a policy
-asks for it (``backend: reference``) or where no generated kernel implements the spec yet,
+asks for it (``backend: reference``) or where no Triton kernel implements the spec yet,
 and ``explain`` says so. Backward recomputes the forward under autograd.
 
 It applies a prefill spec's numerics (NUMERICS.md, "sites"):

@@ -1,4 +1,4 @@
-"""Each GEMM operand site alone, in each format, GDN and KDA: the generated kernels against the fp64 chunk
+"""Each GEMM operand site alone, in each format, GDN and KDA: the chunk kernels against the fp64 chunk
 reference that rounds at that one site (interpreter on CPU).
 
 With one site rounding there is nothing for an fp32/fp64 flip to spread through, so NUMERICS.md's bar holds

@@ -1,4 +1,4 @@
-"""The generated chunked (WY) forward kernels against the fp64 chunk reference (interpreter on CPU).
+"""The chunked (WY) forward kernels against the fp64 chunk reference (interpreter on CPU).
 
 With QDQ, the reference rounds at the same sites in the same order; QDQ'd intermediates (the
 W tile and the chunk-start states h) must agree element for element except for rounding
@@ -303,8 +303,8 @@ def test_blocked_solve_forward_and_backward(kind, C, state):
 
 
 def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
-    """KDA's pair-product kernels run one 16-row sub-chunk per program (forward: chunk_kda_fwd_kernel_pairs;
-    backward: chunk_kda_bwd_kernel_pairs) through the first / last REAL row of the block as the decay
+    """KDA's pair-product kernels run one 16-row sub-chunk per program (forward: chunk_fwd_kernel_pairs;
+    backward: chunk_bwd_kernel_pairs) through the first / last REAL row of the block as the decay
     reference. Chunks of 32 with sequences of 17 and 33 tokens leave sub-chunks with one real row and
     sub-chunks with none; g down to about -6 per token makes G fall by ~100 across a sub-chunk, so any
     exponent taken from a padded row or the wrong side of the diagonal overflows fp32 (exp(88.7)) and

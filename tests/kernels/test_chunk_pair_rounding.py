@@ -68,7 +68,7 @@ def test_rounded_pairs_by_sub_chunk(fmt, acc, C, varlen, solve):
 
 
 def test_nvfp4_pair_amax_is_the_pair_tiles_max():
-    """chunk_kda_fwd_kernel_pair_amax takes the amax of the chunk's [C x C x K] pair tiles from a reverse
+    """chunk_fwd_kernel_pair_amax takes the amax of the chunk's [C x C x K] pair tiles from a reverse
     running max of G (O(C x K)): it must equal the max over the tile the reference rounds (zero-padded
     chunks, so a sequence's last real row meets padded rows i with e^0 = 1), for j < i and j <= i, and of
     |K| / |Q| over the chunk. Growing and decaying channels (g of both signs), a packed batch whose chunks

@@ -1,6 +1,6 @@
 """Typed options (la_compiler/options.py): every field validated wherever it is given (the dataclass, the policy,
 the backend's options, the spec string) with an error naming the key; a numerics option reaches the spec string,
-explain and the code-cache key, and only variants that apply it run it; a tuning option reaches the spec and
+explain and the kernels' constexprs, and only variants that apply it run it; a tuning option reaches the spec and
 changes no output bit; docs/options.md is the rendered table; the package reads the environment in options.py only."""
 from __future__ import annotations
 

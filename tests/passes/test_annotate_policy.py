@@ -66,7 +66,7 @@ def make_inputs(V=16, T=T, K=K):
 
 def on_reference(policy):
     """``policy`` (a recipe name or a dict) with every module lowered to the reference variant
-    (the generated kernels have their own tests; this file tests the policy end to end)."""
+    (the kernels have their own tests; this file tests the policy end to end)."""
     config = load_policy(policy).to_dict()
     config["linear_attention"] = [{"module_name": r["module_name"], "cfg": {**r["cfg"], "backend": "reference"}}
                                   for r in config["linear_attention"]] or [{"module_name": "*",

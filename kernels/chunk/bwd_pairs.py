@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import chunk_program, qdq_operand, sub_dot
+from la_compiler.kernels.chunk.fwd_pairs import pair_amaxes, pair_column, rounded_pair_rows
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -226,32 +227,9 @@ def chunk_bwd_kernel_pairs_rounded(
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, seq_len, i_chunk, i_h = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
                                                          IS_VARLEN, INDEX_64)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_r = tl.arange(0, BC)
-    n_real = seq_len - i_t * C  # rows of this chunk inside the sequence (may exceed C)
-    x_c = bos + i_t * C  # token of the chunk's row 0
-    r_b = i_s * BC + o_r
-    m_b = r_b < n_real
-    m_bk = m_b[:, None] & m_k[None, :]
-    x_b = ((x_c + r_b) * H + i_h)[:, None] * K + o_k[None, :]
-    b_k = tl.load(k + x_b, mask=m_bk, other=0).to(tl.float32)
-    b_q = tl.load(q + x_b, mask=m_bk, other=0).to(tl.float32)
-    # rows past the sequence end hold the chunk's last G, as in the reference's zero-padded g
-    b_G = tl.load(g_cum + ((x_c + tl.minimum(r_b, n_real - 1)) * HV + i_hv)[:, None] * K + o_k[None, :],
-                  mask=m_k[None, :], other=0)
-    if PAIRS_NVFP4:
-        # NVFP4's global amax of each pairwise operand over the chunk (chunk_fwd_kernel_pair_amax)
-        x_am = (i_c * tl.num_programs(1) + i_bh) * 4
-        b_gam_pk = tl.load(pair_amax + x_am)
-        b_gam_pq = tl.load(pair_amax + x_am + 1)
-        b_gam_k = tl.load(pair_amax + x_am + 2)
-        b_gam_q = tl.load(pair_amax + x_am + 3)
-    else:  # no NVFP4 pairwise operand: no chunk-wide amax (unread)
-        b_gam_pk = 0.0
-        b_gam_pq = 0.0
-        b_gam_k = 0.0
-        b_gam_q = 0.0
+    o_k, m_k, o_r, n_real, x_c, r_b, m_b, m_bk, b_k, b_q, b_G = rounded_pair_rows(q, k, g_cum, i_s, i_t, bos, seq_len,
+                                                                                 i_h, i_hv, H, HV, K, C, BC, BK)
+    b_gam_pk, b_gam_pq, b_gam_k, b_gam_q = pair_amaxes(pair_amax, i_c, i_bh, PAIRS_NVFP4)
     b_kl, b_ql = lhs_rows(b_k, b_q, b_gam_k, b_gam_q, Q_KEY_INTERACTION_LHS, Q_OUTPUT_SCORE_LHS, BC, BK,
                           PAIRS_NVFP4)
     x_hv = ((x_c + r_b) * HV + i_hv)[:, None] * K + o_k[None, :]
@@ -260,15 +238,8 @@ def chunk_bwd_kernel_pairs_rounded(
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
     b_dG = tl.zeros([BC, BK], dtype=tl.float32)
 
-    # column j (up to the sub-chunk's last row): e^(G_i - G_j) from the prefix difference, masked to j <= i.
-    # (Through the sub-chunk's first real row for the columns before it, like the exact kernel, saves an exp per
-    # element but needs a second copy of the loop body: slower on the H200, 14.4 against 11.7 ms per f+b at KDA
-    # [8,4096,16,128].)
-    for j in range(0, i_s * BC + BC):
-        m_jk = m_k & (j + 0 * o_k < n_real)  # a [BK] mask: the interpreter refuses a scalar one in &
-        b_kj = tl.load(k + ((x_c + j) * H + i_h) * K + o_k, mask=m_jk, other=0).to(tl.float32)
-        b_gj = tl.load(g_cum + ((x_c + tl.minimum(j, n_real - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-        b_e = tl.exp(tl.where((r_b >= j)[:, None], b_G - b_gj[None, :], 0.0))
+    for j in range(0, i_s * BC + BC):  # column j (up to the sub-chunk's last row)
+        b_kj, b_e = pair_column(k, g_cum, b_G, j, r_b, x_c, n_real, i_h, i_hv, o_k, m_k, H, HV, K)
         b_pq = tl.where((r_b >= j)[:, None], b_kj[None, :] * b_e, 0.0)
         # the rounded rhs of every pair (i, j): b_pkq (key_interaction, read where j < i), b_pqq (output_score,
         # j <= i)

@@ -237,6 +237,55 @@ def chunk_fwd_kernel_pairs(
                  mask=m_b[:, None] & (o_c >= r_end)[None, :])  # the blocks above the diagonal
 
 
+# ---- what both rounded pair kernels (this forward one, bwd_pairs' backward one) set up ------------------------
+@triton.jit
+def rounded_pair_rows(q, k, g_cum, i_s, i_t, bos, seq_len, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """The sub-chunk's rows over all key columns: (o_k, m_k, o_r, n_real (rows of the chunk inside the
+    sequence, may exceed C), x_c (token of the chunk's row 0), r_b, m_b, m_bk, b_k, b_q, b_G); rows past the sequence
+    end hold the chunk's last G, as in the reference's zero-padded g."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_r = tl.arange(0, BC)
+    n_real = seq_len - i_t * C
+    x_c = bos + i_t * C
+    r_b = i_s * BC + o_r
+    m_b = r_b < n_real
+    m_bk = m_b[:, None] & m_k[None, :]
+    x_b = ((x_c + r_b) * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + x_b, mask=m_bk, other=0).to(tl.float32)
+    b_q = tl.load(q + x_b, mask=m_bk, other=0).to(tl.float32)
+    b_G = tl.load(g_cum + ((x_c + tl.minimum(r_b, n_real - 1)) * HV + i_hv)[:, None] * K + o_k[None, :],
+                  mask=m_k[None, :], other=0)
+    return o_k, m_k, o_r, n_real, x_c, r_b, m_b, m_bk, b_k, b_q, b_G
+
+
+@triton.jit
+def pair_amaxes(pair_amax, i_c, i_bh, PAIRS_NVFP4: tl.constexpr):
+    """NVFP4's global amax of each pairwise operand over the chunk (pk, pq, |K|, |Q|: chunk_fwd_kernel_pair_amax);
+    zeros, never read, without an NVFP4 pairwise operand."""
+    if PAIRS_NVFP4:
+        x_am = (i_c * tl.num_programs(1) + i_bh) * 4
+        return (tl.load(pair_amax + x_am), tl.load(pair_amax + x_am + 1), tl.load(pair_amax + x_am + 2),
+                tl.load(pair_amax + x_am + 3))
+    else:
+        return 0.0, 0.0, 0.0, 0.0
+
+
+@triton.jit
+def pair_column(k, g_cum, b_G, j, r_b, x_c, n_real, i_h, i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr):
+    """Column j's key row k_j and e^(G_i - G_j) for the sub-chunk's rows, from the prefix difference masked to
+    j <= i. (Through the sub-chunk's first real row for the columns before it, like the exact kernel, saves an exp
+    per element but needs a second copy of the loop body: slower on the H200, 14.4 against 11.7 ms per f+b at KDA
+    [8,4096,16,128].)"""
+    m_jk = m_k & (j + 0 * o_k < n_real)  # a [BK] mask: the interpreter refuses a scalar one in &
+    b_kj = tl.load(k + ((x_c + j) * H + i_h) * K + o_k, mask=m_jk, other=0).to(tl.float32)
+    b_gj = tl.load(g_cum + ((x_c + tl.minimum(j, n_real - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)
+    b_e = tl.exp(tl.where((r_b >= j)[:, None], b_G - b_gj[None, :], 0.0))
+    return b_kj, b_e
+
+
 @triton.jit(do_not_specialize=['T'])
 def chunk_fwd_kernel_pairs_rounded(
     q,
@@ -281,31 +330,9 @@ def chunk_fwd_kernel_pairs_rounded(
     _, i_t, bos, seq_len, _, i_h = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
                                                  IS_VARLEN, INDEX_64)
     o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_r = tl.arange(0, BC)
-    n_real = seq_len - i_t * C  # rows of this chunk inside the sequence (may exceed C)
-    x_c = bos + i_t * C  # token of the chunk's row 0
-    r_b = i_s * BC + o_r
-    m_b = r_b < n_real
-    m_bk = m_b[:, None] & m_k[None, :]
-    x_b = ((x_c + r_b) * H + i_h)[:, None] * K + o_k[None, :]
-    b_k = tl.load(k + x_b, mask=m_bk, other=0).to(tl.float32)
-    b_q = tl.load(q + x_b, mask=m_bk, other=0).to(tl.float32)
-    # rows past the sequence end hold the chunk's last G, as in the reference's zero-padded g
-    b_G = tl.load(g_cum + ((x_c + tl.minimum(r_b, n_real - 1)) * HV + i_hv)[:, None] * K + o_k[None, :],
-                  mask=m_k[None, :], other=0)
-    if PAIRS_NVFP4:  # NVFP4's global amax of each pairwise operand over the chunk (chunk_fwd_kernel_pair_amax)
-        x_am = (i_c * tl.num_programs(1) + i_bh) * 4
-        b_gam_pk = tl.load(pair_amax + x_am)
-        b_gam_pq = tl.load(pair_amax + x_am + 1)
-        b_gam_k = tl.load(pair_amax + x_am + 2)
-        b_gam_q = tl.load(pair_amax + x_am + 3)
-    else:  # no NVFP4 pairwise operand: no chunk-wide amax (unused)
-        b_gam_pk = 0.0
-        b_gam_pq = 0.0
-        b_gam_k = 0.0
-        b_gam_q = 0.0
+    o_k, m_k, o_r, n_real, x_c, r_b, m_b, m_bk, b_k, b_q, b_G = rounded_pair_rows(q, k, g_cum, i_s, i_t, bos, seq_len,
+                                                                                 i_h, i_hv, H, HV, K, C, BC, BK)
+    b_gam_pk, b_gam_pq, b_gam_k, b_gam_q = pair_amaxes(pair_amax, i_c, i_bh, PAIRS_NVFP4)
     # the rounded lhs rows: key_interaction.lhs of K, output_score.lhs of Q (one scale per row over K)
     b_kl = qdq_operand(b_k, b_gam_k, Q_KEY_INTERACTION_LHS, 1, BC, BK, True)
     b_ql = qdq_operand(b_q, b_gam_q, Q_OUTPUT_SCORE_LHS, 1, BC, BK, True)
@@ -315,14 +342,8 @@ def chunk_fwd_kernel_pairs_rounded(
         b_Pq = tl.zeros([BC, BC], dtype=tl.float32)
         for jj in range(0, BC):
             j = i_j * BC + jj
-            # column j (up to the sub-chunk's last row): e^(G_i - G_j) from the prefix difference, masked to
-            # j <= i. (Through the sub-chunk's first real row for the columns before it, like the exact kernel,
-            # saves an exp per element but needs a second copy of the loop body: slower on the H200, 14.4
-            # against 11.7 ms per f+b at KDA [8,4096,16,128].)
-            m_jk = m_k & (j + 0 * o_k < n_real)  # a [BK] mask: the interpreter refuses a scalar one in &
-            b_kj = tl.load(k + ((x_c + j) * H + i_h) * K + o_k, mask=m_jk, other=0).to(tl.float32)
-            b_gj = tl.load(g_cum + ((x_c + tl.minimum(j, n_real - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-            b_e = tl.exp(tl.where((r_b >= j)[:, None], b_G - b_gj[None, :], 0.0))
+            # column j (up to the sub-chunk's last row)
+            b_kj, b_e = pair_column(k, g_cum, b_G, j, r_b, x_c, n_real, i_h, i_hv, o_k, m_k, H, HV, K)
             b_pk = tl.where((r_b > j)[:, None], b_kj[None, :] * b_e, 0.0)
             b_pq = tl.where((r_b >= j)[:, None], b_kj[None, :] * b_e, 0.0)
             # the rounded rhs of every pair (i, j) of column j: b_pkq (key_interaction, read where j < i) and

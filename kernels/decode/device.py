@@ -78,15 +78,36 @@ def round_cache(b_h, CACHE: tl.constexpr):
 
 
 @triton.jit
-def round_state(b_h, CODEC: tl.constexpr, CACHE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The state codec on one state tile (one scale group; zero padding leaves amax unchanged), then the
-    serving cache's dtype. int8_h32 groups 32 values along V: only in the K-first orientation."""
+def _qdq_groups(b_x3, CODEC: tl.constexpr):
+    """FP8 (CODEC 1) or INT8 (2) with one scale per row of the last axis of b_x3 [R, G, N]."""
+    b_amax = tl.max(amax_abs(b_x3), axis=2)
     if CODEC == 1:
-        b_h = qdq_fp8_e4m3(b_h, fp8_scale(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))
-    elif CODEC == 2:
-        b_h = qdq_int8(b_h, int8_scale(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))
-    elif CODEC == 3:
+        return qdq_fp8_e4m3(b_x3, fp8_scale(b_amax)[:, :, None])
+    else:
+        return qdq_int8(b_x3, int8_scale(b_amax)[:, :, None])
+
+
+@triton.jit
+def round_state(b_h, CODEC: tl.constexpr, CODEC_BLOCK: tl.constexpr, CACHE: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, VFIRST: tl.constexpr):
+    """The state codec on one state tile, then the serving cache's dtype. CODEC_BLOCK 0: one scale for the tile
+    (one scale group; zero padding leaves amax unchanged); N: one scale per key row and N values along V (the
+    tile's BV is a multiple of N). int8_h32 groups 32 values along V: only in the K-first orientation."""
+    if CODEC == 3:
         b_h = tl.reshape(qdq_int8_h32(tl.reshape(b_h, (BK * BV // 32, 32))), (BK, BV))
+    elif CODEC != 0:
+        if CODEC_BLOCK == 0:
+            b_amax = tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)
+            if CODEC == 1:
+                b_h = qdq_fp8_e4m3(b_h, fp8_scale(b_amax))
+            else:
+                b_h = qdq_int8(b_h, int8_scale(b_amax))
+        elif VFIRST:
+            b_t = tl.reshape(_qdq_groups(tl.reshape(tl.trans(b_h), (BK, BV // CODEC_BLOCK, CODEC_BLOCK)), CODEC),
+                             (BK, BV))
+            b_h = tl.trans(b_t)
+        else:
+            b_h = tl.reshape(_qdq_groups(tl.reshape(b_h, (BK, BV // CODEC_BLOCK, CODEC_BLOCK)), CODEC), (BK, BV))
     return round_cache(b_h, CACHE)
 
 
@@ -121,8 +142,8 @@ def decay_factor(b_g, IS_KDA: tl.constexpr, VFIRST: tl.constexpr):
 
 
 @triton.jit
-def token_update(b_h, b_k, b_v, b_g, b_beta, suffix, IS_KDA: tl.constexpr, REPLAY: tl.constexpr,
-                 FACTOR: tl.constexpr, VFIRST: tl.constexpr):
+def token_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr, REPLAY: tl.constexpr, FACTOR: tl.constexpr,
+                 VFIRST: tl.constexpr):
     """S_a = D S; w = v - S_a^T k; u = beta w; S_b = S_a + k_f u_f^T. Returns (S_a, w, k_f, u_f, S_b).
     The operations and their order are those of vLLM's fused_recurrent kernels (``b_h *= exp(g)``,
     ``b_v -= sum(b_h * k)``, ``b_v *= beta``, ``b_h += b_v * k``)."""
@@ -132,8 +153,8 @@ def token_update(b_h, b_k, b_v, b_g, b_beta, suffix, IS_KDA: tl.constexpr, REPLA
     b_kf = b_k
     b_uf = b_u
     if REPLAY and FACTOR != 0:
-        b_kf = tl.where(suffix, round_factor(b_k, FACTOR), b_k)
-        b_uf = tl.where(suffix, round_factor(b_u, FACTOR), b_u)
+        b_kf = round_factor(b_k, FACTOR)
+        b_uf = round_factor(b_u, FACTOR)
     b_hb = b_ha + along_k(b_kf, VFIRST) * along_v(b_uf, VFIRST)
     return b_ha, b_w, b_kf, b_uf, b_hb
 
@@ -148,17 +169,10 @@ def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.const
 
 
 @triton.jit
-def stored_length(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    if IS_VARLEN:
-        return tl.load(cu_seqlens + i_n + 1) - tl.load(cu_seqlens + i_n)
-    else:
-        return T
-
-
-@triton.jit
-def is_write(t, p, window, REPLAY: tl.constexpr):
-    """Does suffix token t (t >= p) round the state it writes? Token mode: always; replay: at anchor refresh."""
+def is_write(t, window, REPLAY: tl.constexpr):
+    """Does suffix token t (counted from the suffix's start) round the state it writes? Token mode: always;
+    replay: at the anchor refresh, every window-th token."""
     if REPLAY:
-        return ((t - p + 1) % window) == 0
+        return ((t + 1) % window) == 0
     else:
-        return t >= p
+        return True

@@ -4,8 +4,9 @@ Spec encoding (the keys la_compiler/policy.py writes from a policy's ``decode:``
 docs/decode_phase.md):
 
     phase=token | replay            the suffix of every sequence runs as decode
-    q.state=<format>                the state codec: fp8_e4m3/tile<BV>, int8/tile<BV>, int8_h32/tile<BV>
-                                    (absent: the decode state is not rounded)
+    q.state=<format>                the state codec: fp8_e4m3/tile<BV>, int8/tile<BV> (one scale per [K x BV]
+                                    tile), fp8_e4m3/block<N>, int8/block<N> (one scale per key row and N values
+                                    along V), int8_h32/tile<BV> (absent: the decode state is not rounded)
     x.readout=working | stored      token output read from the unrounded or the rounded state
     x.decay_log_step=<float>        suffix log-decays rounded to round(g/d)*d (identity gradient)
     x.replay_window=<1..64>         replay: anchor refreshed every `window` suffix tokens
@@ -33,6 +34,7 @@ from la_compiler.spec import RecurrenceSpec
 
 READOUTS = ("working", "stored")
 STATE_CODEC_FORMATS = ("fp8_e4m3", "int8", "int8_h32")
+BLOCK_CODEC_FORMATS = ("fp8_e4m3", "int8")  # with group block<N>: one scale per key row and N values
 FACTOR_FORMATS = ("none", "fp8_e4m3", "int8")
 KNOWN_EXTRAS = ("readout", "decay_log_step", "replay_window", "replay_factor_qdq", "decode_impl", "solve_impl",
                 "serving", "state_dtype")
@@ -50,6 +52,7 @@ class DecodeOptions:
     mode: str  # "token" | "replay"
     codec: str | None = None  # state codec format ("fp8_e4m3", "int8", "int8_h32") or None = no rounding
     block_v: int = DEFAULT_BLOCK_V  # value columns per state tile (one scale per [K x block_v] tile)
+    codec_block: int = 0  # 0: one scale per [K x block_v] tile; N: one per key row and N values (block_v = N)
     readout: str = "working"
     decay_log_step: float | None = None
     window: int = 1
@@ -62,6 +65,10 @@ class DecodeOptions:
             raise DecodeOptionsError(f"spec phase must be 'token' or 'replay' for decode options, got {self.mode!r}")
         if self.codec is not None and self.codec not in STATE_CODEC_FORMATS:
             raise DecodeOptionsError(f"decode state codec must be one of {STATE_CODEC_FORMATS}, got {self.codec!r}")
+        if self.codec_block and (self.codec not in BLOCK_CODEC_FORMATS or self.block_v != self.codec_block):
+            raise DecodeOptionsError(f"a decode state codec with blocks of {self.codec_block} values takes "
+                                     f"{BLOCK_CODEC_FORMATS} and a value tile of the block, got {self.codec!r}, "
+                                     f"block_v {self.block_v}")
         if self.readout not in READOUTS:
             raise DecodeOptionsError(f"spec x.readout must be one of {READOUTS}, got {self.readout!r}")
         if self.decay_log_step is not None and not (math.isfinite(self.decay_log_step) and self.decay_log_step > 0):
@@ -118,13 +125,17 @@ class DecodeOptions:
             raise DecodeOptionsError(f"spec {spec}: decode-phase kernels round the state only; the prefix runs the "
                                      f"exact recurrence, so {what} cannot be applied (not implemented)")
         codec_text = spec.quant_map.get("state")
-        codec, block_v = None, DEFAULT_BLOCK_V
+        codec, block_v, codec_block = None, DEFAULT_BLOCK_V, 0
         if codec_text is not None:
             cfg = QuantConfig.parse(codec_text)
-            if cfg.format not in STATE_CODEC_FORMATS or cfg.group != "tile" or cfg.ste != "identity":
+            tile = cfg.format in STATE_CODEC_FORMATS and cfg.group == "tile"
+            block = cfg.format in BLOCK_CODEC_FORMATS and cfg.group == "block"
+            if not (tile or block) or cfg.ste != "identity":
                 raise DecodeOptionsError(f"spec {spec}: the decode state codec must be one of "
-                                         f"{[f + '/tile<BV>' for f in STATE_CODEC_FORMATS]}, got {codec_text!r}")
-            codec, block_v = cfg.format, cfg.block_v
+                                         f"{[f + '/tile<BV>' for f in STATE_CODEC_FORMATS]} or "
+                                         f"{[f + '/block<N>' for f in BLOCK_CODEC_FORMATS]}, got {codec_text!r}")
+            codec = cfg.format
+            block_v, codec_block = (cfg.block_v, 0) if tile else (cfg.block_size, cfg.block_size)
         factor = extra.get("replay_factor_qdq", "0")
         if factor not in ("0", "1"):
             raise DecodeOptionsError(f"spec {spec}: x.replay_factor_qdq must be 0 or 1, got {factor!r}")
@@ -137,7 +148,7 @@ class DecodeOptions:
             step = extra.get("decay_log_step")
             window = extra.get("replay_window")
             return DecodeOptions(
-                mode=spec.phase, codec=codec, block_v=block_v, readout=extra.get("readout", "working"),
+                mode=spec.phase, codec=codec, block_v=block_v, codec_block=codec_block, readout=extra.get("readout", "working"),
                 decay_log_step=None if step is None else float(step),
                 window=1 if window is None else int(window),
                 factor_format="none" if factor == "0" else ("fp8_e4m3" if codec == "fp8_e4m3" else "int8"),

@@ -25,6 +25,7 @@ applies. The order of operations inside a step does not matter here (fp64).
 Codecs (state tiles [K x BV] per sequence and head; NUMERICS.md):
     fp8_e4m3  s = amax/448 (1 if amax = 0); E4M3 round-to-nearest-even of clamp(x/s, ±448); * s
     int8      s = amax/127 (1 if amax = 0); clamp(round_half_even(x/s), ±127) * s
+    fp8_e4m3 / int8 with block<N> groups: the same, one scale per key row and N values along V
     int8_h32  y = x H32 (per key row, 32 values); s = fp16(max(amax_32/127, 6e-8));
               clamp(round_half_away(y/s), ±127) * s, then H32 (orthonormal, its own inverse)
 Factor rounding (replay, x.factor_qdq): k_t one scale over K; u_t one scale per BV tile of V.
@@ -98,13 +99,15 @@ def qdq_int8_h32(x: torch.Tensor) -> torch.Tensor:
     return (yq @ h).reshape(*lead, V)
 
 
-def qdq_state(S: torch.Tensor, codec: str, block_v: int) -> torch.Tensor:
-    """Round a state [HV, K, V] with one codec scale group per [K x block_v] tile per head."""
+def qdq_state(S: torch.Tensor, codec: str, block_v: int, codec_block: int = 0) -> torch.Tensor:
+    """Round a state [HV, K, V] with one codec scale group per [K x block_v] tile per head, or (``codec_block``
+    N > 0) per key row and N values along V."""
     HV, K, V = S.shape
     if codec == "int8_h32":
         return qdq_int8_h32(S)  # its groups (32 values of one key row) lie inside every tile
     fn = qdq_fp8 if codec == "fp8_e4m3" else qdq_int8
-    tiles = [fn(S[..., j:j + block_v], dims=(1, 2)) for j in range(0, V, block_v)]
+    width, dims = (codec_block, (2,)) if codec_block else (block_v, (1, 2))
+    tiles = [fn(S[..., j:j + width], dims=dims) for j in range(0, V, width)]
     return torch.cat(tiles, dim=-1)
 
 
@@ -152,7 +155,7 @@ def delta_rule_decode_reference(
 
     def codec(S):
         if options.codec is not None:
-            S = ste(S, qdq_state(S.detach(), options.codec, options.block_v))
+            S = ste(S, qdq_state(S.detach(), options.codec, options.block_v, options.codec_block))
         return S if cache == "float32" else ste(S, round_to_cache(S.detach(), cache))
 
     def factor(x, block):

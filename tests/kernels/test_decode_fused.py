@@ -1,8 +1,11 @@
-"""The fused Triton decode kernels (interpreter on CPU) against the fp64 decode reference.
+"""The decode-phase variant (chunked prefix, fused Triton decode suffix; interpreter on CPU) against the fp64
+decode reference.
 
-Forward (outputs, final state) and the gradient of every input, across token / replay
-modes, codecs, readouts, the decay grid, layouts, grouped heads, partial tiles, empty
-prefixes and suffixes, padding and packed sequences.
+Forward (outputs, final state) and the gradient of every input, across token / replay modes, codecs (per tile
+and per key row x block), readouts, the decay grid, layouts, grouped heads, partial tiles, empty prefixes and
+suffixes, padding and packed sequences; through the training path (the forward stores the suffix's checkpoints,
+the backward reads them) with blocks of 4 tokens, so that every suffix spans several backward blocks and the
+persistent backward grid takes several blocks per program; and the backward without them (it recomputes).
 """
 from pathlib import Path
 
@@ -10,7 +13,9 @@ import pytest
 import torch
 
 from la_compiler.kernels import sources
+from la_compiler.kernels.decode import suffix
 from la_compiler.kernels.decode.fused import decode_fused_backward, decode_fused_forward
+from la_compiler.kernels.decode.phased import residual_numel
 from la_compiler.kernels.decode.options import decode_options
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.registry import get_variant
@@ -39,6 +44,12 @@ CASES = {
     "kda-token-fp8-packed": ("kda", "token", "fp8_e4m3/tile16", {"readout": "stored"}, "kv", True, 1, 12, 1, 2, 4,
                              16, [2, 0, 0], [5, 0, 6], [0, 5, 5, 12]),
     "kda-token-exact": ("kda", "token", None, {}, "kv", True, 1, 6, 1, 1, 4, 8, [2], [6], None),
+    # one scale per key row and 16 values (two value tiles), V-first memory, stored readout, grouped heads
+    "gdn-token-int8-block16-vk-stored": ("gdn", "token", "int8/block16", {"readout": "stored"}, "vk", True,
+                                         2, 11, 1, 2, 4, 32, [3, 0], [11, 9], None),
+    "kda-replay-fp8-block16-factors": ("kda", "replay", "fp8_e4m3/block16",
+                                       {"replay_window": "3", "replay_factor_qdq": "1"}, "kv", False,
+                                       1, 10, 1, 1, 4, 32, [1], [10], None),
     "gdn-token-fp8-grid-packed": ("gdn", "token", "fp8_e4m3/tile16", {"decay_log_step": "0.0625"}, "vk", True,
                                   1, 13, 1, 2, 4, 16, [1, 0, 3], [4, 0, 8], [0, 4, 4, 13]),
     # serving profiles: the state tile V-first in registers (vLLM's order), the cache dtype at every write
@@ -46,6 +57,8 @@ CASES = {
                                           [3, 0, 1], [6, 4, 2], [0, 6, 10, 12]),
     "kda-serving-fp16-cache-fp8-kv": ("kda", "token", "fp8_e4m3/tile16", {**SERVING_BF16, "state_dtype": "float16"},
                                       "kv", True, 2, 7, 1, 1, 4, 16, [2, 0], [7, 5], None),
+    "gdn-serving-bf16-cache-int8-block16": ("gdn", "token", "int8/block16", SERVING_BF16, "vk", True,
+                                            1, 9, 1, 1, 4, 32, [2], [9], None),
 }
 
 
@@ -54,15 +67,22 @@ def _spec(kind, phase, fmt, extras, layout):
                           quant=(("state", fmt),) if fmt else (), extra=tuple(sorted(extras.items())))
 
 
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(suffix, "CHECKPOINT_EVERY", 4)
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_fused_decode_matches_reference(case):
+def test_fused_decode_matches_reference(case, small_blocks):
     kind, phase, fmt, extras, layout, use_h0, B, T, H, HV, K, V, prefill, valid, cu = CASES[case]
     spec = _spec(kind, phase, fmt, extras, layout)
     (q, k, v, g, beta, h0), cu_t = random_inputs(kind, B=B, T=T, H=H, HV=HV, K=K, V=V, initial_state=use_h0,
                                                  cu_seqlens=cu, state_layout=layout)
     pre, val = torch.tensor(prefill, dtype=torch.int32), torch.tensor(valid, dtype=torch.int32)
     scale = K ** -0.5
-    o, ht = decode_fused_forward(spec, q, k, v, g, beta, h0, cu_t, scale, prefill_lengths=pre, valid_lengths=val)
+    residual = torch.full((residual_numel(spec, q, v, cu_t),), float("nan"))
+    o, ht = decode_fused_forward(spec, q, k, v, g, beta, h0, cu_t, scale, prefill_lengths=pre, valid_lengths=val,
+                                 save_to=residual)
     ro, rh = delta_rule_decode_reference(q, k, v, g, beta, kind=kind, options=decode_options(spec),
                                          prefill_lengths=prefill, valid_lengths=valid, scale=scale,
                                          initial_state=h0, cu_seqlens=cu_t, state_layout=layout)
@@ -73,7 +93,7 @@ def test_fused_decode_matches_reference(case):
     assert rel_l2(o, ro) < tol and rel_l2(ht, rh) < tol, (rel_l2(o, ro), rel_l2(ht, rh))
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     grads = decode_fused_backward(spec, q, k, v, g, beta, h0, cu_t, scale, do, dht, prefill_lengths=pre,
-                                  valid_lengths=val)
+                                  valid_lengths=val, saved=residual)
     leaves = [x for x in (q, k, v, g, beta, h0) if x is not None]
     want = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(), leaves)
     assert (grads[5] is None) == (h0 is None)
@@ -100,7 +120,7 @@ def test_selection_picks_the_fused_kernel_for_decode_specs_and_honours_implement
 
 def test_kernels_are_specialized_per_spec_by_constexprs_and_viewable():
     from la_compiler.kernels.decode import kernels
-    from la_compiler.kernels.decode.fused import DecodeParams
+    from la_compiler.kernels.decode.suffix import DecodeParams
 
     replay = _spec("gdn", "replay", "int8_h32/tile32", {"replay_window": "4", "replay_factor_qdq": "1"}, "vk")
     token = _spec("kda", "token", "fp8_e4m3/tile64", {"readout": "stored"}, "kv")
@@ -126,21 +146,42 @@ def test_fused_decode_rejects_bad_lengths():
                              valid_lengths=torch.tensor([4]))
 
 
-@pytest.mark.parametrize("kind,cu", [("kda", None), ("gdn", [0, 3, 3, 10])], ids=["kda", "gdn-packed"])
-def test_decay_grid_pass_rounds_the_suffix_only(kind, cu):
-    """The pre-pass against torch: round-half-even of g / step at t >= prefill, g untouched in the prefix."""
-    from la_compiler.kernels.decode.fused import _decay_on_grid
+def test_backward_without_the_forward_checkpoints_recomputes_them():
+    """The backward called without ``saved`` (no training forward before it) runs the forward again: same grads."""
+    spec = _spec("kda", "token", "int8/block16", {}, "kv")
+    (q, k, v, g, beta, h0), _ = random_inputs("kda", B=2, T=9, H=1, HV=1, K=4, V=32, initial_state=True)
+    pre, val = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([9, 8], dtype=torch.int32)
+    residual = torch.empty(residual_numel(spec, q, v, None))
+    o, ht = decode_fused_forward(spec, q, k, v, g, beta, h0, None, 0.5, prefill_lengths=pre, valid_lengths=val,
+                                 save_to=residual)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    lengths = dict(prefill_lengths=pre, valid_lengths=val)
+    kept = decode_fused_backward(spec, q, k, v, g, beta, h0, None, 0.5, do, dht, saved=residual, **lengths)
+    again = decode_fused_backward(spec, q, k, v, g, beta, h0, None, 0.5, do, dht, **lengths)
+    for a, b in zip(kept, again):
+        assert torch.equal(a, b)
 
-    (q, k, v, g, beta, _), cu_t = random_inputs(kind, B=1 if cu else 2, T=10, H=1, HV=2, K=4, V=16, cu_seqlens=cu)
-    g = g * 3  # several grid steps wide
-    pre = torch.tensor([2, 0, 4] if cu else [2, 7], dtype=torch.int32)
-    n = pre.numel()
-    got = _decay_on_grid(g.contiguous(), 0.125, None if cu is None else cu_t.to(torch.int32), pre, n, g.shape[1])
-    bounds = cu if cu else [0, 10, 20]
-    flat_g, flat_got = g.reshape(-1, *g.shape[2:]), got.reshape(-1, *g.shape[2:])
-    for i in range(n):
-        for t in range(bounds[i + 1] - bounds[i]):
-            x = flat_g[bounds[i] + t].float()
-            want = torch.round(x / 0.125) * 0.125 if t >= pre[i] else x
-            assert torch.equal(flat_got[bounds[i] + t], want), (i, t)
-    assert not torch.equal(got, g.float())  # the grid moved something
+
+def test_block_codec_is_not_the_tile_codec():
+    """One INT8 scale per key row x 16 values is not one per [K x 16] tile: with key rows of different magnitudes
+    the two differ by far more than the kernel's distance from the block reference (a kernel ignoring the group
+    would fail the reference comparison above)."""
+    (q, k, v, g, beta, h0), _ = random_inputs("gdn", B=1, T=8, H=1, HV=1, K=4, V=16, initial_state=True)
+    k = k * torch.tensor([1.0, 0.01, 3.0, 0.1])  # key rows of the state at very different magnitudes
+    pre, val = torch.tensor([2], dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    outs = {}
+    for fmt in ("int8/block16", "int8/tile16"):
+        spec = _spec("gdn", "token", fmt, {"readout": "stored"}, "kv")
+        outs[fmt] = delta_rule_decode_reference(q, k, v, g, beta, kind="gdn", options=decode_options(spec),
+                                                prefill_lengths=[2], valid_lengths=[8], scale=0.5, initial_state=h0)
+        o, ht = decode_fused_forward(spec, q, k, v, g, beta, h0, None, 0.5, prefill_lengths=pre, valid_lengths=val)
+        assert rel_l2(ht, outs[fmt][1]) < 1e-5
+    assert rel_l2(outs["int8/block16"][1], outs["int8/tile16"][1]) > 1e-3
+
+
+def test_decay_grid_rounds_every_suffix_decay():
+    """The pre-pass against torch: round-half-even of g / step, in fp32."""
+    g = torch.randn(3, 10, 2, 4) * 0.3
+    got = suffix.decay_on_grid(g, 0.125)
+    assert torch.equal(got, torch.round(g / 0.125) * 0.125)
+    assert suffix.decay_on_grid(g, None) is g

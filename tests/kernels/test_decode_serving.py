@@ -69,7 +69,7 @@ def test_selection_runs_serving_specs_on_the_serving_variant():
 
 def test_the_token_recurrence_kernel_refuses_a_serving_spec():
     spec = _spec("kda", "kv", "bfloat16").replace(kernel="auto")
-    with pytest.raises(KernelSelectionError, match="chunked prefill"):
+    with pytest.raises(KernelSelectionError, match="runs on decode_serving"):
         select_kernel(spec, device="cpu", dtype=torch.float32, head_k=16, head_v=16, requested="decode_fused")
 
 

@@ -13,7 +13,7 @@ from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.common import cache
 from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.kernels.decode import kernels as decode_kernels
-from la_compiler.kernels.decode.fused import DecodeParams
+from la_compiler.kernels.decode.suffix import DecodeParams
 from la_compiler.kernels.sources import kernel_module_for_spec
 from la_compiler.options import cache_dir
 
@@ -46,30 +46,37 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 
 def test_decode_kernels_are_one_module_specialized_by_constexprs(tmp_path, monkeypatch, capsys):
-    """Every decode spec runs decode/kernels.py, and what the spec fixes is its
-    tl.constexpr values (DecodeParams.constants()), one set per spec, which laqat source prints with the file."""
+    """Every decode spec runs decode/kernels.py for its suffix (and the chunk stage modules for its prefix), and
+    what the spec fixes is their tl.constexpr values (DecodeParams.constants(), then the prefix's as "prefix
+    <NAME>"), one set per spec, which laqat source prints with the files."""
     from la_compiler.cli import main
 
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
     specs = {(k, s): DECODE_SPEC.format(kind=k, state=s) for k, s in (("gdn", "kv"), ("kda", "kv"), ("gdn", "vk"))}
     for spec in specs.values():
-        assert sources.kernel_modules_for_spec(spec) == {"forward and backward": decode_kernels}
+        modules = sources.kernel_modules_for_spec(spec)
+        assert next(iter(modules.items())) == ("suffix (decode) forward and backward", decode_kernels)
+        assert all(role.startswith("prefix (chunk) ") for role in list(modules)[1:]) and len(modules) > 1
     path = Path(decode_kernels.__file__)
     assert sources.path_of(specs["gdn", "kv"]) == path
     text = sources.source_of(specs["gdn", "kv"])
     assert text == path.read_text() and "def decode_fwd_kernel" in text and "def decode_bwd_kernel" in text
     assert inspect.getsourcefile(decode_kernels.decode_fwd_kernel.fn) == str(path)
     values = {key: sources.constexprs_of_spec(spec) for key, spec in specs.items()}
-    assert len({tuple(sorted(v.items())) for v in values.values()}) == 3  # one specialization per spec
-    assert values["gdn", "kv"] == DecodeParams.from_spec(specs["gdn", "kv"]).constants()
+    suffix_values = {key: {n: x for n, x in v.items() if not n.startswith("prefix ")} for key, v in values.items()}
+    assert len({tuple(sorted(v.items())) for v in suffix_values.values()}) == 3  # one specialization per spec
+    assert suffix_values["gdn", "kv"] == DecodeParams.from_spec(specs["gdn", "kv"]).constants()
     assert values["gdn", "kv"]["IS_KDA"] is False and values["kda", "kv"]["IS_KDA"] is True
+    assert values["kda", "kv"]["prefix KDA"] is True and values["gdn", "kv"]["prefix STATE_Q"] == ""  # exact prefix
     assert values["gdn", "kv"]["STATE_VK"] is False and values["gdn", "vk"]["STATE_VK"] is True
     assert values["gdn", "kv"]["CODEC"] == 1  # q.state=fp8_e4m3
-    # a spec field the kernels do not depend on (src, chunk) gives the same values
+    # a spec field the kernels do not depend on (src) gives the same values
     assert sources.constexprs_of_spec(specs["gdn", "kv"].replace("src=user", "src=fla")) == values["gdn", "kv"]
     assert main(["source", specs["kda", "kv"], "--paths"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"suffix (decode) forward and backward: {path}"
     listed = ", ".join(f"{name}={value!r}" for name, value in values["kda", "kv"].items())
-    assert capsys.readouterr().out.splitlines() == [f"forward and backward: {path}", f"constexpr: {listed}"]
+    assert lines[-1] == f"constexpr: {listed}"
     assert main(["source", specs["kda", "kv"]]) == 0
     out = capsys.readouterr().out
     assert "# specialized by the spec with tl.constexpr IS_KDA=True, STATE_VK=False, CODEC=1" in out and text in out

@@ -254,17 +254,35 @@ def test_phase_lengths(case):
 
 
 @pytest.mark.parametrize("case", PHASED_CASES, ids=str)
-def test_delta_rule_phased(case):
+def test_delta_rule_phased_train(case):
     with la_compiler.phase(*PREFILL[case.varlen]):
-        opcheck("delta_rule_phased", _phased_args(case, grad=True))
+        opcheck("delta_rule_phased_train", _phased_args(case, grad=True))
+
+
+@pytest.mark.parametrize("case", PHASED_CASES, ids=str)
+def test_delta_rule_phased_eval(case):
+    with la_compiler.phase(*PREFILL[case.varlen]):
+        opcheck("delta_rule_phased_eval", _phased_args(case, grad=False))
 
 
 @pytest.mark.parametrize("case", PHASED_CASES, ids=str)
 def test_delta_rule_phased_backward(case):
+    """From the residual its training forward keeps (the decode suffix's checkpoints; empty for the reference)."""
     with la_compiler.phase(*PREFILL[case.varlen]):
-        q, k, v, g, beta, h0, cu, prefill, valid, scale, spec = _phased_args(case, grad=False)
+        args = _phased_args(case, grad=False)
+        q, k, v, g, beta, h0, cu, prefill, valid, scale, spec = args
+        _, _, residual = torch.ops.laqat.delta_rule_phased_train(*args)
         do, dht = cotangents(case, q, v, cu)
-        opcheck("delta_rule_phased_backward", (do, dht, q, k, v, g, beta, h0, cu, prefill, valid, scale, spec))
+        opcheck("delta_rule_phased_backward",
+                (do, dht, residual, q, k, v, g, beta, h0, cu, prefill, valid, scale, spec))
+
+
+@pytest.mark.parametrize("case", PHASED_CASES[::2], ids=str)
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
+def test_delta_rule_phased(case, grad):
+    """The composite (delta_rule_phased_train where a gradient flows, else delta_rule_phased_eval)."""
+    with la_compiler.phase(*PREFILL[case.varlen]):
+        opcheck("delta_rule_phased", _phased_args(case, grad=grad))
 
 
 # ---- FLA's convolution and norms (passes/frontends/fla_conv_op.py, fla_norm_op.py) -------------

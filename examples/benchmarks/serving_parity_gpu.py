@@ -36,7 +36,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401
-from la_compiler.kernels.decode import fused as decode_fused  # noqa: E402
+from la_compiler.kernels.decode import suffix as decode_suffix  # noqa: E402
 from la_compiler.kernels.registry import get_variant  # noqa: E402
 from la_compiler.policy import Policy, load_policy  # noqa: E402
 from la_compiler.spec import RecurrenceSpec  # noqa: E402
@@ -91,13 +91,13 @@ def parity(vllm, kind, cfg, cache, T=4096, H=16, D=128, prefix=2048, device="cud
     mantissa = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[cache]
     row = {"kind": kind, "cache": str(cache).removeprefix("torch."), "spec": spec.to_string()}
     for label, warps in (("vllm_warps", None), ("4_warps", 4)):
-        decode_fused.NUM_WARPS = warps
+        decode_suffix.NUM_WARPS = warps
         try:
             o, ht = get_variant("decode_serving").forward(spec, q, k, v, g, beta, None, None, D ** -0.5,
                                                           prefill_lengths=torch.tensor([prefix], device=device),
                                                           valid_lengths=torch.tensor([T], device=device))
         finally:
-            decode_fused.NUM_WARPS = None
+            decode_suffix.NUM_WARPS = None
         ht = ht.transpose(-1, -2)
         pre, suf = o[0, :prefix], o[0, prefix:]
         pre_ref, suf_ref = o_ref[0, :prefix], o_ref[0, prefix:]

@@ -133,6 +133,21 @@ def load_decay(p_g, m_k, IS_KDA: tl.constexpr):
 
 
 @triton.jit
+def load_token(q, k, v, g, beta, i_tok, i_h, i_hv, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
+    """One token's q, k [BK], v [BV], beta and log-decay (a [BK] vector for KDA, a scalar for GDN), in fp32."""
+    b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
+    if IS_KDA:
+        b_g = load_decay(g + (i_tok * HV + i_hv) * K + o_k, m_k, IS_KDA)
+    else:
+        b_g = load_decay(g + i_tok * HV + i_hv, m_k, IS_KDA)
+    return b_q, b_k, b_v, b_beta, b_g
+
+
+@triton.jit
 def decay_factor(b_g, IS_KDA: tl.constexpr, VFIRST: tl.constexpr):
     """exp(g): a scalar (GDN) or a [BK] vector broadcast over the tile (KDA)."""
     if IS_KDA:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from la_compiler.kernels.common.qdq import qdq_log_grid
-from la_compiler.kernels.decode.device import (along_k, along_v, decay_factor, is_write, load_decay, round_factor,
+from la_compiler.kernels.decode.device import (along_k, along_v, decay_factor, is_write, load_token, round_factor,
                                                 round_state, state_offsets, sum_k, sum_v, token_update)
 
 
@@ -75,21 +75,17 @@ def decode_fwd_kernel(
     b_h = round_state(b_h, CODEC, CODEC_BLOCK, CACHE, BK, BV, VFIRST)  # the handoff
     if SAVE_CKPT:
         first_block = tl.load(block_offsets + i_n).to(tl.int64)
+    # the next token's inputs are loaded while this one computes (they do not depend on the state)
+    b_q, b_k, b_v, b_beta, b_g = load_token(q, k, v, g, beta, bos, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V, IS_KDA)
     for t in range(0, L):
+        n_q, n_k, n_v, n_beta, n_g = load_token(q, k, v, g, beta, bos + tl.minimum(t + 1, L - 1), i_h, i_hv, o_k,
+                                                o_v, m_k, m_v, H, HV, K, V, IS_KDA)
         if SAVE_CKPT:
             if t % CK == 0:
                 i_tile = ((first_block + t // CK) * HV + i_hv) * NV + i_v
                 tl.store(ckpt + i_tile * BK * BV + o_c, b_h)
         i_tok = bos + t
-        b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-        if IS_KDA:
-            p_g = g + (i_tok * HV + i_hv) * K + o_k
-        else:
-            p_g = g + i_tok * HV + i_hv
-        b_g = load_decay(p_g, m_k, IS_KDA)
+        b_q = b_q * scale
         b_ha, b_w, b_kf, b_uf, b_hb = token_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA, REPLAY, FACTOR, VFIRST)
         b_new = b_hb
         if is_write(t, window, REPLAY):
@@ -100,12 +96,13 @@ def decode_fwd_kernel(
             b_o = sum_k(b_hb * along_k(b_q, VFIRST), VFIRST)
         tl.store(o + (i_tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         b_h = b_new
+        b_q, b_k, b_v, b_beta, b_g = n_q, n_k, n_v, n_beta, n_g
     tl.store(ht + i_nh * K * V + o_h, b_h, mask=m_h)
 
 
 @triton.jit
 def decode_dstate_kernel(
-    q, k, g, beta, do, dht, dh_end, dh0, cu_seqlens, block_offsets,
+    q, k, v, g, beta, do, dht, dh_end, dh0, cu_seqlens, block_offsets,
     scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr, IS_KDA: tl.constexpr, STATE_VK: tl.constexpr, REPLAY: tl.constexpr, FACTOR: tl.constexpr,
@@ -132,27 +129,27 @@ def decode_dstate_kernel(
     o_c = along_k(tl.arange(0, BK), VFIRST) * BV + along_v(tl.arange(0, BV), VFIRST)
 
     b_dh = tl.load(dht + i_nh * K * V + o_h, mask=m_h, other=0.0).to(tl.float32)
+    # the previous token's inputs are loaded while this one computes (they do not depend on the state gradient)
+    b_q, b_k, _, b_beta, b_g = load_token(q, k, v, g, beta, bos + L - 1, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V,
+                                          IS_KDA)
+    b_do = tl.load(do + ((bos + L - 1) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     for i_r in range(0, L):
         t = L - 1 - i_r
+        i_prev = bos + tl.maximum(t - 1, 0)
+        n_q, n_k, _, n_beta, n_g = load_token(q, k, v, g, beta, i_prev, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V,
+                                              IS_KDA)
+        n_do = tl.load(do + (i_prev * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         if (t == L - 1) | ((t + 1) % CK == 0):
             i_tile = ((first_block + t // CK) * HV + i_hv) * NV + i_v
             tl.store(dh_end + i_tile * BK * BV + o_c, b_dh)
-        i_tok = bos + t
-        b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-        b_do = tl.load(do + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        if IS_KDA:
-            p_g = g + (i_tok * HV + i_hv) * K + o_k
-        else:
-            p_g = g + i_tok * HV + i_hv
-        b_g = load_decay(p_g, m_k, IS_KDA)
+        b_q = b_q * scale
         b_kf = b_k
         if REPLAY and FACTOR != 0:
             b_kf = round_factor(b_k, FACTOR)
         b_dhb = b_dh + along_k(b_q, VFIRST) * along_v(b_do, VFIRST)
         b_dw = b_beta * sum_k(b_dhb * along_k(b_kf, VFIRST), VFIRST)
         b_dh = (b_dhb - along_k(b_k, VFIRST) * along_v(b_dw, VFIRST)) * decay_factor(b_g, IS_KDA, VFIRST)
+        b_q, b_k, b_beta, b_g, b_do = n_q, n_k, n_beta, n_g, n_do
     tl.store(dh0 + i_nh * K * V + o_h, b_dh, mask=m_h)
 
 
@@ -194,15 +191,8 @@ def decode_bwd_kernel(
         b_h = tl.load(ckpt + i_tile + o_c)
         for t in range(t0, t1):
             tl.store(p_sc + (t - t0) * BK * BV + o_c, b_h)
-            i_tok = bos + t
-            b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-            if IS_KDA:
-                p_g = g + (i_tok * HV + i_hv) * K + o_k
-            else:
-                p_g = g + i_tok * HV + i_hv
-            b_g = load_decay(p_g, m_k, IS_KDA)
+            b_q, b_k, b_v, b_beta, b_g = load_token(q, k, v, g, beta, bos + t, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV,
+                                                    K, V, IS_KDA)
             b_ha, b_w, b_kf, b_uf, b_hb = token_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA, REPLAY, FACTOR, VFIRST)
             if is_write(t, window, REPLAY):
                 b_hb = round_state(b_hb, CODEC, CODEC_BLOCK, CACHE, BK, BV, VFIRST)
@@ -214,15 +204,9 @@ def decode_bwd_kernel(
             t = t1 - 1 - j
             b_h = tl.load(p_sc + (t - t0) * BK * BV + o_c)
             i_tok = bos + t
-            b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-            if IS_KDA:
-                p_g = g + (i_tok * HV + i_hv) * K + o_k
-            else:
-                p_g = g + i_tok * HV + i_hv
-            b_g = load_decay(p_g, m_k, IS_KDA)
+            b_q, b_k, b_v, b_beta, b_g = load_token(q, k, v, g, beta, i_tok, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV,
+                                                    K, V, IS_KDA)
+            b_q = b_q * scale
             b_ha, b_w, b_kf, b_uf, b_hb = token_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA, REPLAY, FACTOR, VFIRST)
             b_r = b_hb
             if READ_STORED:

@@ -8,8 +8,8 @@
 
 One program per (sequence, value head, value tile of BV columns) in the serial kernels. BV is the codec's scale
 group where it has one (``[K x BV]`` tiles; blocks of N values: BV = N), so every rounding group lies inside one
-program; without a codec, and for int8_h32 (groups of 32 values of one key row), 32 columns: more programs for the
-serial scan. What the spec fixes of the kernels is ``DecodeParams.constants()``, passed by name at every launch
+program (int8_h32: its tile, inside which its 32-value groups and replay's factor groups lie); without a codec,
+32 columns: more programs for the serial scan. What the spec fixes of the kernels is ``DecodeParams.constants()``, passed by name at every launch
 (``laqat source SPEC`` shows the file and those values).
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ CACHE_IDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 CHECKPOINT_EVERY = 32  # tokens per backward block (one checkpoint each, and CK states of scratch per program)
 MAX_HEAD_DIM = 256
 NUM_WARPS: int | None = None  # None: 4 up to 4096 state elements per program, else 8 (benchmarks may override)
-PROGRAMS_PER_SM = 4  # the backward's persistent grid: programs per multiprocessor (each holds CK states of scratch)
-UNCODED_BLOCK_V = 32  # value columns per program without a codec scale group (int8_h32: its 32-value groups)
+PROGRAMS_PER_SM = 4  # the backward's persistent grid: at most this many programs per multiprocessor, and
+SCRATCH_BYTES = 128 * 2**20  # at most this much scratch (CK states per program), but at least one per multiprocessor
+UNCODED_BLOCK_V = 32  # value columns per program without a state codec
 # A serving profile's forward launches as vLLM 0.33 launches its decode kernels (value tiles of at most 32
 # columns; fused_recurrent_gated_delta_rule_packed_decode: 1 warp, fused_recurrent_kda_packed_decode: 4), so
 # that Triton lays the state tile out, and orders the sums over K, as it does for vLLM's kernels.
@@ -102,11 +103,9 @@ def _constants(params: DecodeParams, kernel: str) -> dict:
 
 # ---- geometry ----------------------------------------------------------------------------------
 def tiles(K: int, V: int, opts: DecodeOptions) -> tuple[int, int]:
-    """(BK, BV): the state tile of one program; BV is the codec's scale group where there is one."""
-    if opts.codec is None or opts.codec == "int8_h32":
-        BV = UNCODED_BLOCK_V
-    else:
-        BV = opts.block_v
+    """(BK, BV): the state tile of one program; BV is the codec's tile (its scale group, or for int8_h32 the
+    replay factors' group) where there is a codec."""
+    BV = UNCODED_BLOCK_V if opts.codec is None else opts.block_v
     return triton.next_power_of_2(K), BV if V >= BV else triton.next_power_of_2(V)
 
 
@@ -220,10 +219,12 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
     return o, ht
 
 
-def _backward_programs(work: int, device) -> int:
+def _backward_programs(work: int, state_bytes: int, device) -> int:
+    """Programs of the backward's persistent grid (``state_bytes``: one program's scratch)."""
     if device.type != "cuda" or interpreter():
         return max(1, min(work, 4))
-    return max(1, min(work, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(work, PROGRAMS_PER_SM * sms, max(sms, SCRATCH_BYTES // state_bytes)))
 
 
 def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoints: torch.Tensor):
@@ -255,11 +256,11 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
     dv = torch.empty((1, total, HV, V), dtype=f32, device=dev)
     if n:
         kernels.decode_dstate_kernel[(NV, n * HV)](
-            q, k, g, beta, do, dht.contiguous(), dh_end, d_handoff, cu, blocks.offsets, float(scale),
+            q, k, v, g, beta, do, dht.contiguous(), dh_end, d_handoff, cu, blocks.offsets, float(scale),
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_constants(params, "decode_dstate_kernel"),
             num_warps=_serial_warps(params, BK, BV))
         work = blocks.count * HV * NV
-        programs = _backward_programs(work, dev)
+        programs = _backward_programs(work, CHECKPOINT_EVERY * BK * BV * 4, dev)
         scratch = torch.empty(programs * CHECKPOINT_EVERY * BK * BV, dtype=f32, device=dev)
         kernels.decode_bwd_kernel[(programs,)](
             q, k, v, g, beta, checkpoints, dh_end, scratch, cu, blocks.offsets, blocks.sequence, do,

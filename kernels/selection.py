@@ -21,6 +21,12 @@ class KernelSelectionError(RuntimeError):
     """No kernel variant implements this spec on this device."""
 
 
+class NoFastKernelError(KernelSelectionError):
+    """On CUDA only the fp64 torch reference implements a spec on inputs the Triton kernels take (not float64, head
+    dims they hold): the lower pass refuses where the policy did not pin that reference (docs/policy.md, "Kernel
+    selection"); the message names the layer, the spec field that keeps the Triton kernels off, and what to do."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Selection:
     variant: str
@@ -42,6 +48,13 @@ ORDER: tuple[str, ...] = (
     "decode_fused",
     "decode_reference",
     "reference",
+)
+
+# The Triton variants that walk each sequence token by token: T dependent steps where the chunk kernels run T / chunk.
+# On CUDA the lower pass warns where one runs a long sequence that the policy did not pin (docs/policy.md). (The
+# decode-phase variants are not here: they chunk the prefix; the decode suffix is token by token by definition.)
+TOKEN_BY_TOKEN: tuple[str, ...] = (
+    "fused_recurrent",
 )
 
 

@@ -28,6 +28,9 @@ _LAZY = {
     "RecurrenceSpec": "la_compiler.spec",
     "RecurrenceSplitError": "la_compiler.ddp_buckets",
     "laqat_backend": "la_compiler.backend",
+    "SlowKernelWarning": "la_compiler.errors",
+    "NoFastKernelError": "la_compiler.kernels.selection",
+    "KernelSelectionError": "la_compiler.kernels.selection",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -38,7 +38,7 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
     timed("annotate", annotate, gm, policy, record, part_of_model=any((module_prefixes or {}).values()),
           tuning=tuning)
     timed("verify", verify_ir, gm)
-    timed("lower", lower, gm)
+    timed("lower", lower, gm, record)
     timed("phase", split_phases, gm)
     gm.graph.lint()
     gm.recompile()

@@ -25,7 +25,7 @@ def test_table_is_data_one_row_a_line():
 
 
 def test_no_variant_fits_is_an_error_naming_every_candidate():
-    spec = RecurrenceSpec(kind="gdn", phase="token", quant=(("state", "int8/block32"),),
+    spec = RecurrenceSpec(kind="gdn", phase="token", quant=(("state", "int8/tensor"),),
                           extra=(("readout", "working"),))
     with pytest.raises(KernelSelectionError) as info:
         choose(spec)

@@ -1,9 +1,12 @@
 """Shared benchmark helpers. ``ensure_la_compiler``: make ``la_compiler`` importable from this
 checkout when it is not pip-installed (e.g. on a
 GPU machine with only torch, triton and FLA), mapping kernels/ and passes/ as pyproject's
-package-dir does. Benchmarks call ``ensure_la_compiler()`` before importing laqat."""
+package-dir does. Benchmarks call ``ensure_la_compiler()`` before importing laqat. ``Marks``: time points of
+one call (CUDA events); ``fla_gdn_guard_lifted``: FLA's GDN chunk backward past its Hopper guard, timing only."""
+import contextlib
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,20 +66,23 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def start_cuda_run(script: str, *sections: str):
-    """Common start of a GPU benchmark: exit unless CUDA is there, seed 0, create $OUT (default ./out).
-    Returns ($OUT as a Path, the result dict: device, torch, triton and an empty list per section)."""
+def start_cuda_run(script: str, *sections: str, cpu_ok: bool = False):
+    """Common start of a GPU benchmark: exit unless CUDA is there (``cpu_ok``: a CPU smoke run goes on), seed 0,
+    create $OUT (default ./out). Returns ($OUT as a Path, the result dict: device, torch, triton and an empty list
+    per section)."""
     import os
 
     import torch
     import triton
 
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda and not cpu_ok:
         sys.exit(f"{script} needs a CUDA device")
     torch.manual_seed(0)
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "triton": triton.__version__}
     result.update({name: [] for name in sections})
     return out, result
 
@@ -100,3 +106,62 @@ def kernel_times(fn, repeats=3) -> dict:
         if t > 0:
             times[e.key[:80]] = times.get(e.key[:80], 0.0) + t / 1000 / repeats
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:10])
+
+
+def sync() -> None:
+    """Wait for the device (CUDA); nothing elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Marks:
+    """Time points of one call on the device's timeline: ``mark()`` records one (a CUDA event; perf_counter without
+    CUDA), ``ms()`` waits for the device and returns the milliseconds between consecutive points."""
+
+    def __init__(self):
+        import torch
+
+        self.cuda = torch.cuda.is_available()
+        self.points = []
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def ms(self) -> list:
+        sync()
+        pairs = zip(self.points[:-1], self.points[1:])
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1000 for a, b in pairs]
+
+
+def fla_gdn_blocker():
+    """Why FLA's GDN chunk backward refuses this machine (FLA's Hopper guard), or None."""
+    from la_compiler.kernels.fla.chunk_variant import gdn_backward_blocker
+
+    return gdn_backward_blocker()
+
+
+@contextlib.contextmanager
+def fla_gdn_guard_lifted(lift: bool = True):
+    """FLA's GDN chunk backward past its guard (Triton >= 3.4, < 3.7.1 on Hopper miscompiles chunk_bwd_dqkwg): wrong
+    gradients, real time; timing only, as chunk_bench.py --lift-fla-gdn-guard. ``lift=False``: no change."""
+    if not lift:
+        yield
+        return
+    import fla.ops.common.chunk_o as fla_chunk_o
+
+    saved, fla_chunk_o.TRITON_ABOVE_3_7_1 = fla_chunk_o.TRITON_ABOVE_3_7_1, True
+    try:
+        yield
+    finally:
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = saved

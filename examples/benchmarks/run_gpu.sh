@@ -15,10 +15,13 @@
 #              [8,4096,16,128], and the setting rows there (residual modes)
 #   chunk-kda  the same for KDA, and head_k 256 at [1,4096,16,256]
 #   decode     decode_bench.py: the decode kernels' accuracy against the fp64 decode reference, then KDA
-#              [1,257,4,128] fwd+bwd per policy at 4 and 8 warps against FLA's chunk_kda, kernels split
+#              [1,257,4,128] prefix 64 and [2,4096,8,128] prefix 2048 fwd+bwd per policy at 4 and 8 warps against FLA's
+#              chunk_kda, kernels split; then (kernels31) every decode mode and serving recipe, GDN and KDA, at
+#              [1,4096,16,128] prefix 2048 against FLA's chunk fwd+bwd and fused recurrent forward, timed interleaved
 #   recurrent  recurrent_vs_fla.py: the fused recurrent kernels' exactness, then both kinds against FLA's kernels
-#   model      model_bench.py: FLA's causal LMs, one training step per row, one process per family; then the exact
-#              rows' gradients against the fp32 oracle
+#   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
+#              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
+#              gradients against the fp32 oracle
 #   train      train_fp8_state_gpu.py (a GDN + KDA model trains through the chunk kernels with an FP8 state) and
 #              compiled_step_vs_eager.py (compiled FLA models' training step against eager)
 #
@@ -96,7 +99,8 @@ suite_chunk-kda() {
 }
 
 suite_decode() {
-  part accuracy-and-timing 540 python3 $B/decode_bench.py --num-warps 4 8 --profile
+  part accuracy-and-timing 540 python3 $B/decode_bench.py --sections accuracy timing --num-warps 4 8 --profile
+  part kernels31 540 python3 $B/decode_bench.py --sections compare --rounds 30 --budget-s 500
 }
 
 suite_recurrent() {
@@ -104,8 +108,9 @@ suite_recurrent() {
 }
 
 suite_model() {
-  part kda 540 python3 $B/model_bench.py --family kda --no-oracle
-  part gdn 540 python3 $B/model_bench.py --family gdn --no-oracle
+  part recipes-kda 540 python3 $B/model_bench.py --family kda --no-oracle --rounds 10 --budget-s 480
+  part recipes-gdn 540 python3 $B/model_bench.py --family gdn --no-oracle --rounds 10 --budget-s 480 \
+    --lift-fla-gdn-guard
   part gradients 540 python3 $B/model_bench.py --family gdn kda --rows "laqat exact"
 }
 
@@ -119,7 +124,7 @@ MODE=run
 case ${1:-} in
   --list) MODE=list; shift; [ $# -gt 0 ] || set -- "${SUITES[@]}" ;;
   --dry-run) MODE=dry; shift ;;
-  ""|-h|--help) sed -n '2,34p' "$0"; exit 2 ;;
+  ""|-h|--help) sed -n '2,33p' "$0"; exit 2 ;;
 esac
 [ $# -gt 0 ] || { echo "name a suite: ${SUITES[*]} (or --list)" >&2; exit 2; }
 for item in "$@"; do

@@ -167,3 +167,66 @@ def test_the_gpu_suites_call_existing_scripts_with_rows_and_cases_they_know():
     assert bad.returncode == 2 and "no part 'nothing'" in bad.stderr
     bad = subprocess.run(["bash", str(script), "speed"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown suite 'speed'" in bad.stderr
+
+
+def test_interleaved_model_rows_and_the_decode_comparison_become_records_and_tables(tmp_path):
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "decode").mkdir()
+    (out / "machine.json").write_text(json.dumps({"device": "GPU X", "gpus": 1, "torch": "2.11", "commit": "1234567"}))
+    (out / "model" / "command.txt").write_text("python3 examples/benchmarks/model_bench.py --family gdn\n")
+    (out / "decode" / "command.txt").write_text("python3 examples/benchmarks/decode_bench.py --sections timing compare\n")
+    shape = {"layers": 4, "hidden": 1024, "heads": 8, "head_dim": 128, "batch": 2, "seq": 4096, "vocab": 32000,
+             "warmup": 2, "rounds": 10}
+    model = {"device": "GPU X", "timing": "interleaved", "shape": shape, "skipped": [], "rows": [
+        {"model": "gdn", "row": "eager FLA", "step_ms": 40.0, "x_eager": 1.0, "x_laqat_exact": 1.25,
+         "peak_extra_mib": 2500, "first_step_s": 1.5, "loss": 10.5, "rounds": 10, "step_ms_rounds": [40.0] * 10,
+         "note": "FLA's GDN chunk backward past its guard, timing only: refused"},
+        {"model": "gdn", "row": "laqat exact", "step_ms": 32.0, "x_eager": 0.8, "x_laqat_exact": 1.0,
+         "peak_extra_mib": 2400, "first_step_s": 4.0, "loss": 10.5, "nodes": 4, "kernels": "chunk", "rounds": 10},
+        {"model": "gdn", "row": "laqat state_int8_block32", "error": "build: NoFastKernelError: reference only"}]}
+    (out / "model" / "model_bench.json").write_text(json.dumps(model))
+    decode = {"device": "GPU X", "accuracy": [], "timing": [
+        {"impl": "FLA chunk_kda (exact)", "policy": "exact", "ms": 9.0, "extra_mib": 100.0, "x_fla": 1.0,
+         "kind": "kda", "shape": [2, 4096, 8, 128], "prefix": 2048},
+        {"impl": "laqat decode_fused (num_warps=8)", "policy": "token", "ms": 45.0, "extra_mib": 120.0, "x_fla": 5.0,
+         "kind": "kda", "shape": [2, 4096, 8, 128], "prefix": 2048},
+        {"impl": "laqat decode_fused (num_warps=8)", "policy": "token", "ms": 5.1, "extra_mib": 12.0, "x_fla": 1.6}],
+        "compare": {"kinds": ["gdn"], "shape": [1, 4096, 16, 128], "prefix": 2048, "dtype": "bfloat16", "rounds": 30,
+                    "rows": [
+                        {"kind": "gdn", "row": "FLA chunk exact", "kernel": "FLA", "fwd_ms": 0.5, "bwd_ms": 1.5,
+                         "fb_ms": 2.0, "fb_x_fla": 1.0, "note": "backward past FLA's guard, timing only"},
+                        {"kind": "gdn", "row": "FLA fused_recurrent fwd (suffix)", "kernel": "FLA", "fwd_ms": 4.0},
+                        {"kind": "gdn", "row": "token", "kernel": "decode_fused", "spec": "gdn[phase=token]",
+                         "fwd_ms": 8.0, "bwd_ms": 12.0, "fb_ms": 20.0, "fb_x_fla": 10.0, "fwd_x_fla_recurrent": 2.0,
+                         "o_rel_l2_vs_fla_chunk": 0.031},
+                        {"kind": "gdn", "row": "replay", "error": "warm-up: RuntimeError: no"}]}}
+    (out / "decode" / "decode_bench.json").write_text(json.dumps(decode))
+    records = record.collect(out, "2027-01-02-01")
+    models = {r["row"]: r for r in records if r["benchmark"] == "model"}
+    assert models["laqat exact"]["config"] == {**shape, "timing": "interleaved"}
+    assert models["laqat exact"]["figures"] == {"step_ms": 32.0, "x_eager": 0.8, "x_laqat_exact": 1.0,
+                                                "peak_extra_mib": 2400, "first_step_s": 4.0, "loss": 10.5, "nodes": 4,
+                                                "kernels": "chunk", "rounds": 10}
+    assert models["eager FLA"]["note"].startswith("FLA's GDN chunk backward past its guard")
+    assert models["laqat state_int8_block32"]["figures"] == {"error": "build: NoFastKernelError: reference only"}
+    timing = {(tuple(r["shape"]), r["prefix"], r["row"]) for r in records if r["benchmark"] == "decode"}
+    assert timing == {((2, 4096, 8, 128), 2048, "FLA chunk_kda exact"), ((2, 4096, 8, 128), 2048, "token"),
+                      ((1, 257, 4, 128), 64, "token")}  # a row without a shape: a run before there were two
+    compare = {r["row"]: r for r in records if r["benchmark"] == "decode-compare"}
+    assert set(compare) == {"FLA chunk exact", "FLA fused_recurrent fwd (suffix)", "token", "replay"}
+    assert compare["token"]["kernel"] == "decode_fused" and compare["token"]["shape"] == [1, 4096, 16, 128]
+    assert compare["token"]["figures"]["fb_x_fla"] == 10.0 and compare["replay"]["figures"] == {
+        "error": "warm-up: RuntimeError: no"}
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    assert record.append(records, folder) == {"model.jsonl": 3, "decode.jsonl": 7}
+    page = render.render(render.load(folder), [])
+    assert "| GDN | laqat exact | 32.00 | 0.80 | 1.00 | 2400 | - | 4.0 | 10.5000 | chunk |  | 2027-01-02-01 |" in page
+    assert "median over 10 rounds of one step of every row" in page
+    assert "KDA [1,257,4,128] bfloat16, prefix 64" in page and "KDA [2,4096,8,128] bfloat16, prefix 2048" in page
+    assert ("| GDN | token | decode_fused | 8.000 | 12.000 | 20.000 | 10.00 | - | - | 2.00 | - | 3.1e-2 |  | "
+            "2027-01-02-01 |") in page
+    assert page.index("| GDN | FLA chunk exact |") < page.index("| GDN | FLA fused_recurrent fwd (suffix) |") \
+        < page.index("| GDN | token |") < page.index("| GDN | replay |")

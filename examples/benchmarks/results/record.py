@@ -102,12 +102,20 @@ def chunk_bench(data: dict, head: dict) -> list[dict]:
 
 
 def model_bench(data: dict, head: dict) -> list[dict]:
+    """One record per row. Interleaved runs (``timing``: every row's step once per round) have ``rounds`` in the
+    config, ``x_eager`` / ``x_laqat_exact`` (ratios within the run) and ``peak_extra_mib`` (the step's peak above
+    what was allocated before it); earlier runs ``steps`` and ``peak_mib`` (the peak allocation, weights included)."""
     args = data.get("shape", {})
-    config = {k: args[k] for k in ("layers", "hidden", "heads", "head_dim", "batch", "seq", "vocab", "warmup", "steps")
-              if k in args}
-    keys = ("step_ms", "peak_mib", "first_step_s", "loss", "nodes", "kernels", "graphs", "grad_rel_max", "error")
+    keys = ["layers", "hidden", "heads", "head_dim", "batch", "seq", "vocab", "warmup"]
+    keys += ["rounds"] if data.get("timing") == "interleaved" else ["steps"]
+    config = {k: args[k] for k in keys if k in args}
+    if data.get("timing") == "interleaved":
+        config["timing"] = "interleaved"
+    keys = ("step_ms", "x_eager", "x_laqat_exact", "peak_mib", "peak_extra_mib", "first_step_s", "loss", "nodes",
+            "kernels", "graphs", "grad_rel_max", "rounds", "compiles_in_rounds", "decode_phase", "error")
     return [{"benchmark": "model", **head, "model": r["model"], "config": config, "dtype": "bfloat16", "row": r["row"],
-             "figures": {k: r[k] for k in keys if k in r}} for r in data.get("rows", [])]
+             "figures": {k: r[k] for k in keys if k in r}, **_drop_none({"note": r.get("note")})}
+            for r in data.get("rows", [])]
 
 
 def decode_bench(data: dict, head: dict) -> list[dict]:
@@ -133,9 +141,22 @@ def decode_bench(data: dict, head: dict) -> list[dict]:
             row = r["policy"]
         figures = _drop_none({"fb_ms": r["ms"], "fb_x_fla": r.get("x_fla"), "fb_mib": r.get("extra_mib")})
         figures = {k: v for k, v in figures.items() if v == v}  # NaN: not measured
-        out.append({"benchmark": "decode", **head, "kind": "kda", "shape": [1, 257, 4, 128], "prefix": 64,
-                    "dtype": "bfloat16", "row": row, **({"num_warps": int(warps.group(1))} if warps else {}),
+        out.append({"benchmark": "decode", **head, "kind": r.get("kind", "kda"),  # runs before 2 shapes: 1 shape
+                    "shape": r.get("shape", [1, 257, 4, 128]), "prefix": r.get("prefix", 64), "dtype": "bfloat16",
+                    "row": row,
+                    **({"num_warps": int(warps.group(1))} if warps else {}),
                     "figures": figures, **({"note": r["impl"]} if "given" in r["impl"] else {})})
+    compare = data.get("compare") or {}
+    keys = ("fwd_ms", "bwd_ms", "fb_ms", "fb_x_fla", "fwd_x_fla", "bwd_x_fla", "fwd_x_fla_recurrent", "extra_mib",
+            "o_rel_l2_vs_fla_chunk", "rounds", "error")
+    for r in compare.get("rows", []):
+        figures = {k: r[k] for k in keys if k in r}
+        if not figures:
+            continue
+        out.append({"benchmark": "decode-compare", **head, "kind": r["kind"], "shape": compare["shape"],
+                    "prefix": compare["prefix"], "dtype": compare.get("dtype", "bfloat16"), "row": r["row"],
+                    **_drop_none({"kernel": r.get("kernel"), "spec": r.get("spec")}), "figures": figures,
+                    **_drop_none({"note": r.get("note")})})
     return out
 
 
@@ -188,7 +209,7 @@ CONVERTERS = {"chunk_bench.json": chunk_bench, "model_bench.json": model_bench, 
               "recurrent_vs_fla.json": recurrent_vs_fla, "train_fp8_state_gpu.json": train_fp8_state_gpu}
 FILES = {"chunk": "chunk.jsonl", "chunk-kernels": "chunk_kernels.jsonl", "chunk-exactness": "chunk_exactness.jsonl",
          "fla-equality": "fla_equality.jsonl", "model": "model.jsonl", "decode": "decode.jsonl",
-         "decode-accuracy": "decode.jsonl", "recurrent": "recurrent.jsonl", "recurrent-exactness": "recurrent.jsonl",
+         "decode-accuracy": "decode.jsonl", "decode-compare": "decode.jsonl", "recurrent": "recurrent.jsonl", "recurrent-exactness": "recurrent.jsonl",
          "train": "train.jsonl", "compiled-step": "train.jsonl", "qdq": "qdq.jsonl", "comparison": "comparisons.jsonl"}
 
 

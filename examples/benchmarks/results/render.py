@@ -21,6 +21,8 @@ REQUIRED = ("benchmark", "run", "date", "machine", "versions", "command", "figur
 CHUNK_ROWS = ("FLA exact", "laqat exact", "laqat FP8 state", "laqat INT8 state", "laqat FP8 state + W",
               "laqat FP8 all sites", "laqat NVFP4 operands", "fp32 torch chunk emulation (FP8 state)")
 SHAPES = ((8, 4096, 16, 128), (1, 4096, 16, 128), (1, 1024, 4, 64), (1, 4096, 16, 256))
+COMPARE_ORDER = ("FLA chunk exact", "FLA fused_recurrent fwd (suffix)", "laqat chunk exact", "token",
+                 "token-int8-block32", "replay", "replay-h32", "vllm_gdn_state_bf16", "vllm_kda_state_bf16")
 
 
 class RecordError(ValueError):
@@ -231,17 +233,43 @@ def decode_section(records) -> list[str]:
     out += ["fp32 against the fp64 decode reference (every gradient within 1e-3), the stored final state element by "
             "element:", ""]
     out += table(["case", "worst gradient", "which", "final-state flips", "run"], lines)
-    timing = latest(of(records, "decode"), lambda r: (r["row"], r.get("num_warps") or 0))
-    lines = []
-    for (row, warps), r in sorted(timing.items(), key=lambda kv: (kv[0][0].startswith("torch"), kv[0])):
-        f = r["figures"]
-        lines.append([row, str(warps or "-"), fmt(f["fb_ms"]), fmt(f.get("fb_x_fla")), fmt(f.get("fb_mib"), "{:.1f}"),
-                      r["run"] + notes.mark(r)])
-    shape = next(iter(timing.values()))
-    out += [f"{shape['kind'].upper()} {shape_text(shape['shape'])} {shape['dtype']}, prefix {shape['prefix']}, "
-            "fwd+bwd ms of `laqat::delta_rule_phased` (decode_fused) per policy, FLA's chunk_kda exact and the fp32 "
-            "torch reference:", ""]
-    out += table(["row", "warps", "f+b ms", "x FLA", "extra MiB", "run"], lines)
+    timing = latest(of(records, "decode"), lambda r: (r["kind"], tuple(r["shape"]), r["prefix"], r["row"],
+                                                      r.get("num_warps") or 0))
+    groups = {}
+    for (kind, shape, prefix, row, warps), r in timing.items():
+        groups.setdefault((kind, shape, prefix), []).append(((row, warps), r))
+    for _, group in sorted(groups.items()):
+        lines = []
+        for (row, warps), r in sorted(group, key=lambda kv: (kv[0][0].startswith("torch"), kv[0])):
+            f = r["figures"]
+            lines.append([row, str(warps or "-"), fmt(f["fb_ms"]), fmt(f.get("fb_x_fla")),
+                          fmt(f.get("fb_mib"), "{:.1f}"), r["run"] + notes.mark(r)])
+        shape = group[0][1]
+        out += [f"{shape['kind'].upper()} {shape_text(shape['shape'])} {shape['dtype']}, prefix {shape['prefix']}, "
+                "fwd+bwd ms of `laqat::delta_rule_phased` (decode_fused) per policy, FLA's chunk_kda exact and the "
+                "fp32 torch reference:", ""]
+        out += table(["row", "warps", "f+b ms", "x FLA", "extra MiB", "run"], lines)
+    compare = latest(of(records, "decode-compare"), lambda r: (r["kind"], tuple(r["shape"]), r["prefix"], r["row"]),
+                     lambda r: "fb_ms" in r["figures"] or "fwd_ms" in r["figures"])
+    groups = {}
+    for (kind, shape, prefix, _), r in compare.items():
+        groups.setdefault((shape, prefix), []).append(r)
+    for (shape, prefix), group in sorted(groups.items()):
+        out += [f"{shape_text(shape)} {group[0]['dtype']}, prefix {prefix}: the decode modes through "
+                "`laqat::delta_rule_phased` and laqat's exact chunk kernels against FLA's exact chunk kernel (fwd+bwd) "
+                "and FLA's fused recurrent forward over the suffix (`--sections compare`); medians over interleaved "
+                "rounds in one run, x FLA per part, x rec the forward over FLA's fused recurrent forward:", ""]
+        lines = []
+        for r in sorted(group, key=lambda r: (r["kind"], COMPARE_ORDER.index(r["row"]) if r["row"] in COMPARE_ORDER
+                                               else len(COMPARE_ORDER), r["row"])):
+            f = r["figures"]
+            lines.append([r["kind"].upper(), r["row"], r.get("kernel", "-"), fmt(f.get("fwd_ms"), "{:.3f}"),
+                          fmt(f.get("bwd_ms"), "{:.3f}"), fmt(f.get("fb_ms"), "{:.3f}"), fmt(f.get("fb_x_fla")),
+                          fmt(f.get("fwd_x_fla")), fmt(f.get("bwd_x_fla")), fmt(f.get("fwd_x_fla_recurrent")),
+                          fmt(f.get("extra_mib"), "{:.1f}"), err(f.get("o_rel_l2_vs_fla_chunk")),
+                          (str(f.get("error", ""))[:80]), r["run"] + notes.mark(r)])
+        out += table(["kind", "row", "kernel", "fwd ms", "bwd ms", "f+b ms", "x FLA f+b", "x FLA fwd", "x FLA bwd",
+                      "x rec fwd", "extra MiB", "o rel L2 vs FLA", "error", "run"], lines)
     return out + notes.lines()
 
 
@@ -262,21 +290,34 @@ def model_section(records) -> list[str]:
     rows = of(records, "model")
     best = latest(rows, lambda r: (r["model"], r["row"]), lambda r: "step_ms" in r["figures"])
     config = rows[-1]["config"]
+    if config.get("timing") == "interleaved":
+        timing = (f"the median over {config['rounds']} rounds of one step of every row (rotating order, each step "
+                  f"alone on the device) after a first step and {config['warmup']} warm-up steps per row; x eager and "
+                  "x exact are ratios to the eager FLA and laqat exact rows of the same run; extra MiB the step's peak "
+                  "allocation above what was allocated before it, peak MiB (earlier runs) the peak allocation. Rows of "
+                  "runs before the interleaved timing moved by up to 30 % between runs: their ratios hold within "
+                  "their run only.")
+    else:
+        timing = (f"the median of {config['steps']} steps after {config['warmup']} warm-up steps. Step times of one "
+                  "row moved by up to 30 % between runs: ratios hold within one run.")
     out = ["## The model benchmark (`model_bench.py`, docs/model-bench.md)", "",
            f"FLA's causal LMs, one training step (forward with labels, backward, AdamW), bf16: {config['layers']} "
            f"layers, hidden {config['hidden']}, {config['heads']} heads of {config['head_dim']}, vocabulary "
-           f"{config['vocab']}, B={config['batch']}, T={config['seq']}; the median of {config['steps']} steps after "
-           f"{config['warmup']} warm-up steps. Step times of one row moved by up to 30 % between runs: ratios hold "
-           "within one run.", ""]
+           f"{config['vocab']}, B={config['batch']}, T={config['seq']}; {timing}", ""]
+    optional = [(key, title, spec) for key, title, spec in (("x_eager", "x eager", "{:.2f}"),
+                                                            ("x_laqat_exact", "x exact", "{:.2f}"),
+                                                            ("peak_extra_mib", "extra MiB", "{:.0f}"))
+                if any(key in r["figures"] for r in best.values())]
     notes = Notes()
     lines = []
     for (model, row), r in sorted(best.items()):
         f = r["figures"]
-        lines.append([model.upper(), row, fmt(f.get("step_ms")), fmt(f.get("peak_mib"), "{:.0f}"),
-                      fmt(f.get("first_step_s"), "{:.1f}"), fmt(f.get("loss"), "{:.4f}"), f.get("kernels", "-"),
-                      (f.get("error", "")[:80] or ""), r["run"] + notes.mark(r)])
-    return out + table(["model", "row", "step ms", "peak MiB", "first step s", "loss", "kernels", "error", "run"],
-                       lines) + notes.lines()
+        lines.append([model.upper(), row, fmt(f.get("step_ms"))] + [fmt(f.get(k), spec) for k, _, spec in optional]
+                     + [fmt(f.get("peak_mib"), "{:.0f}"), fmt(f.get("first_step_s"), "{:.1f}"),
+                        fmt(f.get("loss"), "{:.4f}"), f.get("kernels", "-"), (f.get("error", "")[:80] or ""),
+                        r["run"] + notes.mark(r)])
+    return out + table(["model", "row", "step ms", *(title for _, title, _ in optional), "peak MiB", "first step s",
+                        "loss", "kernels", "error", "run"], lines) + notes.lines()
 
 
 def qdq_section(records) -> list[str]:
@@ -308,7 +349,7 @@ def unmeasured_section(items) -> list[str]:
 
 SECTIONS = ((("chunk",), chunk_section), (("chunk-kernels",), kernels_section),
             (("chunk-exactness",), exactness_section), (("fla-equality",), equality_section),
-            (("recurrent", "recurrent-exactness"), recurrent_section), (("decode", "decode-accuracy"), decode_section),
+            (("recurrent", "recurrent-exactness"), recurrent_section), (("decode", "decode-accuracy", "decode-compare"), decode_section),
             (("train", "compiled-step"), training_section), (("model",), model_section), (("qdq",), qdq_section),
             (("comparison",), comparisons_section))
 

@@ -197,14 +197,29 @@ def acc_row_sum(x, o_k, BK: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
 
 # ---- the state and W quantizers ----------------------------------------------------------------------
 @triton.jit
-def qdq_state(b_h, STATE_Q: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TS: tl.constexpr):
-    """The state quantizer on a [BK x BV] state tile: one scale per [K x BV] tile, or per [K x TS] sub-tile
-    where TS > 0 (the h stage holding all of V: ChunkParams.h_full_v); int8_h32 by rows of 32 along the
-    flattened tile. STATE_Q "": b_h unchanged."""
+def qdq_state(b_h, STATE_Q: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TS: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """The state quantizer on a [BK x BV] state tile (the kv view: key rows x value columns): one scale per
+    [K x BV] tile, or per [K x TS] sub-tile where TS > 0 (the h stage holding all of V: ChunkParams.h_full_v);
+    BLOCK N > 0 (the block<N> group): one scale per key row x N consecutive values, and per key row of the tile
+    where the tile is narrower than N (it then holds all of V; the columns past V are zeros); int8_h32 by rows of
+    32 along the flattened tile. STATE_Q "": b_h unchanged."""
     if STATE_Q == "int8_h32":
         return tl.reshape(qdq_int8_h32(tl.reshape(b_h, (BK * BV // 32, 32))), (BK, BV))
     elif STATE_Q == "":
         return b_h
+    elif BLOCK > 0:
+        if BV <= BLOCK:  # one block per key row of the tile
+            if STATE_Q == "fp8_e4m3":
+                return qdq_fp8_e4m3(b_h, fp8_scale(tl.max(amax_abs(b_h), axis=1))[:, None])
+            else:
+                return qdq_int8(b_h, int8_scale(tl.max(amax_abs(b_h), axis=1))[:, None])
+        else:
+            b_h3 = tl.reshape(b_h, (BK, BV // BLOCK, BLOCK))
+            if STATE_Q == "fp8_e4m3":
+                return tl.reshape(qdq_fp8_e4m3(b_h3, fp8_scale(tl.max(amax_abs(b_h3), axis=2))[:, :, None]), (BK, BV))
+            else:
+                return tl.reshape(qdq_int8(b_h3, int8_scale(tl.max(amax_abs(b_h3), axis=2))[:, :, None]), (BK, BV))
     elif TS == 0:
         if STATE_Q == "fp8_e4m3":
             return qdq_fp8_e4m3(b_h, fp8_scale(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))

@@ -7,8 +7,9 @@
 * ``Q_<SITE>_<SIDE>`` of each GEMM operand site (``OPERAND_SITES``): "" (off), "fp8_e4m3" / "int8" (one scale
   per row or column of the operand) or "nvfp4" (blocks of 16, a global amax);
 * ``ACC_<SITE>`` and ``ACC_<SITE>_BLOCK`` of each GEMM site: "" / "fp16" / "bf16", the reduction block (1 off);
-* ``STATE_Q`` ("", "fp8_e4m3", "int8", "int8_h32") and ``STATE_TS`` (the state tile's width where the h stage
-  holds all of V, else 0); ``W_Q`` ("", "fp8_e4m3", "int8", "nvfp4") and ``W_BLOCK`` (0: one scale per row;
+* ``STATE_Q`` ("", "fp8_e4m3", "int8", "int8_h32"), ``STATE_TS`` (the state tile's width where the h stage
+  holds all of V, else 0) and ``STATE_BLOCK`` (0: one scale per [K x BV] tile; N: one per key row x N values along
+  V, the state's ``block<N>`` group); ``W_Q`` ("", "fp8_e4m3", "int8", "nvfp4") and ``W_BLOCK`` (0: one scale per row;
   N: blocks of N columns); ``W_AMAX_PASS``: W's row amax spans every key block (row scales, NVFP4);
 * ``SOLVE`` ("blocked", "rows" (exact) or "neumann") and ``DEGREE`` (the Neumann degree, else 0);
 * ``SUB_CHUNK``: KDA's sub-chunk rows (``ChunkParams.sub_chunk``; the whole-row pair products' blocks);
@@ -51,6 +52,7 @@ def spec_constexprs(p: ChunkParams) -> dict:
         values[acc_name(site)], values[acc_name(site) + "_BLOCK"] = name, block
     values["STATE_Q"] = _format(p.state_quant)
     values["STATE_TS"] = (p.state_block_v or 0) if p.h_full_v and values["STATE_Q"] not in ("", "int8_h32") else 0
+    values["STATE_BLOCK"] = p.state_block
     w = None if p.w_quant is None else QuantConfig.parse(p.w_quant)
     values["W_Q"] = "" if w is None else w.format
     values["W_BLOCK"] = 0 if w is None or w.format == "nvfp4" or w.group == "row" else w.block_size

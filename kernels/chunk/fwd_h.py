@@ -51,12 +51,16 @@ def chunk_fwd_kernel_h(
     GDN_DECAYS_VALUES: tl.constexpr,
     STATE_Q: tl.constexpr,
     STATE_TS: tl.constexpr,
+    STATE_BLOCK: tl.constexpr,
 ):
     """The state recurrence over the chunks of one sequence (one program per value block x sequence x
     value head): h_n is stored (rounded) for the output stage; V_new = U - W h_n;
     h_n+1 = exp(G_C) h_n + (K ⊙ exp(G_C - G))^T V_new, then the state quantizer. kd: KDA's K ⊙ exp(G_C - G)
     from the intra stage. GDN applies its decay (one number per row) here, to K's rows, or to V_new's where no
-    state_update operand is rounded (GDN_DECAYS_VALUES)."""
+    state_update operand is rounded (GDN_DECAYS_VALUES). STATE_BLOCK N > 0: the state quantizer's scales are per
+    key row x N values, whole blocks in a value tile that is a multiple of N or holds all of V."""
+    tl.static_assert(STATE_BLOCK == 0 or BV % STATE_BLOCK == 0 or BV >= V,
+                     "the h stage's value tile must hold whole state blocks")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = (i_nh // HV).to(tl.int64), i_nh % HV
     i_h = i_hv // (HV // H)
@@ -84,7 +88,7 @@ def chunk_fwd_kernel_h(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh * K * V + o_state, mask=m_h, other=0).to(tl.float32)
-        b_h = qdq_state(b_h, STATE_Q, BK, BV, STATE_TS)
+        b_h = qdq_state(b_h, STATE_Q, BK, BV, STATE_TS, STATE_BLOCK)
 
     for i_t in range(0, tl.cdiv(seq_len, C)):
         tl.store(h + ((boh + i_t) * HV + i_hv) * K * V + o_h, cast_for(b_h, h, GEMM_PRECISION), mask=m_h)
@@ -135,7 +139,7 @@ def chunk_fwd_kernel_h(
                 b_vu = qdq_operand(b_v, 0.0, Q_STATE_UPDATE_RHS, 0, C, BV, False)
                 b_upd = acc_gemm(tl.trans(b_kd), b_vu, GEMM_PRECISION, C, ACC_STATE_UPDATE, ACC_STATE_UPDATE_BLOCK)
         b_h += b_upd
-        b_h = qdq_state(b_h, STATE_Q, BK, BV, STATE_TS)
+        b_h = qdq_state(b_h, STATE_Q, BK, BV, STATE_TS, STATE_BLOCK)
 
     tl.store(ht + i_nh * K * V + o_state, b_h, mask=m_h)
 
@@ -143,4 +147,4 @@ def chunk_fwd_kernel_h(
 KERNELS = {"h": chunk_fwd_kernel_h}
 SPEC_CONSTEXPRS = {"h": ("KDA", "STATE_VK", "Q_STATE_READ_RHS", "ACC_STATE_READ", "ACC_STATE_READ_BLOCK",
                          "Q_STATE_UPDATE_LHS", "Q_STATE_UPDATE_RHS", "ACC_STATE_UPDATE", "ACC_STATE_UPDATE_BLOCK",
-                         "FACTORED_STATE_UPDATE", "GDN_DECAYS_VALUES", "STATE_Q", "STATE_TS")}
+                         "FACTORED_STATE_UPDATE", "GDN_DECAYS_VALUES", "STATE_Q", "STATE_TS", "STATE_BLOCK")}

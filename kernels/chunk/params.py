@@ -26,6 +26,7 @@ def parse_acc(text: str) -> tuple[str, int]:
 
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
+STATE_BLOCK_FORMATS = ("fp8_e4m3", "int8")  # with group block<N>: one scale per key row x N values along V
 W_FORMATS = ("fp8_e4m3", "int8", "nvfp4")  # fp8/int8 with group row or block<N>; nvfp4/block16
 
 
@@ -57,9 +58,12 @@ class ChunkParams:
             raise KernelParamsError(f"chunk: solve must be exact or neumann with a degree, got {self.solve}/{self.degree}")
         if self.state_quant is not None:
             cfg = _parse(self.state_quant)
-            if cfg.format not in STATE_FORMATS or cfg.group != "tile" or cfg.ste != "identity":
+            tile = cfg.group == "tile" and cfg.format in STATE_FORMATS
+            block = cfg.group == "block" and cfg.format in STATE_BLOCK_FORMATS
+            if not (tile or block) or cfg.ste != "identity":
                 raise KernelParamsError(f"chunk: q.state={self.state_quant} is not implemented by the chunk kernels "
-                                   f"(they take {STATE_FORMATS} with tile<BV> groups and the identity STE)")
+                                   f"(they take {STATE_FORMATS} with tile<BV> groups, {STATE_BLOCK_FORMATS} with "
+                                   "block<N> groups, and the identity STE)")
         for site, fmt in self.operands:
             cfg = _parse(fmt)
             if site not in OPERAND_SITES:
@@ -99,7 +103,15 @@ class ChunkParams:
 
     @property
     def state_block_v(self) -> int | None:
+        """The state tile's width BV (group tile<BV>: the h stage's value tile is that tile), else None."""
         return None if self.state_quant is None else _parse(self.state_quant).block_v
+
+    @property
+    def state_block(self) -> int:
+        """N of a block<N> state quantizer (one scale per key row x N consecutive values along V), else 0. Any h-stage
+        value tile that is a multiple of N, or that holds all of V, holds whole blocks."""
+        cfg = None if self.state_quant is None else _parse(self.state_quant)
+        return cfg.block_size if cfg is not None and cfg.group == "block" else 0
 
     @classmethod
     def from_spec(cls, spec: RecurrenceSpec | str) -> "ChunkParams":

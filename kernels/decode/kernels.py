@@ -110,10 +110,10 @@ def decode_dstate_kernel(
 ):
     """The state gradient over one sequence's suffix, in reverse (identity through every rounding):
     dS_b = dS + (scale q) do^T;  dS <- Diag(exp g) (dS_b - k beta (k_f^T dS_b)).
-    It reads no forward state. dh_end [blocks, HV, NV, BK * BV] receives the gradient of the state leaving
-    every CK-token block; dh0 that of the handoff state (before its rounding: identity)."""
+    It reads no forward state and rounds nothing, so its value tile BV is free (narrow: many programs).
+    dh_end [blocks, HV, K, V] receives the gradient of the state leaving every CK-token block; dh0 that of the
+    handoff state (before its rounding: identity)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    NV = tl.num_programs(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -126,7 +126,7 @@ def decode_dstate_kernel(
     m_v = o_v < V
     m_h = along_k(m_k, VFIRST) & along_v(m_v, VFIRST)
     o_h = state_offsets(o_k, o_v, K, V, STATE_VK, VFIRST)
-    o_c = along_k(tl.arange(0, BK), VFIRST) * BV + along_v(tl.arange(0, BV), VFIRST)
+    o_e = along_k(o_k, VFIRST) * V + along_v(o_v, VFIRST)  # the tile in dh_end's [K, V]
 
     b_dh = tl.load(dht + i_nh * K * V + o_h, mask=m_h, other=0.0).to(tl.float32)
     # the previous token's inputs are loaded while this one computes (they do not depend on the state gradient)
@@ -140,8 +140,7 @@ def decode_dstate_kernel(
                                               IS_KDA)
         n_do = tl.load(do + (i_prev * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         if (t == L - 1) | ((t + 1) % CK == 0):
-            i_tile = ((first_block + t // CK) * HV + i_hv) * NV + i_v
-            tl.store(dh_end + i_tile * BK * BV + o_c, b_dh)
+            tl.store(dh_end + ((first_block + t // CK) * HV + i_hv) * K * V + o_e, b_dh, mask=m_h)
         b_q = b_q * scale
         b_kf = b_k
         if REPLAY and FACTOR != 0:
@@ -165,8 +164,8 @@ def decode_bwd_kernel(
 ):
     """Every CK-token block of every suffix independently (a persistent grid: each program takes work items
     (block, value head, value tile) in turn): the block's states recomputed from its checkpoint into the
-    program's scratch [CK, BK * BV], then the reverse recurrence from dh_end, the gradient of the state leaving
-    the block (identity gradient through every rounding). dq, dk, dg (KDA) and dbeta are this value tile's
+    program's scratch [CK, BK * BV], then the reverse recurrence from dh_end [blocks, HV, K, V], the gradient of
+    the state leaving the block (identity gradient through every rounding). dq, dk, dg (KDA) and dbeta are this value tile's
     shares ([NV, TOTAL, HV, ...]), summed outside; dv is whole."""
     i_prog = tl.program_id(0)
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -199,7 +198,9 @@ def decode_bwd_kernel(
             b_h = b_hb
         tl.debug_barrier()
         # the reverse recurrence over the block
-        b_dh = tl.load(dh_end + i_tile + o_c)
+        o_e = along_k(o_k, VFIRST) * V + along_v(o_v, VFIRST)
+        m_h = along_k(m_k, VFIRST) & along_v(m_v, VFIRST)
+        b_dh = tl.load(dh_end + (i_blk.to(tl.int64) * HV + i_hv) * K * V + o_e, mask=m_h, other=0.0)
         for j in range(0, t1 - t0):
             t = t1 - 1 - j
             b_h = tl.load(p_sc + (t - t0) * BK * BV + o_c)

@@ -32,7 +32,9 @@ CHECKPOINT_EVERY = 32  # tokens per backward block (one checkpoint each, and CK 
 MAX_HEAD_DIM = 256
 NUM_WARPS: int | None = None  # None: 4 up to 4096 state elements per program, else 8 (benchmarks may override)
 PROGRAMS_PER_SM = 4  # the backward's persistent grid: at most this many programs per multiprocessor, and
-SCRATCH_BYTES = 128 * 2**20  # at most this much scratch (CK states per program), but at least one per multiprocessor
+SCRATCH_BYTES = 256 * 2**20  # at most this much scratch (CK states per program), but at least one per multiprocessor
+DSTATE_BLOCK_V = 8  # value columns per program of the state-gradient walk (it rounds nothing), as FLA's
+DSTATE_NUM_WARPS = 1  # fused_recurrent kernels take them: the most programs for a serial scan
 UNCODED_BLOCK_V = 32  # value columns per program without a state codec
 # A serving profile's forward launches as vLLM 0.33 launches its decode kernels (value tiles of at most 32
 # columns; fused_recurrent_gated_delta_rule_packed_decode: 1 warp, fused_recurrent_kda_packed_decode: 4), so
@@ -246,7 +248,7 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
     blocks = blocks_of(_lengths(cu), dev)
     params = DecodeParams.from_spec(spec, v.dtype)
     f32 = torch.float32
-    dh_end = torch.empty(max(blocks.count, 1) * HV * NV * BK * BV, dtype=f32, device=dev)
+    dh_end = torch.empty(max(blocks.count, 1) * HV * K * V, dtype=f32, device=dev)
     d_handoff = torch.empty(dht.shape, dtype=f32, device=dev)
     # every element below is written by the kernels (each token of each suffix)
     dq = torch.empty((NV, total, HV, K), dtype=f32, device=dev)
@@ -255,10 +257,11 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
     dbeta = torch.empty((NV, total, HV), dtype=f32, device=dev)
     dv = torch.empty((1, total, HV, V), dtype=f32, device=dev)
     if n:
-        kernels.decode_dstate_kernel[(NV, n * HV)](
+        BV_d = min(DSTATE_BLOCK_V, triton.next_power_of_2(V))
+        kernels.decode_dstate_kernel[(triton.cdiv(V, BV_d), n * HV)](
             q, k, v, g, beta, do, dht.contiguous(), dh_end, d_handoff, cu, blocks.offsets, float(scale),
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_constants(params, "decode_dstate_kernel"),
-            num_warps=_serial_warps(params, BK, BV))
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV_d, CK=CHECKPOINT_EVERY, **_constants(params, "decode_dstate_kernel"),
+            num_warps=NUM_WARPS or DSTATE_NUM_WARPS)
         work = blocks.count * HV * NV
         programs = _backward_programs(work, CHECKPOINT_EVERY * BK * BV * 4, dev)
         scratch = torch.empty(programs * CHECKPOINT_EVERY * BK * BV, dtype=f32, device=dev)

@@ -13,11 +13,12 @@ import dataclasses
 
 import torch
 
+from la_compiler.error_base import LaqatError
 from la_compiler.kernels.registry import SelectionContext, get_variant, registered
 from la_compiler.spec import RecurrenceSpec
 
 
-class KernelSelectionError(RuntimeError):
+class KernelSelectionError(LaqatError, RuntimeError):
     """No kernel variant implements this spec on this device."""
 
 

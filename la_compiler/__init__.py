@@ -29,6 +29,10 @@ _LAZY = {
     "RecurrenceSplitError": "la_compiler.ddp_buckets",
     "laqat_backend": "la_compiler.backend",
     "SlowKernelWarning": "la_compiler.errors",
+    "LaqatError": "la_compiler.error_base",
+    "PolicyWarning": "la_compiler.policy_schema",
+    "UnmatchedPolicyRuleWarning": "la_compiler.policy_schema",
+    "NothingQuantizedWarning": "la_compiler.policy_schema",
     "NoFastKernelError": "la_compiler.kernels.selection",
     "KernelSelectionError": "la_compiler.kernels.selection",
 }

@@ -11,16 +11,21 @@ keep for the backward) goes into every node's spec (docs/options.md).
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
 (FLA substitutions) before Dynamo traces anything.
+
+Logging (``logging.getLogger(__name__)``, under ``la_compiler``; torch's ``TORCH_LOGS="+la_compiler"`` turns it on):
+each rewritten graph logs one DEBUG line per rewrite (module, kind, spec, kernel), per near miss and per policy
+note, and one INFO line with the graph's summary (``TORCH_LOGS="la_compiler"``).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable
 
 import torch
 
 from la_compiler.ddp_buckets import check_pieces
-from la_compiler.errors import is_laqat_error, through_dynamo
+from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
 from la_compiler.module_specialize import ModuleSpecializedGraph
 from la_compiler.options import DEFAULT_TUNING, OptionsError, TuningOptions
 from la_compiler.passes.frontends import install_trace_frontends
@@ -33,8 +38,10 @@ from la_compiler.record import CompileRecord
 
 COMPILERS = ("inductor", "eager")
 
+logger = logging.getLogger(__name__)
 
-class BackendOptionsError(ValueError):
+
+class BackendOptionsError(LaqatError, ValueError):
     """An ``options={...}`` key or value the laqat backend does not accept."""
 
 
@@ -100,13 +107,30 @@ def graph_break_of(gm: torch.fx.GraphModule) -> str:
     return f"{text} (at {where[0]})" if where else text
 
 
+def log_graph(record) -> None:
+    """What one rewritten graph holds, for ``TORCH_LOGS="+la_compiler"`` (DEBUG: every rewrite, near miss and
+    note) and ``TORCH_LOGS="la_compiler"`` (INFO: the summary)."""
+    for m in record.matches:
+        logger.debug("rewrote %s at %s (frontend %s): %s -> kernel %s", m.kind, m.module or "<top>", m.frontend,
+                     m.spec, m.kernel)
+    for n in record.near_misses:
+        logger.debug("near miss (%s frontend) at %s: %s", n.frontend, n.module or "<top>", n.reason)
+    for note in record.notes:
+        logger.debug("note: %s", note)
+    logger.info("graph %d: %d recurrence(s) rewritten (%s), %d near miss(es); policy %s (%s)%s", record.graph_id,
+                len(record.matches), ", ".join(f"{m.kind} at {m.module or '<top>'}" for m in record.matches) or "none",
+                len(record.near_misses), record.policy, record.policy_source,
+                f"; ended at a graph break: {record.graph_break}" if record.graph_break else "")
+
+
 def laqat_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
                   _record: CompileRecord | None = None) -> Callable:
     try:
         return _compile(gm, example_inputs, options, mode, _record)
     except Exception as e:
-        if is_laqat_error(e):  # as itself, not wrapped in Dynamo's BackendCompilerFailed
-            raise through_dynamo(e) from e.__cause__
+        inner = laqat_error_in(e)  # raised by laqat, or by a laqat op inside AOTAutograd's or Inductor's tracing
+        if inner is not None:  # as itself, not wrapped in Dynamo's BackendCompilerFailed
+            raise through_dynamo(inner) from inner.__cause__
         raise
 
 
@@ -124,6 +148,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         record.graph_break = graph_break_of(gm)
         record.policy, record.policy_source = policy.name, policy_source
         run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes, tuning=opts.tuning)
+        log_graph(record)
         return graph
 
     def hand_off(graph: torch.fx.GraphModule, inputs) -> Callable:

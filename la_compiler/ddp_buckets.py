@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from la_compiler.errors import LaqatError
 from la_compiler.ir import is_delta_rule
 from la_compiler.module_specialize import _pristine_copy as pristine_copy
 from la_compiler.passes.frontends import GRAPH_FRONTENDS
@@ -29,7 +30,7 @@ from la_compiler.passes.module_names import graph_module_names, root_prefixes
 from la_compiler.record import GraphRecord
 
 
-class RecurrenceSplitError(ValueError):
+class RecurrenceSplitError(LaqatError, ValueError):
     """DDPOptimizer split the graph inside a GDN/KDA recurrence."""
 
 

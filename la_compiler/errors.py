@@ -19,11 +19,28 @@ import warnings
 import torch
 from torch._dynamo.exc import ShortenTraceback
 
+from la_compiler.error_base import LaqatError
+
+__all__ = ["LaqatError", "SlowKernelWarning", "is_laqat_error", "laqat_error_in", "through_dynamo", "warn_at_caller"]
+
 _CLASSES: dict[type, type] = {}
 
 
 def is_laqat_error(error: BaseException) -> bool:
-    return type(error).__module__.split(".")[0] == "la_compiler"
+    return isinstance(error, LaqatError) or type(error).__module__.split(".")[0] == "la_compiler"
+
+
+def laqat_error_in(error: BaseException) -> BaseException | None:
+    """The laqat error ``error`` is or wraps (its ``__cause__`` / ``__context__`` chain, Dynamo's
+    ``inner_exception``), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if is_laqat_error(error):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or \
+            (None if error.__suppress_context__ else error.__context__)
+    return None
 
 
 def through_dynamo(error: Exception) -> Exception:
@@ -33,7 +50,8 @@ def through_dynamo(error: Exception) -> Exception:
         return error
     passing = _CLASSES.get(cls)
     if passing is None:
-        passing = _CLASSES[cls] = type(cls.__name__, (cls, ShortenTraceback),
+        bases = (cls, ShortenTraceback) if issubclass(cls, LaqatError) else (cls, LaqatError, ShortenTraceback)
+        passing = _CLASSES[cls] = type(cls.__name__, bases,
                                        {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     copy = passing.__new__(passing, *error.args)
     copy.args = error.args

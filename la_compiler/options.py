@@ -11,7 +11,8 @@
 
 Both option classes are frozen dataclasses validated in ``__post_init__``; a bad value is an ``OptionsError``
 naming the key. docs/options.md is generated from the fields below (``la_compiler.options_doc``).
-This module imports nothing of the project, so the spec types and the kernels can both depend on it.
+This module imports nothing of the project but ``la_compiler.suggest``, so the spec types and the kernels can
+both depend on it.
 """
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from la_compiler.error_base import LaqatError
+from la_compiler.suggest import did_you_mean
 
-class OptionsError(ValueError):
+
+class OptionsError(LaqatError, ValueError):
     """A numerics or tuning option, or its spec field, with a key or value laqat does not accept."""
 
 
@@ -49,7 +53,8 @@ class _Options:
         for f in dataclasses.fields(self):
             value, choices = getattr(self, f.name), f.metadata["choices"]
             if not any(_same(value, c) for c in choices):
-                raise OptionsError(f"{f.name}: must be one of {list(choices)}, got {value!r}")
+                raise OptionsError(f"{f.name}: must be one of {list(choices)}, got {value!r}"
+                                   f"{did_you_mean(value, choices)}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -67,7 +72,8 @@ class _Options:
                                f"{list(cls.keys())}, got {type(values).__name__} {values!r}")
         unknown = sorted(str(k) for k in values if k not in cls.keys())
         if unknown:
-            raise OptionsError(f"{key}{unknown[0]}: unknown key; allowed: {list(cls.keys())}")
+            raise OptionsError(f"{key}{unknown[0]}: unknown key; allowed: {list(cls.keys())}"
+                               f"{did_you_mean(unknown[0], cls.keys())}")
         try:
             return cls(**values)
         except OptionsError as e:

@@ -25,8 +25,10 @@ import sys
 import types
 from typing import Iterator, Sequence
 
+from la_compiler.error_base import LaqatError
 
-class PhaseError(ValueError):
+
+class PhaseError(LaqatError, ValueError):
     """Phase lengths that are not valid; the message names the argument."""
 
 

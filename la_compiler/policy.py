@@ -17,26 +17,41 @@ Contract used by the annotate pass:
     load_policy(None | Policy | dict | path | recipe name) -> Policy
     Policy.resolve(module, kind) -> Resolution
     Policy.unmatched_rules(seen: [(module, kind)]) -> list[str]
+
+Everything that does not depend on the model is checked when a policy is loaded (``from_dict``, hence files,
+recipes and attached policies): keys, values and combinations, and each ``quant_cfg`` entry's cfg at every quant
+site its glob can reach in some model (``reachable_sites``). A glob that can reach no laqat quantizer is an
+``UnmatchedPolicyRuleWarning`` at load time, with the closest quantizer names. What depends on the modules a rule
+meets (a ``state.block_v`` that another rule sets, a backend that cannot run a node) is checked at compile time.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
+import functools
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from la_compiler.policy_schema import (LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError, check_bool,
-                                       check_mapping, check_str, prefixed)
+from la_compiler.errors import warn_at_caller
+from la_compiler.policy_schema import (LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError,
+                                       UnmatchedPolicyRuleWarning, check_bool, check_mapping, check_str, prefixed)
 from la_compiler.quant import QuantConfig, QuantConfigError
 from la_compiler.recipes import recipe_names, recipe_path
 from la_compiler.spec import GEMM_SITES, KINDS
+from la_compiler.suggest import did_you_mean
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Policy", "PolicyError", "QuantRule", "ModuleRule", "Resolution", "load_policy", "quantizer_sites"]
 
 POLICY_VERSION = "laqat.policy/1"
-_TOP_KEYS = ("version", "name", "description", "quant_cfg", "linear_attention", "algorithm")
+TOP_KEYS = ("version", "name", "description", "quant_cfg", "linear_attention", "algorithm")
+QUANT_RULE_KEYS = ("quantizer_name", "cfg", "enable")
+MODULE_RULE_KEYS = ("module_name", "cfg")
 
 
 def quantizer_sites(kind: str) -> dict[str, str]:
@@ -49,6 +64,96 @@ def quantizer_sites(kind: str) -> dict[str, str]:
 
 def quantizer_name(module: str, quantizer: str) -> str:
     return f"{module}.{quantizer}" if module else quantizer
+
+
+def all_quantizers() -> dict[str, str]:
+    """Every laqat quantizer of either kind: quantizer name -> spec quant site."""
+    return {q: site for kind in KINDS for q, site in quantizer_sites(kind).items()}
+
+
+def reachable_quantizers(glob: str) -> dict[str, str]:
+    """The quantizers (name -> site) that the glob matches in some model: ``<quantizer>`` at the top, or
+    ``<module>.<quantizer>`` for a module name that the glob's own text spells before the quantizer part (its
+    wildcards filled in). A module name is dot-separated, with no empty part, no ``linear_attn_sites`` part and
+    none ending in ``_quantizer`` (those are quantizer names' own parts): ``*linear_attn_sites.*`` reaches the
+    GEMM operands only, ``*gdn*`` the GDN state and W."""
+    return dict(_reachable(glob))
+
+
+@functools.lru_cache(maxsize=512)
+def _reachable(glob: str) -> tuple[tuple[str, str], ...]:
+    modules = ("", *sorted(_module_witnesses(glob)))
+    return tuple((q, site) for q, site in all_quantizers().items()
+                 if any(fnmatch.fnmatchcase(quantizer_name(m, q), glob) for m in modules))
+
+
+def reachable_sites(glob: str) -> set[str]:
+    return set(reachable_quantizers(glob).values())
+
+
+def _glob_tokens(glob: str) -> list[str]:
+    """fnmatch's tokens: ``*``, ``?``, a ``[...]`` set, or one literal character (an unclosed ``[`` is literal)."""
+    tokens, i = [], 0
+    while i < len(glob):
+        if glob[i] == "[":
+            j = i + 1
+            if j < len(glob) and glob[j] == "!":
+                j += 1
+            if j < len(glob) and glob[j] == "]":
+                j += 1
+            j = glob.find("]", j)
+            if j >= 0:
+                tokens.append(glob[i:j + 1])
+                i = j + 1
+                continue
+        tokens.append(glob[i])
+        i += 1
+    return tokens
+
+
+def _module_witnesses(glob: str) -> set[str]:
+    """Module names that the part of ``glob`` before its quantizer part spells: the tokens before a literal dot, or
+    up to a ``*`` at the start or right after a dot (which then also begins the quantizer part), with ``*`` as
+    nothing (``x`` where nothing leaves an empty part), ``?`` and sets as one character they accept."""
+    tokens = _glob_tokens(glob)
+    heads = set()
+    for j, token in enumerate(tokens):
+        if token == ".":
+            heads.add(tuple(tokens[:j]))
+        elif token == "*" and (j == 0 or tokens[j - 1] == "."):
+            heads.add(tuple(tokens[:j + 1]))
+    out = set()
+    for head in heads:
+        for star in ("", "x"):  # "x" only where nothing leaves an empty part
+            name = "".join(star if t == "*" else _one_char(t) if t == "?" or len(t) > 1 else t for t in head)
+            parts = name.split(".")
+            if name and all(parts):
+                if not any("linear_attn_sites" in p or p.endswith("_quantizer") for p in parts):
+                    out.add(name)
+                break
+    return out
+
+
+def _one_char(token: str) -> str:
+    """A character that ``?`` or a ``[...]`` set accepts."""
+    return next((c for c in "xa0_" if fnmatch.fnmatchcase(c, token)), "x")
+
+
+def _glob_suggestions(glob: str) -> list[str]:
+    """The globs closest to ``glob`` that do reach a quantizer: its last dot-separated parts replaced by the
+    quantizer name they resemble most (``*gdn_state_quantiser`` -> ``*gdn_state_quantizer``)."""
+    scored = []
+    parts = glob.split(".")
+    for q in all_quantizers():
+        n = q.count(".") + 1
+        head, tail = ".".join(parts[:-n]), ".".join(parts[-n:])
+        literal = tail.lstrip("*?")
+        ratio = difflib.SequenceMatcher(None, literal, q).ratio()
+        candidate = (f"{head}." if head else "") + tail[:len(tail) - len(literal)] + q
+        if ratio >= 0.8 and reachable_quantizers(candidate):
+            scored.append((-ratio, candidate))
+    scored.sort()
+    return [c for r, c in scored if r <= scored[0][0] + 0.01][:2]
 
 
 # The scale grouping each site's kernels and references implement (NUMERICS.md, "sites").
@@ -206,7 +311,7 @@ class Policy:
     # ---- loading ---------------------------------------------------------------------------
     @staticmethod
     def from_dict(config: Mapping, *, name: str | None = None) -> "Policy":
-        check_mapping(config, "policy", _TOP_KEYS)
+        check_mapping(config, "policy", TOP_KEYS)
         version = config.get("version", POLICY_VERSION)
         if version != POLICY_VERSION:
             if _schema_number(version) > _schema_number(POLICY_VERSION):
@@ -218,12 +323,15 @@ class Policy:
                               f"got {config['algorithm']!r}")
         quant = _list(config.get("quant_cfg", []), "quant_cfg")
         modules = _list(config.get("linear_attention", []), "linear_attention")
-        return Policy(
+        policy = Policy(
             quant_cfg=tuple(_quant_rule(f"quant_cfg[{i}]", e) for i, e in enumerate(quant)),
             linear_attention=tuple(_module_rule(f"linear_attention[{i}]", e) for i, e in enumerate(modules)),
             name=check_str(name or config.get("name", "custom"), "name"),
             description=_description(config.get("description", "")),
         )
+        for message in policy.unreachable_rules():
+            warn_at_caller(message, UnmatchedPolicyRuleWarning)
+        return policy
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> "Policy":
@@ -251,9 +359,11 @@ class Policy:
                               f"`version: {POLICY_VERSION}` (an empty quant_cfg means exact numerics)")
         try:
             named = isinstance(config, Mapping) and "name" in config
-            return Policy.from_dict(config, name=None if named else path.stem)
+            policy = Policy.from_dict(config, name=None if named else path.stem)
         except PolicyError as e:
             raise PolicyError(f"policy file {str(path)!r}: {e}") from None
+        logger.debug("policy %r loaded from %s", policy.name, path)
+        return policy
 
     def to_dict(self) -> dict:
         out = {"version": POLICY_VERSION, "name": self.name}
@@ -262,6 +372,19 @@ class Policy:
         out["quant_cfg"] = [r.to_dict() for r in self.quant_cfg]
         out["linear_attention"] = [r.to_dict() for r in self.linear_attention]
         return out
+
+    def to_yaml(self) -> str:
+        """The policy as a YAML file, keys at their defaults left out (``Policy.from_file`` reads it back equal):
+        what ``print(policy)`` shows, e.g. ``print(la_compiler.policy_of(model))``."""
+        import yaml
+
+        out = self.to_dict()
+        default = LinearAttentionCfg().to_dict()
+        for rule in out["linear_attention"]:
+            rule["cfg"] = _without_defaults(rule["cfg"], default)
+        return yaml.safe_dump(out, sort_keys=False, default_flow_style=None, width=120)
+
+    __str__ = to_yaml
 
     # ---- resolution ------------------------------------------------------------------------
     def module_rule(self, module: str) -> tuple[int, ModuleRule] | None:
@@ -331,12 +454,31 @@ class Policy:
             implementation_key=f"{la_key}.{la.implementation[0]}" if la.implementation else None,
         )
 
-    def unmatched_rules(self, seen) -> list[str]:
-        """Messages for the rules that matched no quantizer / module of the (module, kind) pairs seen."""
+    def unreachable_rules(self) -> list[str]:
+        """Messages for the ``quant_cfg`` entries whose glob can match no laqat quantizer of any model (a typo, or
+        a ModelOpt rule for other layers), with the closest globs that would."""
+        out = []
+        for i, rule in enumerate(self.quant_cfg):
+            if not reachable_quantizers(rule.quantizer_name):
+                close = _glob_suggestions(rule.quantizer_name)
+                hint = (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else
+                        f"; laqat's quantizers are <module>.<quantizer> with <quantizer> one of "
+                        f"{sorted({q for q in all_quantizers() if not q.startswith('linear_attn_sites.')})} or "
+                        f"linear_attn_sites.<site>.lhs_quantizer / rhs_quantizer")
+                out.append(f"policy {self.name!r}: quant_cfg[{i}] (quantizer_name {rule.quantizer_name!r}) matches "
+                           f"no laqat quantizer of any model{hint}")
+        return out
+
+    def unmatched_rules(self, seen, *, reachable_only: bool = False) -> list[str]:
+        """Messages for the rules that matched no quantizer / module of the (module, kind) pairs seen;
+        ``reachable_only``: leave out the quant_cfg entries that can reach no quantizer of any model
+        (``unreachable_rules``)."""
         seen = list(seen)
         names = [quantizer_name(m, q) for m, kind in seen for q in quantizer_sites(kind)]
         out = []
         for i, rule in enumerate(self.quant_cfg):
+            if reachable_only and not reachable_quantizers(rule.quantizer_name):
+                continue
             if not any(fnmatch.fnmatchcase(n, rule.quantizer_name) for n in names):
                 out.append(f"policy {self.name!r}: quant_cfg[{i}] (quantizer_name {rule.quantizer_name!r}) "
                            f"matched no quantizer in this graph")
@@ -348,6 +490,18 @@ class Policy:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+def _without_defaults(cfg: dict, default: dict) -> dict:
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and isinstance(default.get(key), dict):
+            value = _without_defaults(value, default[key])
+            if value:
+                out[key] = value
+        elif value != default.get(key, object()):
+            out[key] = value
+    return out
+
 
 def _schema_number(version) -> int:
     """N of "laqat.policy/N"; -1 for anything else."""
@@ -372,7 +526,7 @@ def _description(value) -> str:
 
 
 def _quant_rule(key: str, entry) -> QuantRule:
-    check_mapping(entry, key, ("quantizer_name", "cfg", "enable"))
+    check_mapping(entry, key, QUANT_RULE_KEYS)
     if "quantizer_name" not in entry:
         raise PolicyError(f"{key}.quantizer_name: required (a glob over quantizer names, e.g. '*gdn_state_quantizer')")
     cfg = entry.get("cfg")
@@ -384,7 +538,7 @@ def _quant_rule(key: str, entry) -> QuantRule:
 
 
 def _module_rule(key: str, entry) -> ModuleRule:
-    check_mapping(entry, key, ("module_name", "cfg"))
+    check_mapping(entry, key, MODULE_RULE_KEYS)
     if "module_name" not in entry:
         raise PolicyError(f"{key}.module_name: required (a glob over module names, e.g. 'model.layers.*.attn')")
     cfg = check_mapping(entry.get("cfg") or {}, f"{key}.cfg", LINEAR_ATTENTION_KEYS)
@@ -392,19 +546,10 @@ def _module_rule(key: str, entry) -> ModuleRule:
                     prefixed(f"{key}.cfg.", LinearAttentionCfg.from_dict, cfg))
 
 
-def _probe_sites(glob: str) -> set[str]:
-    """The quant sites whose quantizers a glob evidently targets (checked at load time; any
-    other match is checked when the policy is resolved for a module)."""
-    sites = set()
-    for kind in KINDS:
-        for qname, site in quantizer_sites(kind).items():
-            if fnmatch.fnmatchcase(qname, glob) or fnmatch.fnmatchcase(f"model.layers.0.attn.{qname}", glob):
-                sites.add(site)
-    return sites
-
-
 def _check_rule_cfg(i: int, rule: QuantRule) -> None:
-    for site in sorted(_probe_sites(rule.quantizer_name)):
+    """The cfg at every quant site the glob can reach in some model (a ``state.block_v`` other than 64 is checked
+    when the rule meets a module)."""
+    for site in sorted(reachable_sites(rule.quantizer_name)):
         _site_format(i, rule, site, 64, None)
 
 
@@ -480,6 +625,6 @@ def load_policy(policy, *, key: str = "options['policy']") -> Policy:
         if Path(text).suffix in (".yaml", ".yml", ".json") or os.sep in text:
             return Policy.from_file(text)
         raise PolicyError(f"{key}: {text!r} is neither a recipe name nor a .yaml/.json file; "
-                          f"recipes: {recipe_names()}")
+                          f"recipes: {recipe_names()}{did_you_mean(text, recipe_names())}")
     raise PolicyError(f"{key}: must be None, a Policy, a dict, a path or a recipe name, "
                       f"got {type(policy).__name__}")

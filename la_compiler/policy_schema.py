@@ -5,6 +5,12 @@ Keys keep ModelOpt's names (``backend``, ``chunk_size``, ``state.block_v``, ``so
 ``decode``, ``matmul``); ``numerics`` is laqat's (``la_compiler.options.NumericsOptions``). Each config validates itself in ``__post_init__`` (torchao style)
 and raises ``PolicyError`` naming the key (relative to its ``cfg``) and the allowed values;
 the loader prefixes the position of the rule (``linear_attention[2].cfg.``).
+
+Each field says what it accepts in its metadata (``setting(...)``: choices, an integer range, a boolean, a positive
+number, a nested config); ``check_fields`` runs those checks, and ``la_compiler.policy_json_schema`` writes the
+policy file's JSON Schema from the same metadata, so the schema and the checks cannot disagree. The checks that
+relate two fields stay in ``__post_init__``. A misspelt key or value is answered with the closest allowed
+spellings ("did you mean ...?", ``la_compiler.suggest``).
 """
 from __future__ import annotations
 
@@ -12,13 +18,29 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from la_compiler.error_base import LaqatError
 from la_compiler.kernels.selection import ORDER
 from la_compiler.options import NumericsOptions, OptionsError
 from la_compiler.spec import GEMM_SITES
+from la_compiler.suggest import did_you_mean
 
 
-class PolicyError(ValueError):
+class PolicyError(LaqatError, ValueError):
     """A policy config that is not valid; the message names the key and the allowed values."""
+
+
+class PolicyWarning(UserWarning):
+    """A policy that is valid but (partly) applies nowhere. ``warnings.simplefilter("error",
+    la_compiler.PolicyWarning)`` makes every laqat policy warning an error (docs/policy.md, "Warnings")."""
+
+
+class UnmatchedPolicyRuleWarning(PolicyWarning):
+    """A policy rule matched no recurrence of a compiled graph, or (at load time) a ``quantizer_name`` glob matches
+    no laqat quantizer of any model."""
+
+
+class NothingQuantizedWarning(PolicyWarning):
+    """A policy that changes numerics met a graph with candidate recurrences and rewrote none of them."""
 
 
 # ---- small checks, each naming the key ----------------------------------------------------
@@ -28,13 +50,20 @@ def check_mapping(obj: Any, key: str, allowed: tuple[str, ...]) -> Mapping:
         raise PolicyError(f"{key}: must be a mapping with keys from {list(allowed)}, got {type(obj).__name__} {obj!r}")
     unknown = [k for k in obj if k not in allowed]
     if unknown:
-        raise PolicyError(f"{key}: unknown key(s) {unknown}; allowed: {list(allowed)}")
+        raise PolicyError(f"{key}: unknown key(s) {unknown}; allowed: {list(allowed)}"
+                          f"{did_you_mean(unknown[0], allowed)}")
     return obj
 
 
 def check_choice(value: Any, key: str, allowed: tuple) -> Any:
     if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
-        raise PolicyError(f"{key}: must be one of {list(allowed)}, got {value!r}")
+        raise PolicyError(f"{key}: must be one of {list(allowed)}, got {value!r}{did_you_mean(value, allowed)}")
+    return value
+
+
+def check_number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PolicyError(f"{key}: must be a positive finite number, got {value!r}")
     return value
 
 
@@ -59,6 +88,48 @@ def check_str(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise PolicyError(f"{key}: must be a non-empty string, got {type(value).__name__} {value!r}")
     return value
+
+
+# ---- what each field accepts: the checks and the JSON Schema both read it --------------------
+
+def setting(default=dataclasses.MISSING, *, kind: str, doc: str, choices: tuple | None = None, lo: int | None = None,
+        hi: int | None = None, pow2: bool = False, optional: bool = False, cls: type | None = None):
+    """A field of a policy config. ``kind``: "choice" (one of ``choices``), "int" (``lo``..``hi``, ``pow2``, and
+    one of ``choices`` if given), "bool", "number" (positive, finite), "str", "config" (a nested config of class
+    ``cls``), or "custom" (checked in ``__post_init__`` only; ``choices`` then only documents it). ``optional``:
+    None is allowed too. ``doc``: what it does (the schema's description)."""
+    metadata = {"kind": kind, "doc": doc, "choices": choices, "lo": lo, "hi": hi, "pow2": pow2,
+                "optional": optional, "cls": cls}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_field(meta: Mapping, value: Any, name: str) -> None:
+    """``value`` against one field's metadata; ``name`` is its key in messages."""
+    if value is None and meta["optional"]:
+        return
+    kind = meta["kind"]
+    if kind == "int":
+        check_int(value, name, lo=meta["lo"], hi=meta["hi"], pow2=meta["pow2"])
+        if meta["choices"] is not None:
+            check_choice(value, name, meta["choices"])
+    elif kind == "choice":
+        check_choice(value, name, meta["choices"])
+    elif kind == "bool":
+        check_bool(value, name)
+    elif kind == "number":
+        check_number(value, name)
+    elif kind == "str":
+        check_str(value, name)
+    elif kind == "config" and not isinstance(value, meta["cls"]):
+        raise PolicyError(f"{name}: must be a {meta['cls'].__name__}, got {value!r}")
+
+
+def check_fields(config) -> None:
+    """Every field of a config dataclass against its metadata, in field order; keys read ``<KEY>.<field>``."""
+    prefix = f"{config.KEY}." if config.KEY else ""
+    for f in dataclasses.fields(config):
+        if "kind" in f.metadata:
+            check_field(f.metadata, getattr(config, f.name), prefix + f.name)
 
 
 def prefixed(prefix: str, fn, *args, **kwargs):
@@ -89,7 +160,11 @@ SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KDA_SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16")
 SERVING_MODELS = (None, "kimi_k3")  # kimi_k3: vLLM's Kimi-K3 / Kimi-Linear KDA layers (KDA only)
 PRECISIONS = ("vllm", "vllm_kimi_k3", "replayssm")
-SERVING_KEYS = ("engine", "version", "state_dtype", "model")
+
+
+def config_keys(cls) -> tuple[str, ...]:
+    """The keys a config dataclass reads from a policy file: its fields."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def kernel_backends() -> tuple[str, ...]:
@@ -99,61 +174,64 @@ def kernel_backends() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class StateCfg:
-    block_v: int = 64  # BV: one state scale per [K x BV] tile per (sequence, head)
+    KEY = "state"
+    block_v: int = setting(64, kind="int", choices=STATE_BLOCK_V,
+                       doc="BV: one state scale per [K x BV] tile per (sequence, head)")
 
     def __post_init__(self):
-        check_int(self.block_v, "state.block_v")
-        check_choice(self.block_v, "state.block_v", STATE_BLOCK_V)
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class SolveCfg:
-    method: str = "exact"
-    degree: int | None = None  # Neumann degree: required with method=neumann, forbidden with exact
-    implementation: str = "auto"
+    KEY = "solve"
+    method: str = setting("exact", kind="choice", choices=("exact", "neumann"),
+                      doc="the WY triangular solve: exact, or a Neumann polynomial of `degree`")
+    degree: int | None = setting(None, kind="int", lo=1, optional=True,
+                             doc="Neumann degree: required with method neumann (below chunk_size), forbidden with "
+                                 "exact")
+    implementation: str = setting("auto", kind="choice", choices=IMPLEMENTATIONS,
+                              doc="the kernel family that runs the solve (never the numerics)")
 
     def __post_init__(self):
-        check_choice(self.method, "solve.method", ("exact", "neumann"))
-        check_choice(self.implementation, "solve.implementation", IMPLEMENTATIONS)
+        check_fields(self)
         if self.method == "exact" and self.degree is not None:
             raise PolicyError(f"solve.degree: an exact solve takes no degree (got degree={self.degree!r}); "
                               f"use solve.method='neumann' for a polynomial of that degree")
-        if self.method == "neumann":
-            if self.degree is None:
-                raise PolicyError("solve.degree: required with solve.method='neumann' (no default degree)")
-            check_int(self.degree, "solve.degree", lo=1)
+        if self.method == "neumann" and self.degree is None:
+            raise PolicyError("solve.degree: required with solve.method='neumann' (no default degree)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ReplayCfg:
-    window: int  # the anchor is refreshed every `window` tokens
-    factor_qdq: bool = False
+    KEY = "decode.replay"
+    window: int = setting(kind="int", lo=REPLAY_WINDOW[0], hi=REPLAY_WINDOW[1],
+                      doc="the anchor is refreshed every `window` tokens (required)")
+    factor_qdq: bool = setting(False, kind="bool", doc="round the replay factors in the state codec's scalar format")
 
     def __post_init__(self):
-        check_int(self.window, "decode.replay.window", lo=REPLAY_WINDOW[0], hi=REPLAY_WINDOW[1])
-        check_bool(self.factor_qdq, "decode.replay.factor_qdq")
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCfg:
-    mode: str = "none"
-    readout: str = "working"
-    state_codec: str = "quantizer"
-    decay_log_step: float | None = None  # round g to this grid in the decode phase
-    replay: ReplayCfg | None = None
-    implementation: str = "auto"
+    KEY = "decode"
+    mode: str = setting("none", kind="choice", choices=DECODE_MODES,
+                    doc="decode-phase training: none, token (the state rounded at every token write) or replay")
+    readout: str = setting("working", kind="choice", choices=READOUTS,
+                       doc="decode outputs read the unrounded working state or the stored (rounded) one")
+    state_codec: str = setting("quantizer", kind="choice", choices=STATE_CODECS,
+                           doc="the stored state's codec: the state quantizer's format, or (INT8 only) ReplaySSM's "
+                               "Hadamard-32")
+    decay_log_step: float | None = setting(None, kind="number", optional=True,
+                                       doc="round the log-decay g to this grid in the decode phase")
+    replay: ReplayCfg | None = setting(None, kind="config", cls=ReplayCfg, optional=True,
+                                   doc="replay mode's options (only with mode replay)")
+    implementation: str = setting("auto", kind="choice", choices=IMPLEMENTATIONS,
+                              doc="the kernel family that runs the decode phase (never the numerics)")
 
     def __post_init__(self):
-        check_choice(self.mode, "decode.mode", DECODE_MODES)
-        check_choice(self.readout, "decode.readout", READOUTS)
-        check_choice(self.state_codec, "decode.state_codec", STATE_CODECS)
-        check_choice(self.implementation, "decode.implementation", IMPLEMENTATIONS)
-        if self.decay_log_step is not None:
-            step = self.decay_log_step
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
-                raise PolicyError(f"decode.decay_log_step: must be a positive finite number, got {step!r}")
-        if self.replay is not None and not isinstance(self.replay, ReplayCfg):
-            raise PolicyError(f"decode.replay: must be a ReplayCfg, got {self.replay!r}")
+        check_fields(self)
         if self.mode == "replay" and self.replay is None:
             raise PolicyError("decode.replay: required with decode.mode='replay' (give replay.window, 1..64)")
         if self.mode != "replay" and self.replay is not None:
@@ -170,20 +248,23 @@ class DecodeCfg:
 class ServingCfg:
     """A serving engine whose decode the decode phase reproduces (kernels/decode/serving.py)."""
 
-    engine: str = "vllm"
-    version: str = "0.33"
-    state_dtype: str = "auto"  # the state cache's dtype; auto: GDN the model's dtype, KDA float32 (vLLM's rule)
-    model: str | None = None
+    KEY = "serving"
+    engine: str = setting("vllm", kind="choice", choices=tuple(SERVING_VERSIONS), doc="the serving engine")
+    version: str = setting("0.33", kind="custom", choices=tuple(v for vs in SERVING_VERSIONS.values() for v in vs),
+                       doc="the engine's release (a string; YAML's 0.33 and vLLM's 0.33.0 are read as '0.33')")
+    state_dtype: str = setting("auto", kind="choice", choices=SERVING_STATE_DTYPES,
+                           doc="the state cache's dtype; auto: GDN the model's dtype, KDA float32 (vLLM's rule)")
+    model: str | None = setting(None, kind="choice", choices=SERVING_MODELS,
+                            doc="kimi_k3: vLLM's Kimi-K3 / Kimi-Linear KDA layers (KDA only)")
 
     def __post_init__(self):
-        check_choice(self.engine, "serving.engine", tuple(SERVING_VERSIONS))
+        check_field(dataclasses.fields(self)[0].metadata, self.engine, "serving.engine")
         version = repr(self.version) if isinstance(self.version, float) else self.version  # YAML's 0.33
         if isinstance(version, str) and version.count(".") == 2 and version.endswith(".0"):
             version = version[:-2]  # vLLM spells its releases 0.33.0
         object.__setattr__(self, "version", version)
         check_choice(self.version, "serving.version", SERVING_VERSIONS[self.engine])
-        check_choice(self.state_dtype, "serving.state_dtype", SERVING_STATE_DTYPES)
-        check_choice(self.model, "serving.model", SERVING_MODELS)
+        check_fields(self)
         if self.model == "kimi_k3":
             check_choice(self.state_dtype, "serving.state_dtype", KDA_SERVING_STATE_DTYPES)
 
@@ -222,19 +303,22 @@ def with_precision_alias(cfg: Mapping) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class AccCfg:
-    accumulator_dtype: str = "fp32"
-    reduction_block: int | None = None  # fp16/bf16: products summed in fp32 within a block, rounded between
+    KEY = ""
+    accumulator_dtype: str = setting("fp32", kind="choice", choices=ACCUMULATOR_DTYPES,
+                                 doc="the GEMM's accumulator: fp32 (not emulated), or fp16 / bf16 rounded after "
+                                     "each reduction block")
+    reduction_block: int | None = setting(None, kind="int", pow2=True, optional=True,
+                                      doc="fp16/bf16: products summed in fp32 within a block of this many, rounded "
+                                          "between blocks (required with fp16/bf16)")
 
     def __post_init__(self):
-        check_choice(self.accumulator_dtype, "accumulator_dtype", ACCUMULATOR_DTYPES)
+        check_fields(self)
         if self.accumulator_dtype == "fp32":
             if self.reduction_block is not None:
                 raise PolicyError("reduction_block: only with accumulator_dtype 'fp16' or 'bf16' "
                                   "(an fp32 accumulator is not emulated)")
         elif self.reduction_block is None:
             raise PolicyError(f"reduction_block: required with accumulator_dtype={self.accumulator_dtype!r}")
-        else:
-            check_int(self.reduction_block, "reduction_block", pow2=True)
 
     def canonical(self) -> str | None:
         """The spec's ``acc.<site>`` value (``fp16:16``), None when nothing is emulated."""
@@ -243,22 +327,26 @@ class AccCfg:
 
 @dataclasses.dataclass(frozen=True)
 class LinearAttentionCfg:
-    backend: str = "auto"
-    chunk_size: int = 64
-    state: StateCfg = StateCfg()
-    solve: SolveCfg = SolveCfg()
-    decode: DecodeCfg = DecodeCfg()
-    matmul: tuple[tuple[str, AccCfg], ...] = ()  # (gemm site, accumulator), sorted by site
-    numerics: NumericsOptions = NumericsOptions()  # the chunk kernels' precisions and key blocks (spec n.<name>)
-    serving: ServingCfg | None = None  # a serving engine's decode, reproduced (docs/serving.md)
+    KEY = ""
+    backend: str = setting("auto", kind="custom", choices=kernel_backends(),
+                       doc="auto, matmul (ModelOpt's 'apply the policy's numerics': same as auto) or a kernel variant "
+                           "of the selection table, pinned")
+    chunk_size: int = setting(64, kind="int", lo=1, hi=1024, pow2=True, doc="the chunk length, a power of two")
+    state: StateCfg = setting(StateCfg(), kind="config", cls=StateCfg, doc="the state's scale tiles")
+    solve: SolveCfg = setting(SolveCfg(), kind="config", cls=SolveCfg, doc="the WY triangular solve")
+    decode: DecodeCfg = setting(DecodeCfg(), kind="config", cls=DecodeCfg,
+                            doc="decode-phase training (docs/decode_phase.md)")
+    # (gemm site, accumulator), sorted by site; in a policy file a mapping site -> accumulator
+    matmul: tuple[tuple[str, AccCfg], ...] = setting((), kind="custom", choices=GEMM_SITES,
+                                                 doc="per prefill GEMM site, an emulated fp16/bf16 accumulator")
+    numerics: NumericsOptions = setting(NumericsOptions(), kind="config", cls=NumericsOptions,
+                                    doc="the chunk kernels' precisions and key blocks (docs/options.md)")
+    serving: ServingCfg | None = setting(None, kind="config", cls=ServingCfg, optional=True,
+                                     doc="a serving engine's decode, reproduced (docs/serving.md)")
 
     def __post_init__(self):
         check_choice(check_str(self.backend, "backend"), "backend", kernel_backends())
-        check_int(self.chunk_size, "chunk_size", lo=1, hi=1024, pow2=True)
-        for name, kind in (("state", StateCfg), ("solve", SolveCfg), ("decode", DecodeCfg),
-                           ("numerics", NumericsOptions)):
-            if not isinstance(getattr(self, name), kind):
-                raise PolicyError(f"{name}: must be a {kind.__name__}, got {getattr(self, name)!r}")
+        check_fields(self)
         sites = [s for s, _ in self.matmul]
         for site in sites:
             check_choice(site, "matmul", GEMM_SITES)
@@ -281,8 +369,6 @@ class LinearAttentionCfg:
             self._check_serving()
 
     def _check_serving(self):
-        if not isinstance(self.serving, ServingCfg):
-            raise PolicyError(f"serving: must be a ServingCfg, got {self.serving!r}")
         d, engine = self.decode, self.serving.engine
         if d.mode != "token":
             raise PolicyError(f"decode.mode: a serving profile decodes one token per step: needs 'token', "
@@ -316,24 +402,23 @@ class LinearAttentionCfg:
         cfg = with_precision_alias(check_mapping(cfg, "cfg", LINEAR_ATTENTION_KEYS))
         fields: dict[str, Any] = {k: cfg[k] for k in ("backend", "chunk_size") if k in cfg}
         if cfg.get("serving") is not None:
-            fields["serving"] = ServingCfg(**check_mapping(cfg["serving"], "serving", SERVING_KEYS))
+            fields["serving"] = ServingCfg(**check_mapping(cfg["serving"], "serving", config_keys(ServingCfg)))
             decode = cfg.get("decode") or {}
             if isinstance(decode, Mapping) and "mode" not in decode:  # a serving profile decodes token by token
                 cfg = {**cfg, "decode": {**decode, "mode": "token"}}
         if "state" in cfg:
-            fields["state"] = StateCfg(**check_mapping(cfg["state"], "state", ("block_v",)))
+            fields["state"] = StateCfg(**check_mapping(cfg["state"], "state", config_keys(StateCfg)))
         if "solve" in cfg:
-            fields["solve"] = SolveCfg(**check_mapping(cfg["solve"], "solve", ("method", "degree", "implementation")))
+            fields["solve"] = SolveCfg(**check_mapping(cfg["solve"], "solve", config_keys(SolveCfg)))
         if "decode" in cfg:
-            decode = dict(check_mapping(cfg["decode"], "decode", tuple(f.name for f in dataclasses.fields(DecodeCfg))))
+            decode = dict(check_mapping(cfg["decode"], "decode", config_keys(DecodeCfg)))
             if decode.get("replay") is not None:
                 decode["replay"] = ReplayCfg(**_replay_fields(decode["replay"]))
             fields["decode"] = DecodeCfg(**decode)
         if "matmul" in cfg:
             matmul = check_mapping(cfg["matmul"], "matmul", GEMM_SITES)
             fields["matmul"] = tuple(sorted(
-                (site, prefixed(f"matmul.{site}.", AccCfg, **check_mapping(
-                    acc, f"matmul.{site}", ("accumulator_dtype", "reduction_block"))))
+                (site, prefixed(f"matmul.{site}.", AccCfg, **check_mapping(acc, f"matmul.{site}", config_keys(AccCfg))))
                 for site, acc in matmul.items()))
         if "numerics" in cfg:
             try:
@@ -352,7 +437,7 @@ LINEAR_ATTENTION_KEYS = tuple(f.name for f in dataclasses.fields(LinearAttention
 
 
 def _replay_fields(replay: Any) -> dict:
-    fields = dict(check_mapping(replay, "decode.replay", ("window", "factor_qdq")))
+    fields = dict(check_mapping(replay, "decode.replay", config_keys(ReplayCfg)))
     if "window" not in fields:
         raise PolicyError("decode.replay.window: required (1..64)")
     return fields

@@ -22,6 +22,7 @@ import functools
 import re
 from typing import Mapping
 
+from la_compiler.error_base import LaqatError
 from la_compiler.options import NumericsOptions, OptionsError, TuningOptions
 
 KINDS = ("gdn", "kda")
@@ -44,7 +45,7 @@ GEMM_SITES = (
 QUANT_SITES = ("state", "w") + tuple(f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs"))
 
 
-class SpecError(ValueError):
+class SpecError(LaqatError, ValueError):
     """A spec string or field that is not a valid laqat recurrence spec."""
 
 

@@ -7,27 +7,26 @@ applied, the backend the policy asked for), with the compile's tuning options (`
 numerics, so they count as no change). A backend the policy names explicitly must be
 able to apply the annotated spec on this node's device, dtype and head dims: if not, that is
 a ``PolicyError`` naming the key now, at compile time. Rules that matched no site become
-notes (and a warning): a pipeline stage may legitimately hold none of a rule's modules.
+notes (and a warning): a pipeline stage may legitimately hold none of a rule's modules. The warnings
+(``la_compiler.UnmatchedPolicyRuleWarning``, ``la_compiler.NothingQuantizedWarning``) point at the user's line.
 """
 from __future__ import annotations
 
-import warnings
+import logging
 
 import torch
 
+from la_compiler.errors import warn_at_caller
 from la_compiler.ir import is_delta_rule
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.options import DEFAULT_TUNING, TuningOptions
 from la_compiler.policy import Policy, PolicyError
+from la_compiler.policy_schema import NothingQuantizedWarning, UnmatchedPolicyRuleWarning
 from la_compiler.record import GraphRecord
 
+__all__ = ["annotate", "NothingQuantizedWarning", "UnmatchedPolicyRuleWarning"]
 
-class UnmatchedPolicyRuleWarning(UserWarning):
-    """A policy rule matched no recurrence of a compiled graph."""
-
-
-class NothingQuantizedWarning(UserWarning):
-    """A policy that changes numerics met a graph with candidate recurrences and rewrote none of them."""
+logger = logging.getLogger(__name__)
 
 
 def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, part_of_model: bool = False,
@@ -45,8 +44,9 @@ def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, p
         where = f"laqat node {node.name} (module {meta.module or '<top>'!r}, {meta.kind})"
         try:
             res = policy.resolve(meta.module, meta.kind)
+            chunk, kept = _chunk(meta, res, where)
             spec = meta.spec.replace(quant=res.quant, acc=res.acc, solve=res.solve, degree=res.degree,
-                                     chunk=res.chunk, phase=res.phase, extra=res.extra, numerics=res.numerics)
+                                     chunk=chunk, phase=res.phase, extra=res.extra, numerics=res.numerics)
         except PolicyError as e:
             raise PolicyError(f"{where}: {e}") from None
         if res.backend is not None or res.implementation is not None:
@@ -55,24 +55,76 @@ def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, p
             changed += 1
         spec = spec.replace(tuning=tuning)
         meta.spec = spec
-        meta.policy_rules = list(res.rules)
+        meta.policy_rules = list(res.rules) + kept
+        logger.debug("policy %r at %s (%s): %s", policy.name, meta.module or "<top>", meta.kind, "; ".join(res.rules))
         meta.requested_backend = res.backend
         meta.requested_family = res.implementation
         _set_spec_arg(node, spec.to_string())
+    _check_recompile(len(seen), policy, record)
     if seen:  # a graph without recurrences (a graph-break fragment) says nothing about the rules
         unmatched = policy.unmatched_rules(seen)
         record.notes.extend(unmatched)
-        if unmatched and not part_of_model:  # one warning per compiled graph, naming every rule and the sites it could have matched
+        # a rule whose glob reaches no laqat quantizer of any model was warned about when the policy was loaded
+        warned = policy.unmatched_rules(seen, reachable_only=True)
+        if warned and not part_of_model:  # one warning per compiled graph, naming every rule and the sites it could have matched
             sites = ", ".join(f"{kind} at {module or '<top>'}" for module, kind in seen)
-            warnings.warn("; ".join(unmatched) + f" (this graph's sites: {sites})", UnmatchedPolicyRuleWarning,
-                          stacklevel=2)
+            warn_at_caller("; ".join(warned) + f" (this graph's sites: {sites})", UnmatchedPolicyRuleWarning)
     elif policy.changes_numerics and record.near_misses:
         misses = "; ".join(f"{n.frontend} at {n.module or '<top>'}: {n.reason}" for n in record.near_misses)
         note = (f"policy {policy.name!r} changes numerics, but laqat rewrote no recurrence in this graph, so none "
                 f"of it applies here; candidate regions left untouched: {misses}")
         record.notes.append(note)
-        warnings.warn(note, NothingQuantizedWarning, stacklevel=2)
+        warn_at_caller(note, NothingQuantizedWarning)
     return changed
+
+
+# Dynamo frame id -> {frame compile id: recurrences rewritten}: what each compile of one frame rewrote
+_REWRITES_BY_FRAME: dict[int, dict[int, int]] = {}
+
+
+def _check_recompile(count: int, policy: Policy, record: GraphRecord) -> None:
+    """A recompile of a frame (another sequence length under automatic dynamic shapes, a guard that failed) that
+    rewrites fewer recurrences than an earlier compile of the same frame did, under a policy that changes
+    numerics, would train part of the run without the policy: never silently (a note and a warning)."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_id is None:
+        return
+    if compile_id.frame_compile_id == 0:  # a frame's first compile (torch._dynamo.reset() reuses frame ids)
+        _REWRITES_BY_FRAME[compile_id.frame_id] = {}
+    seen = _REWRITES_BY_FRAME.setdefault(compile_id.frame_id, {})
+    earlier = max((n for c, n in seen.items() if c != compile_id.frame_compile_id), default=0)
+    seen[compile_id.frame_compile_id] = max(count, seen.get(compile_id.frame_compile_id, 0))
+    if policy.changes_numerics and count < earlier:
+        misses = "; ".join(f"{n.frontend} at {n.module or '<top>'}: {n.reason}" for n in record.near_misses)
+        note = (f"policy {policy.name!r} changes numerics, but this recompile of a function (Dynamo compile "
+                f"{compile_id}) rewrote {count} recurrence(s) where an earlier compile of it rewrote {earlier}: the "
+                f"calls that run this version run without the policy where it is missing (a symbolic sequence "
+                f"length under automatic dynamic shapes? compile with dynamic=False, or mark the length static); "
+                + (f"candidate regions left untouched: {misses}" if misses else "no candidate region was found"))
+        record.notes.append(note)
+        warn_at_caller(note, NothingQuantizedWarning)
+
+
+DEFAULT_CHUNK = 64  # FLA's chunk_size default, and a policy's chunk_size default
+
+
+def _chunk(meta, res, where: str) -> tuple[int, list[str]]:
+    """The chunk size a node runs with: what the program passed is never replaced. An FLA call's ``chunk_size``
+    (its spec's chunk, off FLA's default 64) is kept where the policy leaves chunk_size at its default; a policy
+    that sets another one is an error naming both (under a quantizing policy the state rounds at every chunk
+    boundary: other chunks are other numerics). Else the policy's chunk size."""
+    call = meta.spec.chunk
+    if meta.frontend != "fla" or call == DEFAULT_CHUNK or call == res.chunk:
+        return res.chunk, []
+    if res.chunk == DEFAULT_CHUNK:
+        return call, [f"chunk_size={call} from the FLA call kept (the policy leaves chunk_size at {DEFAULT_CHUNK})"]
+    rule = next((r.split(" sets ")[0] for r in res.rules if r.startswith("linear_attention[")), "the policy")
+    raise PolicyError(f"the FLA call passes chunk_size={call} but {rule} sets chunk_size={res.chunk}: laqat does not "
+                      f"replace a chunk size the program passed (the state would round at other chunk boundaries "
+                      f"than the program asks for); make them agree: chunk_size: {call} in the policy rule, or "
+                      f"chunk_size={res.chunk} (or none) in the call")
 
 
 def _check_requested_kernel(node: torch.fx.Node, spec, res, where: str) -> None:

@@ -5,16 +5,26 @@ import operator
 
 import torch
 
+from la_compiler.errors import LaqatError
 from la_compiler.ir import LaqatMeta, is_delta_rule, node_spec
 from la_compiler.ir_checks import check_tensors
 
 
-class IRVerificationError(RuntimeError):
+class IRVerificationError(LaqatError, RuntimeError):
     """A laqat IR node breaks an invariant of the IR contract (a bug in a frontend or pass)."""
 
 
 def _value(arg):
     return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else arg
+
+
+def _positive_scale(scale) -> bool:
+    """A positive number; or a symbolic one (``K ** -0.5`` of a dynamic head dim, ``dynamic=True``) whose example
+    value is positive: the value each call computes."""
+    if isinstance(scale, torch.SymFloat):
+        hint = scale.node.hint if scale.node.has_hint() else None
+        return hint is None or hint > 0
+    return isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0
 
 
 def verify_node(node: torch.fx.Node) -> None:
@@ -28,7 +38,7 @@ def verify_node(node: torch.fx.Node) -> None:
     if meta.spec != spec:
         raise IRVerificationError(f"{where}: node.meta['laqat'].spec {meta.spec} != spec argument {spec}")
     q, k, v, g, beta, h0, cu, scale = (_value(a) for a in node.args[:8])
-    if not isinstance(scale, (int, float)) or not scale > 0:
+    if not _positive_scale(scale):
         raise IRVerificationError(f"{where}: scale must be a positive float, got {scale!r}")
     if q is None or not isinstance(q, torch.Tensor):
         return  # no shape information (graphs built by hand); nothing more to check

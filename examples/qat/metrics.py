@@ -54,6 +54,11 @@ def read_records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def number(value: float) -> str:
+    """Four decimals, or three significant digits for a small value (a learning rate of 1.5e-05)."""
+    return f"{value:.4f}" if value == 0 or abs(value) >= 1e-2 else f"{value:.3g}"
+
+
 class Progress:
     """A tqdm bar on a terminal (where tqdm is installed), else one plain line every ``every`` steps."""
 
@@ -70,7 +75,7 @@ class Progress:
                 self.bar = tqdm(total=total, initial=initial, desc=label, dynamic_ncols=True, leave=False)
 
     def update(self, step: int, **fields) -> None:
-        text = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+        text = " ".join(f"{k} {number(v)}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
         if self.bar is not None:
             self.bar.update(step - self.step)
             self.bar.set_postfix_str(text, refresh=False)

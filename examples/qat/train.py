@@ -4,6 +4,7 @@
     python examples/qat/train.py --policy state_fp8 --init out/pretrain/checkpoint.pt --steps 300 --out out/qat
     python examples/qat/train.py --policy state_fp8 --mode qad --init out/pretrain/checkpoint.pt --out out/qad
     python examples/qat/train.py --resume out/qat/checkpoint.pt --steps 600 --out out/qat   # go on training
+    python examples/qat/train.py --smoke --policy state_fp8                                 # seconds: a set-up check
 
 - QAT: the language-model loss (next-byte cross-entropy) of the model compiled under the policy.
 - QAD: a frozen exact teacher (the starting weights, compiled with exact numerics);
@@ -429,6 +430,28 @@ def model_dtype(name: str, device: str) -> torch.dtype:
 
 
 TRAIN_FLAGS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+TRAIN_HELP = {  # what each TrainConfig flag does (its default follows in --help)
+    "mode": "qat: the language-model loss; qad: distillation from the --init weights as a frozen exact teacher",
+    "steps": "training steps in all (with --resume: up to this step)",
+    "batch_size": "sequences per step",
+    "seq_len": "bytes per sequence (the model's tokens)",
+    "lr": "peak learning rate of AdamW",
+    "warmup_steps": "steps of linear warm-up to --lr",
+    "min_lr_ratio": "after warm-up a cosine decays the rate to this fraction of --lr at the last step",
+    "weight_decay": "AdamW's weight decay",
+    "grad_clip": "clip the gradients' global norm to this",
+    "seed": "the training batches are a function of (seed, step), so a resumed run sees the same batches",
+    "kd_temperature": "QAD: the temperature T of the loss T^2 KL(teacher || student)",
+    "kd_lm_weight": "QAD: the loss is KD + this times the LM loss",
+    "prefill_fraction": "decode-phase policies: the prefix is this fraction of --seq-len, the loss on the rest",
+    "eval_every": "held-out evaluation every N steps (0: at the end only)",
+    "checkpoint_every": "write checkpoint.pt every N steps (0: at the end only)",
+    "log_every": "a progress line every N steps (where no tqdm bar is shown)",
+    "budget_s": "shrink the schedule, once, so that the run ends within this many seconds",
+}
+# --smoke: seconds, not hours; any flag given wins
+SMOKE = {"steps": 3, "batch_size": 2, "seq_len": 64, "warmup_steps": 1, "log_every": 1, "eval_sequences": 4,
+         "hidden": 32, "heads": 2, "head_dim": 16, "layers": "gdn,kda", "compiler": "eager", "out": "out/smoke"}
 RESUMABLE = ("steps", "eval_every", "checkpoint_every", "log_every", "budget_s")
 
 
@@ -439,21 +462,36 @@ def parse_args(argv=None):
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (and model config); "
                                                 "QAD's teacher")
     p.add_argument("--resume", default=None, help="go on from this checkpoint (weights, policy, optimizer, step)")
-    p.add_argument("--out", default="out/qat", help="metrics.jsonl, checkpoint.pt and curves.png go here")
+    p.add_argument("--out", default=None, help="metrics.jsonl, checkpoint.pt and curves.png go here "
+                                               "(default out/qat; with --smoke out/smoke)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a run of seconds that checks the set-up end to end (the flags not given: "
+                        f"{', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in SMOKE.items())})")
     for name, field in TRAIN_FLAGS.items():
         kind = {"budget_s": float}.get(name, type(field.default) if field.default is not None else float)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help=f"default {field.default}" + (" (choices: qat, qad)" if name == "mode" else ""))
-    p.add_argument("--eval-sequences", type=int, default=64)
+                       choices=MODES if name == "mode" else None,
+                       help=f"{TRAIN_HELP[name]} (default {field.default})")
+    p.add_argument("--eval-sequences", type=int, default=None,
+                   help="held-out sequences per evaluation (default 64)")
     for flag, (key, default) in MODEL_FLAGS.items():
         p.add_argument("--" + flag.replace("_", "-"), type=type(default), default=None,
-                       help=f"model {key} (default {default}; from --init / --resume: the checkpoint's)")
-    p.add_argument("--compiler", default="inductor", choices=COMPILERS)
+                       help=f"the model's {key} (default {default}; from --init / --resume: the checkpoint's)")
+    p.add_argument("--compiler", default=None, choices=COMPILERS,
+                   help="what runs the rest of each graph (default inductor; eager for bisecting)")
     p.add_argument("--kernel-family", default=None, choices=KERNEL_FAMILIES,
                    help="auto on CUDA; torch (laqat's torch references, same numerics) on the CPU")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model trains (default: cuda where available, else cpu)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on CUDA, float32 elsewhere")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (SMOKE.items() if args.smoke else ()):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    for flag, value in (("out", "out/qat"), ("eval_sequences", 64), ("compiler", "inductor")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    return args
 
 
 def train_config_of(args, stored: dict | None) -> TrainConfig:

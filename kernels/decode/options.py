@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from la_compiler.error_base import LaqatError
 from la_compiler.quant.config import QuantConfig
 from la_compiler.spec import RecurrenceSpec
 
@@ -43,7 +44,7 @@ SERVING_PROFILES = ("vllm-0.33",)
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class DecodeOptionsError(ValueError):
+class DecodeOptionsError(LaqatError, ValueError):
     """A decode-phase spec option that is not valid; the message names the key."""
 
 
@@ -166,7 +167,7 @@ def decode_options(spec: RecurrenceSpec) -> DecodeOptions:
     return DecodeOptions.from_spec(spec)
 
 
-class PhaseLengthsMissing(RuntimeError):
+class PhaseLengthsMissing(LaqatError, RuntimeError):
     """A decode variant was called without phase lengths (through the plain delta_rule op)."""
 
 

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from la_compiler.error_base import LaqatError
 from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.quant import QuantConfig, fake_quant
 from la_compiler.quant import formats as F
@@ -28,7 +29,7 @@ from la_compiler.spec import RecurrenceSpec
 ACC_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class ChunkQuantError(ValueError):
+class ChunkQuantError(LaqatError, ValueError):
     """A quant site or accumulator value the chunked algorithm cannot apply."""
 
 

@@ -13,7 +13,9 @@ limited to ``[\\w./:,+-]``)::
     log_grid:0.03125     log-decay grid round(g/d)*d
     .../clip             suffix: clipped straight-through gradient instead of identity
 
-This module imports nothing (not even torch), so every layer of the project may use it.
+This module imports nothing but ``la_compiler.suggest`` (not even torch), so every layer of the project may use
+it. ``MODELOPT_KEYS``, ``MODELOPT_VALUES`` and ``NUM_BITS`` are what a ModelOpt cfg may say; the checks below and
+the policy file's JSON Schema (``la_compiler.policy_json_schema``) both read them.
 The numerics behind each form are in docs/numerics.md and the project's NUMERICS.md.
 """
 from __future__ import annotations
@@ -23,6 +25,9 @@ import functools
 import math
 import re
 from typing import Any, Mapping
+
+from la_compiler.error_base import LaqatError
+from la_compiler.suggest import did_you_mean
 
 FORMATS = ("fp8_e4m3", "int8", "nvfp4", "int8_h32", "log_grid")
 GROUPS = ("tensor", "axis", "tile", "row", "block")
@@ -41,7 +46,7 @@ _FORMAT_GROUPS = {
 _CLIPPABLE = ("fp8_e4m3", "int8", "nvfp4")
 
 
-class QuantConfigError(ValueError):
+class QuantConfigError(LaqatError, ValueError):
     """A quantizer config or format string that is not valid; the message names the key."""
 
 
@@ -208,14 +213,27 @@ def _parse_cached(text: str) -> QuantConfig:
 
 
 # ---- ModelOpt parsing ------------------------------------------------------------------
-_MODELOPT_KEYS = (
+MODELOPT_KEYS = (
     "enable", "num_bits", "axis", "type", "block_sizes", "fake_quant", "unsigned", "narrow_range",
     "learn_amax", "bias", "rotate", "pass_through_bwd", "calibrator", "trt_high_precision_dtype",
 )
-_BLOCK_SPECIAL_KEYS = ("type", "scale_bits", "scale_block_sizes")
+# The keys of ModelOpt's vocabulary that laqat accepts only at some values: key -> (allowed values, default).
+MODELOPT_VALUES = {
+    "type": (("static", "dynamic"), "static"),  # static needs block_sizes' type dynamic (no calibrated amax)
+    "fake_quant": ((True,), True),
+    "unsigned": ((False,), False),
+    "learn_amax": ((False,), False),
+    "narrow_range": ((True, False), False),  # dynamic amax/127 scales never reach -128
+    "bias": ((None,), None),
+    "calibrator": (("max",), "max"),  # calibration does not apply to dynamic scales
+    "trt_high_precision_dtype": (("Float", "Half", "BFloat16"), "Float"),  # ONNX export only
+    "pass_through_bwd": ((True, False, None), None),  # False: the clipped straight-through gradient
+}
+BLOCK_SPECIAL_KEYS = ("type", "scale_bits", "scale_block_sizes")
 _FP8_BITS = ((4, 3), "e4m3", "fp8", "fp8_e4m3")
 _INT8_BITS = (8, "int8")
 _FP4_BITS = ((2, 1), "e2m1", "fp4", "nvfp4")
+NUM_BITS = {"fp8_e4m3": _FP8_BITS, "int8": _INT8_BITS, "nvfp4": _FP4_BITS}  # format -> num_bits spellings
 
 
 def _bits(value):
@@ -231,8 +249,9 @@ def _from_modelopt(cfg: Mapping[str, Any], site: str | None, state_block_v: int)
     if not isinstance(cfg, Mapping):
         raise QuantConfigError(f"quant cfg must be a dict, got {type(cfg).__name__}")
     for key in cfg:
-        if key not in _MODELOPT_KEYS:
-            raise QuantConfigError(f"quant cfg key {key!r} is not known; known keys: {_MODELOPT_KEYS}")
+        if key not in MODELOPT_KEYS:
+            raise QuantConfigError(f"quant cfg key {key!r} is not known; known keys: {MODELOPT_KEYS}"
+                                   f"{did_you_mean(key, MODELOPT_KEYS)}")
     enable = cfg.get("enable", True)
     if not isinstance(enable, bool):
         raise QuantConfigError(f"quant cfg key 'enable' must be True or False, got {enable!r}")
@@ -241,20 +260,17 @@ def _from_modelopt(cfg: Mapping[str, Any], site: str | None, state_block_v: int)
     if "num_bits" not in cfg:
         raise QuantConfigError("quant cfg key 'num_bits' is required when the quantizer is enabled")
 
-    def require(key, allowed, default):
+    def require(key):
+        allowed, default = MODELOPT_VALUES[key]
         value = cfg.get(key, default)
-        if value not in allowed:
-            raise QuantConfigError(f"quant cfg key {key!r} must be one of {allowed}, got {value!r}")
+        if not any(type(value) is type(a) and value == a for a in allowed):  # 1 is not True
+            raise QuantConfigError(f"quant cfg key {key!r} must be one of {allowed}, got {value!r}"
+                                   f"{did_you_mean(value, allowed)}")
         return value
 
-    require("fake_quant", (True,), True)
-    require("unsigned", (False,), False)
-    require("learn_amax", (False,), False)
-    require("narrow_range", (True, False), False)  # dynamic amax/127 scales never reach -128
-    require("bias", (None,), None)
-    require("calibrator", ("max",), "max")  # calibration does not apply to dynamic scales
-    require("trt_high_precision_dtype", ("Float", "Half", "BFloat16"), "Float")  # ONNX export only
-    pass_through = require("pass_through_bwd", (True, False, None), None)
+    for key in MODELOPT_VALUES:
+        require(key)
+    pass_through = cfg.get("pass_through_bwd")
     ste = "clipped" if pass_through is False else "identity"
     rotate = cfg.get("rotate", False)
     if isinstance(rotate, Mapping):
@@ -273,9 +289,10 @@ def _from_modelopt(cfg: Mapping[str, Any], site: str | None, state_block_v: int)
     elif bits in _FP4_BITS:
         fmt = "nvfp4"
     else:
+        spellings = [b for bits in NUM_BITS.values() for b in bits if isinstance(b, str)]
         raise QuantConfigError(
             f"quant cfg key 'num_bits' must be (4, 3) / 'e4m3' (FP8 E4M3), 8 / 'int8' (INT8) or "
-            f"(2, 1) / 'e2m1' (NVFP4), got {cfg['num_bits']!r}"
+            f"(2, 1) / 'e2m1' (NVFP4), got {cfg['num_bits']!r}{did_you_mean(cfg['num_bits'], spellings)}"
         )
     if rotate and fmt != "int8_h32":
         raise QuantConfigError(f"quant cfg key 'rotate' is only supported with num_bits=8 (INT8 Hadamard-32), got num_bits={cfg['num_bits']!r}")
@@ -289,10 +306,11 @@ def _from_modelopt(cfg: Mapping[str, Any], site: str | None, state_block_v: int)
             raise QuantConfigError(f"quant cfg key 'block_sizes' must be a dict, got {block_sizes!r}")
         if cfg.get("axis") is not None:
             raise QuantConfigError("quant cfg keys 'axis' and 'block_sizes' cannot both be set (ModelOpt's rule)")
-        axes = {k: v for k, v in block_sizes.items() if k not in _BLOCK_SPECIAL_KEYS}
+        axes = {k: v for k, v in block_sizes.items() if k not in BLOCK_SPECIAL_KEYS}
         for k in block_sizes:
-            if isinstance(k, str) and k not in _BLOCK_SPECIAL_KEYS:
-                raise QuantConfigError(f"quant cfg key 'block_sizes.{k}' is not known; known: {_BLOCK_SPECIAL_KEYS} and axis ints")
+            if isinstance(k, str) and k not in BLOCK_SPECIAL_KEYS:
+                raise QuantConfigError(f"quant cfg key 'block_sizes.{k}' is not known; known: {BLOCK_SPECIAL_KEYS} and "
+                                       f"axis ints{did_you_mean(k, BLOCK_SPECIAL_KEYS)}")
         if list(axes) != [-1]:
             raise QuantConfigError(f"quant cfg key 'block_sizes' must block the last axis only (key -1), got axes {list(axes)}")
         block_size = axes[-1]
@@ -304,8 +322,6 @@ def _from_modelopt(cfg: Mapping[str, Any], site: str | None, state_block_v: int)
             raise QuantConfigError("quant cfg key 'block_sizes.scale_block_sizes' is not supported (per-block scales are not re-blocked)")
 
     qtype = cfg.get("type", "static")
-    if qtype not in ("static", "dynamic"):
-        raise QuantConfigError(f"quant cfg key 'type' must be 'static' or 'dynamic', got {qtype!r}")
     if qtype != "dynamic" and block_type != "dynamic":
         raise QuantConfigError(
             "quant cfg key 'type' must be 'dynamic' (or block_sizes['type'] 'dynamic'): laqat computes "

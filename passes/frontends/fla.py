@@ -54,6 +54,8 @@ from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
 from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from fla.modules.l2warp import l2_warp
 
+from la_compiler.errors import LaqatError, through_dynamo
+from la_compiler.ir_checks import tensor_problem
 from la_compiler.passes.frontends import fla_activations, fla_conv_op, fla_norm_op  # noqa: F401
 from la_compiler.passes.frontends import fla_cross_entropy_op, fla_linear_cross_entropy_op  # noqa: F401
 from la_compiler.passes.frontends.fla_preprocess import beta_activation, gdn_gate, kda_gate
@@ -63,13 +65,14 @@ GDN_CHUNK_SIZES = (16, 32, 64)  # what FLA's chunk_gated_delta_rule accepts
 KDA_CHUNK_SIZES = (32, 64)  # what FLA's chunk_kda accepts
 
 
-class UnsupportedArgumentError(ValueError):
+class UnsupportedArgumentError(LaqatError, ValueError):
     """An FLA call argument (or value) that the laqat IR cannot express, or that FLA itself rejects."""
 
 
 @torch._dynamo.assume_constant_result
 def _refuse(function: str, message: str) -> bool:
-    raise UnsupportedArgumentError(f"laqat FLA frontend, {function}(): {message}")
+    # as itself through Dynamo (la_compiler/errors.py): ``except UnsupportedArgumentError`` catches it
+    raise through_dynamo(UnsupportedArgumentError(f"laqat FLA frontend, {function}(): {message}"))
 
 
 def _require(ok: bool, function: str, message: str) -> None:
@@ -129,7 +132,11 @@ def _check_beta(function: str, beta, v, use_beta_sigmoid_in_kernel: bool, allow_
 
 
 def _delta_rule(kind, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                chunk_size):
+                chunk_size, function):
+    # what the node's fake implementation would refuse, refused here, as the call's error (an error inside fake
+    # propagation reaches the user wrapped in Dynamo's TorchRuntimeError)
+    problem = tensor_problem("laqat::delta_rule", q, k, v, g, beta, initial_state, cu_seqlens)
+    _require(problem is None, function, f"{problem} (after laqat's pre-processing of the call's arguments)")
     if scale is None:
         scale = k.shape[-1] ** -0.5
     spec = _spec_string(kind, "vk" if state_v_first else "kv", chunk_size)
@@ -164,7 +171,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
     return _delta_rule("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                       cu_seqlens, chunk_size)
+                       cu_seqlens, chunk_size, fn)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
@@ -186,6 +193,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     if use_gate_in_kernel:
         _require(A_log is not None, fn, "`A_log` must be given with `use_gate_in_kernel=True`")
         _require(g is not None, fn, "`g` (the raw gate) must be given with `use_gate_in_kernel=True`")
+    _require(g is None or g.dim() == 3, fn,
+             f"argument `g` must be [B, T, HV], got {tuple(g.shape) if g is not None else None}")
+    _require(gk is None or tuple(gk.shape) == (B, T, HV, q.shape[-1]), fn,
+             f"argument `gk` must be [B, T, HV, K] = {(B, T, HV, q.shape[-1])}, got "
+             f"{tuple(gk.shape) if gk is not None else None}")
 
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_torch(q, keep_fp32=True), l2norm_torch(k, keep_fp32=True)
@@ -199,7 +211,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
     o, final_state = _delta_rule(kind, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                                 cu_seqlens, 64)
+                                 cu_seqlens, 64, fn)
     return o.to(v.dtype), final_state
 
 
@@ -243,7 +255,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
     return _delta_rule("kda", q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                       cu_seqlens, chunk_size)
+                       cu_seqlens, chunk_size, fn)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -266,7 +278,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
     o, final_state = _delta_rule("kda", q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                                 cu_seqlens, 64)
+                                 cu_seqlens, 64, fn)
     return o.to(v.dtype), final_state
 
 

@@ -3,6 +3,7 @@ schedule, mixed-precision AdamW against fp32 AdamW, the kernel-family overlay, c
 policy, the metrics log on resume, the study's statistics, and the refusals. No compile: milliseconds each."""
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import corpus  # noqa: E402
 import report  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError, read_checkpoint, restore_weights, save_checkpoint, weights_of  # noqa: E402
-from metrics import MetricsLog, read_records  # noqa: E402
+from metrics import MetricsLog, Progress, number, read_records  # noqa: E402
 
 
 # ---- corpus -------------------------------------------------------------------------------------
@@ -159,6 +160,31 @@ def test_a_resumed_run_keeps_its_training_config():
     assert train.train_config_of(args, stored) == train.TrainConfig(seed=3, steps=50)
     with pytest.raises(train.TrainConfigError, match="--lr"):
         train.train_config_of(train.parse_args(["--lr", "1e-3"]), stored)
+
+
+def test_every_flag_says_what_it_does_and_smoke_fills_in_the_flags_not_given(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    entries = re.split(r"\n  (?=-)", help_text.split("options:", 1)[1].strip())
+    said = {e.split()[0]: re.match(r"-\S+(?: [A-Z_]+|{[^}]*})?\s*(.*)", e, re.S).group(1) for e in entries}
+    bare = [flag for flag, text in said.items() if not text or re.fullmatch(r"\(?default [^)]*\)?", text.strip())]
+    assert not bare and len(entries) > 25, bare
+    assert set(train.TRAIN_HELP) == set(train.TRAIN_FLAGS)
+    smoke = train.parse_args(["--smoke", "--steps", "5"])
+    assert train.train_config_of(smoke, None) == train.TrainConfig(steps=5, batch_size=2, seq_len=64,
+                                                                   warmup_steps=1, log_every=1)
+    assert (smoke.compiler, smoke.eval_sequences, smoke.out) == ("eager", 4, "out/smoke")
+    assert train.model_config_of(smoke)["layers"] == ["gdn", "kda"]
+    plain = train.parse_args([])
+    assert (plain.compiler, plain.eval_sequences, plain.out) == ("inductor", 64, "out/qat")
+
+
+def test_a_small_learning_rate_is_printed_in_significant_digits(capsys):
+    assert (number(1.5e-5), number(3e-4), number(2.31234), number(0.0)) == ("1.5e-05", "0.0003", "2.3123", "0.0000")
+    Progress(10, every=1).update(1, loss=2.5, lr=1.5e-5)
+    assert "loss 2.5000 lr 1.5e-05" in capsys.readouterr().out
 
 
 def test_the_model_size_comes_from_the_checkpoint_and_a_flag_may_not_contradict_it():

@@ -1,10 +1,12 @@
 """Every policy validation error: the message names the key and the allowed values."""
 import re
+import warnings
 
 import pytest
 
 import la_compiler
 from la_compiler.policy import Policy, PolicyError, load_policy
+from la_compiler.spec import GEMM_SITES
 
 FP8_STATE = {"num_bits": [4, 3], "type": "dynamic", "axis": [0, 1]}
 NVFP4 = {"num_bits": [2, 1], "type": "dynamic", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": [4, 3]}}
@@ -161,14 +163,79 @@ def test_resolve_error_names_the_key(config, message):
         policy.resolve("layers.0.attn", "gdn")
 
 
-def test_rule_for_a_site_glob_no_probe_matches_is_checked_at_resolve():
-    policy = Policy.from_dict({"quant_cfg": [{"quantizer_name": "net.blk[0-9].gdn_state_quantizer",
-                                              "cfg": {"num_bits": 8, "type": "static", "axis": [0, 1]}}]})
-    assert policy.resolve("net.blk3.attn", "gdn").quant == ()  # the glob does not reach this module's quantizer
-    with pytest.raises(PolicyError, match=re.escape("quant_cfg[0].cfg (quantizer_name 'net.blk[0-9].gdn_state_"
-                                                    "quantizer', site 'state'): quant cfg key 'type' must be "
-                                                    "'dynamic'")):
-        policy.resolve("net.blk3", "gdn")
+@pytest.mark.parametrize("glob", ["net.blk[0-9].gdn_state_quantizer", "model.layers.3.attn.*",
+                                  "*layers.1?.linear_attn.*_quantizer", "gdn_state_quantizer"])
+def test_a_cfg_is_checked_at_load_for_every_site_its_glob_can_reach(glob):
+    """Nothing about the cfg depends on the model: a glob that reaches the state quantizer in some model is
+    checked at load time, however its module part is spelt."""
+    with pytest.raises(PolicyError, match=re.escape(f"quant_cfg[0].cfg (quantizer_name {glob!r}, site '") +
+                       r"[\w.]+'\): " + re.escape("quant cfg key 'type' must be 'dynamic'")):
+        Policy.from_dict({"quant_cfg": [{"quantizer_name": glob, "cfg": {"num_bits": 8, "type": "static",
+                                                                         "axis": [0, 1]}}]})
+
+
+@pytest.mark.parametrize("glob, sites", [
+    ("*", None), ("*_state_quantizer", {"state"}), ("*gdn_state_quantizer", {"state"}),
+    ("net.blk[0-9].gdn_state_quantizer", {"state"}), ("model.layers.*.attn.kda_w_quantizer", {"w"}),
+    ("*wy_key.rhs_quantizer", {"wy_key.rhs"}), ("*layers.[!0]*.*state_quantizer", {"state"}), ("*gdn*", {"state", "w"}),
+    ("*weight_quantizer", set()), ("*gdn_state_quantiser", set()), ("model.layers.*.attn", set()),
+    ("*linear_attn_sites.*", {f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs")}),
+])
+def test_reachable_sites_of_a_glob(glob, sites):
+    from la_compiler.policy import all_quantizers, reachable_sites
+
+    assert reachable_sites(glob) == (set(all_quantizers().values()) if sites is None else sites)
+
+
+@pytest.mark.parametrize("glob, hint", [
+    ("*gdn_state_quantiser", " (did you mean '*gdn_state_quantizer'?)"),
+    ("model.layers.*.attn.kda_stat_quantizer", " (did you mean 'model.layers.*.attn.kda_state_quantizer'?)"),
+    ("*linear_attn_sites.wy_keys.lhs_quantizer", " (did you mean '*linear_attn_sites.wy_key.lhs_quantizer'?)"),
+    ("*weight_quantizer", "; laqat's quantizers are <module>.<quantizer> with <quantizer> one of"),
+])
+def test_a_glob_that_reaches_no_quantizer_warns_at_load_with_the_closest_names(glob, hint):
+    config = {"name": "mine", "quant_cfg": [{"quantizer_name": glob, "cfg": {"num_bits": 8, "type": "dynamic"}}]}
+    with pytest.warns(la_compiler.UnmatchedPolicyRuleWarning,
+                      match=re.escape(f"policy 'mine': quant_cfg[0] (quantizer_name {glob!r}) matches no laqat "
+                                      f"quantizer of any model{hint}")) as record:
+        Policy.from_dict(config)
+    assert record[0].filename == __file__  # the caller's line, not laqat's
+    with warnings.catch_warnings():  # strict mode: the documented filter turns it into an error
+        warnings.simplefilter("error", la_compiler.PolicyWarning)
+        with pytest.raises(la_compiler.UnmatchedPolicyRuleWarning):
+            Policy.from_dict(config)
+
+
+@pytest.mark.parametrize("config, hint", [
+    ({"quant_cfgs": []}, "(did you mean 'quant_cfg'?)"),
+    (la({"chunksize": 64}), "(did you mean 'chunk_size'?)"),
+    (la({"decode": {"mode": "tokens"}}), "got 'tokens' (did you mean 'token'?)"),
+    (la({"solve": {"method": "nuemann", "degree": 2}}), "got 'nuemann' (did you mean 'neumann'?)"),
+    (la({"numerics": {"gem": "tf32"}}), "numerics.gem: unknown key; allowed: ['gemm', 'fp32_dot', 'key_block', "
+                                        "'bwd_key_block'] (did you mean 'gemm'?)"),
+    (la({"serving": {"state_dtype": "bfloat"}}), "got 'bfloat' (did you mean 'bfloat16'?)"),
+    (la({"backend": "fused_recurent"}), "got 'fused_recurent' (did you mean 'fused_recurrent'"),
+    (qc({"quantizer_name": "*gdn_state_quantizer", "cfg": {"num_bit": 8, "type": "dynamic"}}),
+     "(did you mean 'num_bits'?)"),
+    (qc({"quantizer_name": "*gdn_state_quantizer", "cfg": {"num_bits": "e4m4", "type": "dynamic", "axis": [0, 1]}}),
+     "got 'e4m4' (did you mean 'e4m3'?)"),
+])
+def test_misspellings_get_a_did_you_mean(config, hint):
+    with pytest.raises(PolicyError, match=re.escape(hint)):
+        Policy.from_dict(config)
+
+
+def test_a_cfg_typo_in_a_policy_file_fails_at_load_not_at_compile(tmp_path):
+    """The user's path: a file whose glob names the model's own modules, loaded by attach_policy."""
+    import torch
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("quant_cfg:\n  - quantizer_name: 'model.layers.*.linear_attn.gdn_state_quantizer'\n"
+                    "    cfg: {num_bits: e4m4, type: dynamic, axis: [0, 1]}\n")
+    with pytest.raises(PolicyError, match=re.escape(f"policy file {str(path)!r}: quant_cfg[0].cfg (quantizer_name "
+                                                    f"'model.layers.*.linear_attn.gdn_state_quantizer', site 'state'):"
+                                                    f" quant cfg key 'num_bits' must be")):
+        la_compiler.attach_policy(torch.nn.Linear(2, 2), str(path))
 
 
 def test_file_and_name_errors(tmp_path):
@@ -192,7 +259,8 @@ def test_file_and_name_errors(tmp_path):
     with pytest.raises(PolicyError, match=re.escape(f"policy file {str(tmp_path / 'none.yaml')!r}: cannot read it")):
         Policy.from_file(tmp_path / "none.yaml")
     with pytest.raises(PolicyError, match=r"options\['policy'\]: 'state_fp9' is neither a recipe name nor a "
-                                          r"\.yaml/\.json file; recipes: \['decode_token_state_fp8', 'exact'"):
+                                          r"\.yaml/\.json file; recipes: \['decode_token_state_fp8', 'exact'.*\] "
+                                          r"\(did you mean 'state_fp8'\?\)"):
         load_policy("state_fp9")
     with pytest.raises(PolicyError, match=r"options\['policy'\]: must be None, a Policy, a dict, a path or a "
                                           r"recipe name, got int"):

@@ -14,6 +14,7 @@ function, causal_conv1d's torch path). Prints one JSON line:
   per parameter, the relative L2 error of the gradient against eager fp32 and against fp64;
 - ``state_fp8``: ``{"policy": "state_fp8", "compiler": "eager"}``: the matches and specs, the per-token
   losses' distance to the exact eager hand-off's, the loss before and after each of three AdamW steps;
+- in each compiled run, every warning laqat raised (``laqat_warnings``: a shipped recipe raises none);
 - CPU seconds per run (this process and the compilers it waited for) and in all.
 
 A run that raises records ``error`` (type, message, the last traceback lines) and the next one runs.
@@ -27,6 +28,7 @@ import resource
 import sys
 import time
 import traceback
+import warnings
 
 sys.modules["fla"] = None  # noqa: E402  (before transformers)
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -115,6 +117,10 @@ def error_of(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:3000]}\n" + "".join(lines[-6:])[-3000:]
 
 
+def laqat_warnings(caught) -> list[str]:
+    return [f"{w.category.__name__}: {w.message}" for w in caught if w.category.__module__.startswith("la_compiler")]
+
+
 def matches_since(n_graphs: int) -> dict:
     graphs = last_record().graphs[n_graphs:]
     return {
@@ -148,8 +154,19 @@ def train_step(model, options, eager_grads, fp64_grads, eager_token_losses) -> t
     n_graphs = len(last_record().graphs)
     model.zero_grad(set_to_none=True)
     out: dict = {}
-    losses = None
     t0, c0 = time.perf_counter(), cpu_seconds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _train_step(model, options, eager_grads, fp64_grads, eager_token_losses, out, t0)
+    out["laqat_warnings"] = laqat_warnings(caught)
+    out.update(matches_since(n_graphs))
+    out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, cpu_seconds() - c0
+    model.zero_grad(set_to_none=True)
+    return out, losses
+
+
+def _train_step(model, options, eager_grads, fp64_grads, eager_token_losses, out, t0) -> torch.Tensor | None:
+    losses = None
     try:
         output = compiled(model, options)(**batch())
         out["seconds_compile_forward"] = time.perf_counter() - t0
@@ -165,10 +182,7 @@ def train_step(model, options, eager_grads, fp64_grads, eager_token_losses) -> t
         out["vs_fp64"] = {n: rel(g, fp64_grads[n]) for n, g in grads.items() if n in fp64_grads}
     except Exception as exc:  # noqa: BLE001  (reported, the test asserts on it)
         out["error"] = error_of(exc)
-    out.update(matches_since(n_graphs))
-    out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, cpu_seconds() - c0
-    model.zero_grad(set_to_none=True)
-    return out, losses
+    return losses
 
 
 def adamw_steps(model, options, exact_token_losses) -> dict:
@@ -177,6 +191,16 @@ def adamw_steps(model, options, exact_token_losses) -> dict:
     n_graphs = len(last_record().graphs)
     out: dict = {"losses": []}
     t0, c0 = time.perf_counter(), cpu_seconds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _adamw_steps(model, options, exact_token_losses, out)
+    out["laqat_warnings"] = laqat_warnings(caught)
+    out.update(matches_since(n_graphs))
+    out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, cpu_seconds() - c0
+    return out
+
+
+def _adamw_steps(model, options, exact_token_losses, out) -> None:
     try:
         step = compiled(model, options)
         opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
@@ -192,9 +216,6 @@ def adamw_steps(model, options, exact_token_losses) -> dict:
             opt.step()
     except Exception as exc:  # noqa: BLE001
         out["error"] = error_of(exc)
-    out.update(matches_since(n_graphs))
-    out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, cpu_seconds() - c0
-    return out
 
 
 def fp64_run(case: ModelCase, model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

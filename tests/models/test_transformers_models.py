@@ -11,6 +11,7 @@ it:
   fp32 itself is farther than TOL / 10 from it (sums over tokens that cancel: A_log, dt_bias);
 - ``{"policy": "state_fp8", "compiler": "eager"}``: the same nodes, with an FP8 state in their spec; the
   per-token losses move away from the exact ones, and three AdamW steps lower the loss.
+- no run raises a laqat warning (a shipped recipe meets all its rules on a GDN-only and a KDA-only model).
 
 All failed checks of a model are reported together. ``LAQAT_MODELS_RESULTS=<dir>`` keeps each model's
 JSON (with its CPU and wall seconds) as ``<dir>/<name>.json``.
@@ -114,6 +115,8 @@ def test_transformers_model_trains_under_laqat(case: ModelCase, model_processes,
                 if cls is None]
     failures += check_exact(case, result, "inductor") + check_exact(case, result, "eager_handoff")
     failures += check_state_fp8(case, result)
+    failures += [f"{RUNS.get(key, key)}: {w}" for key in ("inductor", "eager_handoff", "state_fp8")
+                 for w in result[key].get("laqat_warnings", ["no laqat_warnings recorded"])]
     assert not failures, f"{case.name}:\n- " + "\n- ".join(failures)
 
 

@@ -618,7 +618,7 @@ def test_fla_causal_lm_compiles_fullgraph(family, compiler):
 # ---- refusals ---------------------------------------------------------------------------------
 def _expect_refusal(fn, *args, match, fullgraph=True):
     compiled = torch.compile(fn, backend="laqat", fullgraph=fullgraph, options={"compiler": "eager"})
-    with pytest.raises(Exception, match=rf"UnsupportedArgumentError: .*{match}") as info:
+    with pytest.raises(fla_frontend.UnsupportedArgumentError, match=rf"laqat FLA frontend, .*{match}") as info:
         compiled(*args)
     return info
 

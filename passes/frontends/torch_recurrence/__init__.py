@@ -2,20 +2,27 @@
 
     rewrite_torch_recurrences(gm, record, verify=False) -> number of rewritten recurrences
 
+``record.pass_seconds["torch_recurrence.check"]`` is the time the rewrite check took (part of the frontend's).
+
 Steps (one module each): ``dataflow`` (networkx DiGraph with mutation edges), ``slices`` and
 ``loops`` (chain discovery and step isomorphism of unrolled loops), ``region`` + ``rules``
-(what the IR node replaces, and its inputs), ``semantics`` (role assignment and the
-algebra check on fp64 probes, near-miss diagnosis), ``replace`` (emit the IR node),
-``verify_mode`` (optional whole-region check), ``one_step`` (loops unrolled to one step: reported
+(what the IR node replaces, and its inputs), ``allowed_ops`` (every op accounted for), ``steps``
+(every step of a token loop reads its own token: constants and indices included), ``semantics``
+(role assignment and the algebra check on fp64 probes, near-miss diagnosis), ``replace`` (emit the IR node),
+``verify_mode`` (the rewrite check: the IR node against the region on random inputs; bounded by default,
+the whole region with ``verify=True``), ``one_step`` (loops unrolled to one step: reported
 only). docs/torch_frontend.md explains the design.
 """
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 
 from la_compiler.record import GraphRecord, NearMiss
+
+CHECK_SECONDS = "torch_recurrence.check"  # GraphRecord.pass_seconds: the rewrite check's part of the frontend's time
 
 
 def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool = False) -> int:
@@ -36,18 +43,27 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
 
 def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> int:
     from la_compiler.passes.frontends.torch_recurrence.allowed_ops import OpRefused, check_region_ops
-    from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow
+    from la_compiler.passes.frontends.torch_recurrence.dataflow import (Dataflow, fold_symbolic_scalars, specialize,
+                                                                      tensor_value)
     from la_compiler.passes.frontends.torch_recurrence.inplace import functionalize_inplace
     from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
     from la_compiler.passes.frontends.torch_recurrence.region import build_region
     from la_compiler.passes.frontends.torch_recurrence.replace import check_replaceable, replace_region
     from la_compiler.passes.frontends.torch_recurrence.semantics import solve
-    from la_compiler.passes.frontends.torch_recurrence.verify_mode import verify_rewrite
+    from la_compiler.passes.frontends.torch_recurrence.steps import check_step_inputs
+    from la_compiler.passes.frontends.torch_recurrence.verify_mode import check_rewrite
     from la_compiler.passes.module_names import module_name
     from la_compiler.spec import RecurrenceSpec
 
     flow = Dataflow(gm)
     loops = find_loops(flow)
+    if loops and any(isinstance(s, torch.SymInt) for n in flow.nodes if tensor_value(n) is not None
+                     for s in tensor_value(n).shape):
+        # a graph with an unrolled loop under dynamic shapes: its sizes and symbolic scalars pinned to their values
+        specialize(flow.nodes)
+        if fold_symbolic_scalars(gm):
+            flow = Dataflow(gm)
+            loops = find_loops(flow)
     # S.mul_(d) chains inside unrolled loops -> out-of-place ops (provably equal values)
     if functionalize_inplace(gm, [_span(lp) for lp in loops]):
         flow = Dataflow(gm)
@@ -73,13 +89,17 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
                                  region.chain_nodes)
             except OpRefused as e:
                 raise NotARecurrence(e.reason, nodes=[e.node.name]) from None
+            check_step_inputs(flow, region)  # every step reads its own token (constants and indices included)
             assignment = solve(flow, region)
             spec = RecurrenceSpec(kind=assignment.kind, src="torch", state=assignment.state)
             check_replaceable(region)
-            if verify:
-                why = verify_rewrite(flow, region, assignment, spec)
-                if why:
-                    raise NotARecurrence(why, nodes=[where.name])
+            # the IR node against the region on random inputs: bounded by default, the whole region with verify
+            start = time.perf_counter()
+            why = check_rewrite(flow, region, assignment, spec, thorough=verify)
+            record.pass_seconds[CHECK_SECONDS] = record.pass_seconds.get(CHECK_SECONDS, 0.0) + \
+                time.perf_counter() - start
+            if why:
+                raise NotARecurrence(why, nodes=[where.name])
         except NotARecurrence as e:
             if e.candidate and not inner:
                 refused.append(span)

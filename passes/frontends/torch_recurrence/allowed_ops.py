@@ -22,6 +22,7 @@ import re
 
 import torch
 
+from la_compiler.error_base import LaqatError
 from la_compiler.passes.frontends.torch_recurrence.dataflow import is_inplace_write, tensor_value, written_base
 
 # op -> why it preserves the algebra (the delta rule is polynomial in q, k, v, beta, S, exp(g))
@@ -149,7 +150,9 @@ def _narrows(node: torch.fx.Node) -> bool:
     return torch.finfo(out.dtype).bits <= torch.finfo(src.dtype).bits
 
 
-class OpRefused(Exception):
+class OpRefused(LaqatError):
+    """A region node the algebra does not allow (internal: the frontend reports it as a near miss)."""
+
     def __init__(self, reason: str, node: torch.fx.Node):
         super().__init__(reason)
         self.reason, self.node = reason, node
@@ -262,7 +265,12 @@ def _root(x: torch.fx.Node, region):
 
 
 def _aliases_input(x, region) -> bool:
-    return isinstance(x, torch.fx.Node) and _root(x, region) not in region.nodes
+    """Whether ``x`` may share storage with a tensor the caller passed in (an output buffer the caller passed is
+    part of the region, and still the caller's)."""
+    if not isinstance(x, torch.fx.Node):
+        return False
+    root = _root(x, region)
+    return root not in region.nodes or root.op in ("placeholder", "get_attr")
 
 
 # refused even on constants: they make the region non-deterministic or cut gradients

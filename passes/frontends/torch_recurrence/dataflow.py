@@ -7,6 +7,7 @@ and "who reads this value" queries see the data that really flows.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -24,6 +25,70 @@ def value(node):
 def tensor_value(node):
     v = value(node)
     return v if isinstance(v, torch.Tensor) else None
+
+
+def static_int(size):
+    """A size as an int: an int, a symbolic size that Dynamo has specialized to a constant, or else the example
+    value's size (its hint: an automatic-dynamic sequence length; ``specialize`` pins it before a loop is
+    analysed); None where there is none."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+        if getattr(expr, "is_Integer", False):
+            return int(expr)
+        if node.has_hint():
+            return int(node.hint)
+    return None
+
+
+def fold_symbolic_scalars(gm: torch.fx.GraphModule) -> int:
+    """Every node computing a symbolic scalar (``q.size(3) ** -0.5`` under ``dynamic=True``: Dynamo emits it once,
+    in the first step that needs it) replaced in its readers by its example value, pinned by a guard: the steps
+    of an unrolled loop then read the same literal, as they do with static shapes. Returns how many."""
+    from torch.fx.experimental.symbolic_shapes import guard_bool, guard_float, guard_int
+
+    pin = {torch.SymInt: guard_int, torch.SymFloat: guard_float, torch.SymBool: guard_bool}
+    done = 0
+    for n in list(gm.graph.nodes):
+        v = value(n)
+        if n.op == "placeholder" or type(v) not in pin or not n.users or not v.node.has_hint():
+            continue
+        constant = pin[type(v)](v)
+        for user in list(n.users):
+            user.args = torch.fx.node.map_arg(user.args, lambda a: constant if a is n else a)
+            user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: constant if a is n else a)
+        done += 1
+    # the scalar computations nobody reads any more (and the size() calls they read) leave the graph, so that the
+    # steps' windows hold the same nodes
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op in ("call_function", "call_method") and not n.users and tensor_value(n) is None \
+                and not is_inplace_write(n) and not n.is_impure():
+            gm.graph.erase_node(n)
+    return done
+
+
+def specialize(nodes) -> None:
+    """Pins every symbolic size of these nodes' example values to its example value (a guard: the compiled graph
+    then runs for those sizes only, and Dynamo recompiles for others). An unrolled Python loop is specialized to
+    its trip count already; the sizes its region reads are pinned too, so that the analysis and the replacement
+    see plain ints."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    for n in nodes:
+        v = tensor_value(n)
+        if v is None or not any(isinstance(x, torch.SymInt) for x in (*v.shape, *v.stride())):
+            continue
+        if not all(x.node.has_hint() for x in (*v.shape, *v.stride()) if isinstance(x, torch.SymInt)):
+            continue
+        shape = [guard_int(x) if isinstance(x, torch.SymInt) else x for x in v.shape]
+        stride = [guard_int(x) if isinstance(x, torch.SymInt) else x for x in v.stride()]
+        with v.fake_mode if getattr(v, "fake_mode", None) is not None else contextlib.nullcontext():
+            static = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device,
+                                         requires_grad=v.requires_grad)
+        key = "example_value" if "example_value" in n.meta else "val"
+        n.meta[key] = static
 
 
 def is_inplace_write(node: torch.fx.Node) -> bool:

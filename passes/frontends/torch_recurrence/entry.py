@@ -55,6 +55,15 @@ class EntryChain:
         last = max((i for i, (kind, _) in enumerate(self.ops) if kind == "cast"), default=-1)
         return EntryChain(self.ops[:last + 1]), EntryChain(self.ops[last + 1:])
 
+    def apply_native(self, x):
+        """The chain's value ops in their own dtypes, as the replay in front of the IR node runs them."""
+        for kind, c in self.ops:
+            if kind == "cast":
+                x = x.to(c)
+            else:
+                x = x * c if kind == "mul" else x / c
+        return x
+
     def apply64(self, x):
         """The chain on a float64 probe: casts to fp32 lifted (as the probe lifts the region's),
         casts to bf16 / fp16 rounding, as they do in the probe and in the replay."""

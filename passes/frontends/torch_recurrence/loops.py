@@ -7,21 +7,26 @@ position with the previous window, which is an exact step isomorphism: same ops,
 shapes, same loop invariants, literals equal except the time index (which must advance by
 exactly one), and references to the previous window only through loop-carried values.
 The last window is aligned as a subsequence (Dynamo drops a dead last state update when
-the final state is not used).
+the final state is not used); a last step that computes something more (``if t == T - 1: ...``) is not
+one of them. A literal that changes from step to step anywhere but in a time index (``/ max(t, 1)``)
+makes the steps different programs: a near miss naming the step, the value and its line.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import defaultdict
 
 import torch
 
+from la_compiler.error_base import LaqatError
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
 from la_compiler.passes.frontends.torch_recurrence.slices import TimeSlice, time_slices
 
 
-class NotARecurrence(Exception):
-    """A loop that fails a structural check; ``candidate`` says whether to report it."""
+class NotARecurrence(LaqatError):
+    """A loop that fails a check; ``candidate`` says whether to report it. Internal: the frontend turns it into a
+    near miss, it never reaches the user."""
 
     def __init__(self, reason: str, candidate: bool = True, nodes=()):
         super().__init__(reason)
@@ -168,7 +173,7 @@ class _Windows:
 
 
 def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, where: _Windows, carried: dict,
-               slice_of: dict) -> str | None:
+               slice_of: dict, step0: int = 0) -> str | None:
     """None when ``cur`` (window w) is ``prev`` (window w-1) one step later; else what differs."""
     if cur.op != prev.op or cur.target != prev.target:
         return f"op {cur.format_node()} vs {prev.format_node()}"
@@ -178,7 +183,7 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
     lc, lp = where.flat_args(cur), where.flat_args(prev)
     if len(lc) != len(lp):
         return f"arguments of {cur.name} differ from {prev.name}"
-    for a, b in zip(lc, lp):
+    for i, (a, b) in enumerate(zip(lc, lp)):
         if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
             if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
                 return f"arguments of {cur.name} differ from {prev.name}"
@@ -199,10 +204,71 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
                 continue  # the items of an unbind over time, read one per step
             return f"{cur.name} reads {a.name} where the previous step read {b.name}"
         elif a != b:
-            if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a - b == 1:
-                continue  # the time index advances by one
-            return f"literal {a!r} of {cur.name} vs {b!r} one step earlier"
+            if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a - b == 1 \
+                    and _is_time_index(cur, i, where, w):
+                continue  # the time index of a per-step slice or output write advances by one
+            return _literal_differs(cur, a, b, step0 + w - 1)
     return None
+
+
+def _literal_differs(cur: torch.fx.Node, a, b, prev_step: int) -> str:
+    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
+
+    return (f"it reads the value {a!r} at {where_from(cur)} where step {prev_step} reads {b!r} (a constant, literal "
+            f"or index that depends on the step; every step must compute the same function of its own token's "
+            f"inputs)")
+
+
+def _flat_paths(x, path, out):
+    """The path of every item of ``_flatten(x)``, in the same order."""
+    out.append(path)
+    if isinstance(x, (tuple, list)):
+        for i, y in enumerate(x):
+            _flat_paths(y, path + (i,), out)
+    elif isinstance(x, dict):
+        for k in sorted(x):
+            _flat_paths(x[k], path + (k,), out)
+    elif isinstance(x, slice):
+        for i, y in enumerate((x.start, x.stop, x.step)):
+            _flat_paths(y, path + (i,), out)
+    return out
+
+
+def _index_paths(index, prefix: tuple) -> set:
+    """Paths of the int items (and one-wide slices' bounds) of a getitem / setitem index."""
+    if isinstance(index, int):
+        return {prefix}
+    if not isinstance(index, tuple):
+        return set()
+    out = set()
+    for p, item in enumerate(index):
+        if isinstance(item, int) and not isinstance(item, bool):
+            out.add(prefix + (p,))
+        elif isinstance(item, slice) and isinstance(item.start, int) and item.stop == item.start + 1:
+            out |= {prefix + (p, 0), prefix + (p, 1)}
+    return out
+
+
+def _is_time_index(cur: torch.fx.Node, position: int, where: "_Windows", w: int) -> bool:
+    """Whether the literal at ``position`` of ``cur``'s flattened arguments sits where a step's time index does:
+    the index of a per-step slice of a tensor computed outside the loop (``x[:, t]``, ``x[:, t:t + 1]``,
+    ``x.select(1, t)``, an unbind's item ``t``), or of a step's write into an outside buffer (``o[:, t] = ...``).
+    Anything else that changes from step to step (``/ max(t, 1)``, ``roll(t)``, ``full(..., t)``) makes the steps
+    different programs."""
+    allowed = set()
+    if cur.op == "call_function" and cur.target is operator.getitem:
+        src = cur.args[0]
+        if isinstance(src, torch.fx.Node) and where.classify(src, w)[0] == "ext" and time_slices(cur):
+            allowed = _index_paths(cur.args[1], (0, 1))
+    elif cur.op == "call_function" and cur.target is operator.setitem:
+        base = cur.args[0]
+        if isinstance(base, torch.fx.Node) and where.classify(base, w)[0] == "ext":
+            allowed = _index_paths(cur.args[1], (0, 1))
+    elif time_slices(cur) and isinstance(cur.args[0], torch.fx.Node) and where.classify(cur.args[0], w)[0] == "ext":
+        allowed = {(0, 2)}  # select(x, dim, t)
+    if not allowed:
+        return False
+    return _flat_paths((cur.args, cur.kwargs), (), [])[position] in allowed
 
 
 MAX_ROTATION = 8
@@ -255,22 +321,28 @@ def _analyze(flow: Dataflow, loop: Loop, starts: list[int]) -> LoopBody:
         for off, n in enumerate(win):
             where.where[n] = (w, off)
         for off, n in enumerate(win):
-            why = _same_step(n, windows[w - 1][off], w, 0, where, carried, slice_of)
+            why = _same_step(n, windows[w - 1][off], w, 0, where, carried, slice_of, a)
             if why:
                 raise NotARecurrence(f"step {a + w} is not isomorphic to step {a + w - 1}: {why}", candidate, [n.name])
         windows.append(win)
     # the last step, aligned as a subsequence of the one before (a dead final update may be missing)
-    w, cursor, last = len(starts) - 1, starts[-1], []
+    w, cursor, last, mismatch = len(starts) - 1, starts[-1], [], None
     for off, tmpl in enumerate(windows[-1]):
         if cursor < len(nodes) and nodes[cursor].op != "output":
             where.where[nodes[cursor]] = (w, off)
-            if _same_step(nodes[cursor], tmpl, w, 0, where, carried, slice_of) is None:
+            why = _same_step(nodes[cursor], tmpl, w, 0, where, carried, slice_of, a)
+            if why is None:
                 last.append(nodes[cursor])
                 cursor += 1
                 continue
+            mismatch = mismatch or (nodes[cursor], why)
             del where.where[nodes[cursor]]
         last.append(None)
     windows.append(last)
+    if mismatch is not None and None in last and _reads_step(mismatch[0], set(n for n in last if n is not None)):
+        # not a dead final update but a last step that computes something else (`if t == T - 1: S = S.clamp(...)`)
+        raise NotARecurrence(f"step {a + w} is not isomorphic to step {a + w - 1}: {mismatch[1]}", candidate,
+                             [mismatch[0].name])
 
     _check_time_indices(windows, loop, where)
     if len(carried) != 1:
@@ -283,6 +355,14 @@ def _analyze(flow: Dataflow, loop: Loop, starts: list[int]) -> LoopBody:
     if sv is None or sv.dim() < 3 or not sv.dtype.is_floating_point:
         raise NotARecurrence("loop-carried value is not a floating tensor of rank >= 3", False)
     return _outputs(flow, loop, windows, state_offset, init)
+
+
+def _reads_step(node: torch.fx.Node, step_nodes: set) -> bool:
+    """Whether ``node``, which the last step's alignment could not place, computes on that step's values (a
+    collector of the per-step outputs after the loop does not count)."""
+    if getattr(node.target, "__name__", node.target) in ("stack", "cat"):
+        return False
+    return any(x in step_nodes for x in node.all_input_nodes)
 
 
 def _rotate(flow: Dataflow, starts: list[int]) -> list[int]:

@@ -15,14 +15,16 @@ import operator
 
 import torch
 
+from la_compiler.error_base import LaqatError
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _WIDE = (torch.float32, torch.float64)
 _TO_DOUBLE_METHODS = {"float": "double"}
 CASTS = {"to", "type", torch.Tensor.to, torch.Tensor.type}
 
 
-class ProbeError(RuntimeError):
-    """The graph piece could not be run on probe inputs."""
+class ProbeError(LaqatError, RuntimeError):
+    """The graph piece could not be run on probe inputs (internal: the frontend reports it as a near miss)."""
 
 
 def _lift(x, floats=_FLOATS):
@@ -45,10 +47,11 @@ def _float64_default():
         torch.set_default_dtype(old)
 
 
-def run_nodes(nodes, env: dict, grad: bool = False) -> dict:
+def run_nodes(nodes, env: dict, grad: bool = False, lift: bool = True) -> dict:
     """Evaluates ``nodes`` (in graph order) with ``env`` holding the values of their external
     inputs; returns ``env`` extended with every evaluated node (in-place writes included).
-    ``grad=True`` records autograd (for the vector-Jacobian product of the region)."""
+    ``grad=True`` records autograd (for the vector-Jacobian product of the region); ``lift=False``
+    runs the graph in its own dtypes (no cast or factory lifted to float64)."""
     env = dict(env)
 
     def load(a):
@@ -64,17 +67,17 @@ def run_nodes(nodes, env: dict, grad: bool = False) -> dict:
             return slice(load(a.start), load(a.stop), load(a.step))
         return a
 
-    with _float64_default(), torch.set_grad_enabled(grad):
+    with (_float64_default() if lift else contextlib.nullcontext()), torch.set_grad_enabled(grad):
         for n in nodes:
             if n in env:
                 continue
-            floats = _WIDE if n.target in CASTS else _FLOATS  # casts to bf16 / fp16 round
+            floats = () if not lift else _WIDE if n.target in CASTS else _FLOATS  # casts to bf16 / fp16 round
             args, kwargs = _lift(load(n.args), floats), _lift(load(n.kwargs), floats)
             try:
                 if n.op == "call_function":
                     env[n] = n.target(*args, **kwargs)
                 elif n.op == "call_method":
-                    name = _TO_DOUBLE_METHODS.get(n.target, n.target)
+                    name = _TO_DOUBLE_METHODS.get(n.target, n.target) if lift else n.target
                     env[n] = getattr(args[0], name)(*args[1:], **kwargs)
                 else:
                     raise ProbeError(f"cannot probe {n.op} node {n.name}")

@@ -15,7 +15,7 @@ import operator
 import torch
 
 from la_compiler.passes.frontends.torch_recurrence import rules
-from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, static_int, tensor_value
 from la_compiler.passes.frontends.torch_recurrence.entry import entry_chains
 from la_compiler.passes.frontends.torch_recurrence.loops import LoopBody, NotARecurrence
 
@@ -43,7 +43,7 @@ def _per_token(v, lo, hi) -> bool:
     if v is None or not 2 <= v.dim() <= 4:
         return False
     dims = v.shape[:-1] if v.dim() == 4 else v.shape
-    return any(isinstance(s, int) and lo < s <= hi for s in dims)
+    return any((n := static_int(s)) is not None and lo < n <= hi for s in dims)
 
 
 def chunk_geometry(body: LoopBody) -> tuple[int, int]:

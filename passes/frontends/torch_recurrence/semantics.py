@@ -53,6 +53,16 @@ class Layout:
 
 
 @dataclasses.dataclass
+class Evidence:
+    """The runs of the region an accepted assignment passed in the algebra check (loops over chunks, where they run
+    the whole region): the rewrite check (``verify_mode.py``) compares them with the IR node instead of running
+    the region again."""
+
+    runs: list = dataclasses.field(default_factory=list)  # (what, env, (o as the region lays it out, state))
+    vjp: tuple | None = None  # (env, cotangent of o in [B, T, HV, V], tokens it covers, {frontier node: gradient})
+
+
+@dataclasses.dataclass
 class Assignment:
     kind: str
     q: Layout
@@ -66,6 +76,7 @@ class Assignment:
     out_perm: tuple  # region output -> [B, T, HV, V]
     scale: float = 1.0
     chains: dict = dataclasses.field(default_factory=dict, repr=False)  # frontier node -> EntryChain | None
+    evidence: Evidence | None = dataclasses.field(default=None, repr=False)  # loops over chunks (stress)
 
     def chain(self, role: str):
         """The entry chain replayed in front of the IR node for ``role`` (the query's trailing
@@ -237,8 +248,11 @@ def _draws(region: Region, g_node, form, gen, device):
         elif v.dim() == 3 and _per_token(v, region.seq_len - 1, region.seq_len):
             x = 0.1 + 0.8 * torch.rand(shape, generator=gen, dtype=torch.float64)
         elif _per_token(v, region.seq_len - 1, region.seq_len):
+            # rows of norm 0.7..1: not on the unit sphere (a key renormalization the region does is then seen),
+            # and |1 - beta |k|^2| <= 1 for beta in (0, 2) (long probes stay bounded)
             x = torch.randn(shape, generator=gen, dtype=torch.float64)
-            x = x / x.norm(dim=-1, keepdim=True)
+            norms = 0.7 + 0.3 * torch.rand((*shape[:-1], 1), generator=gen, dtype=torch.float64)
+            x = x / x.norm(dim=-1, keepdim=True) * norms
         else:
             x = 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
         chain = region.chains.get(n)
@@ -266,9 +280,9 @@ class Probe:
             self.steps = region.seq_len
             self.nodes = [n for n in ordered if n is not region.output] + [region.output]
 
-    def __call__(self, env, grad: bool = False):
+    def __call__(self, env, grad: bool = False, lift: bool = True):
         body, region = self.region.body, self.region
-        out = run_nodes(self.nodes, env, grad=grad)
+        out = run_nodes(self.nodes, env, grad=grad, lift=lift)
         if self.token:
             if body.o_buffer is not None:
                 o = out[body.o_buffer].narrow(body.o_time_dim, 0, self.steps).clone()
@@ -359,7 +373,7 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
             err, c = _compare(a, env, got, probe.steps, EXACT, probe.token)
             if err <= TOL:
                 a.scale = _snap_scale(c, tensor_value(a.q.node).shape[a.q.perm[3]])
-                why = stress(region, probe, a, env, gen) if a.decay_form == "log" or positive(a.g.node) else (
+                why = stress(region, probe, a, env, gen, got) if a.decay_form == "log" or positive(a.g.node) else (
                     f"the state is multiplied by {a.g.node.name} itself, which is not provably positive: the IR "
                     f"node takes log(decay), exact only for a positive decay (write exp(g) inside, or "
                     f"pre-exponentiate with exp or sigmoid)")
@@ -501,29 +515,75 @@ def _diagnose_counts(flow: Dataflow, region: Region, e: _RoleCountError) -> str 
 DEEP_DECAY_SUM = 80.0  # per-chunk sums of g near -80: exp of them (or of their negation) is near fp32's range
 
 
-def stress(region: Region, probe: Probe, a: Assignment, env: dict, gen) -> str | None:
+def stress(region: Region, probe: Probe, a: Assignment, env: dict, gen, got=None) -> str | None:
     """Checks an assignment that matched at the generic probes once more, with its fitted scale:
     with a large state and a NaN input (the delta rule propagates the NaN: nothing may make it
     finite; elsewhere the values agree), with log-decay sums near fp32's exponent range, and the
     vector-Jacobian product of the region against the delta rule's (so that a detach or a
-    no-grad island fails). None when all hold."""
+    no-grad island fails). None when all hold; then a loop over chunks keeps the region's runs in
+    ``a.evidence`` (``got``: its outputs on ``env``) for the rewrite check."""
+    evidence = None if probe.token else Evidence(runs=[("generic inputs", env, got)] if got is not None else [])
     large = _large_state(a, env, gen)
     x = large[a.v.node].clone()
     x.permute(a.v.perm)[0, 0, 0, 0] = float("nan")  # batch 0, token 0, head 0
     large[a.v.node] = x
     for what, changed in (("a large state (v ~1e1-1e4, h0 ~1e2-1e5, beta in (0, 2)) and a NaN in v", large),
                           ("log-decay sums near -80", _deep_decay(region, a, env, gen))):
-        why = _agrees(probe, a, changed, what)
+        why = _agrees(probe, a, changed, what, evidence)
         if why:
             return why
-    return _vjp(probe, a, env)
+    why = _native_dtypes(probe, a, env) or _vjp(probe, a, env, evidence)
+    if why is None:
+        a.evidence = evidence
+    return why
 
 
-def _agrees(probe: Probe, a: Assignment, env: dict, what: str) -> str | None:
+NATIVE_TOL = 2e-5  # the region in fp32 against the fp64 delta rule: <= 3e-7 measured (tests); an fp16 round trip ~3e-4
+
+
+def _native_dtypes(probe: Probe, a: Assignment, env: dict) -> str | None:
+    """The region run in its own dtypes (its fp32 casts and factories not lifted to fp64) against the fp64 delta
+    rule on the same inputs: an fp32 rounding trick (``(S + 1.5 * 2**23) - 1.5 * 2**23``), a round trip through
+    a narrower dtype, a cancellation that fp64 hides. An output stored in a narrower buffer is compared through
+    the state only (its one rounding is the IR's output cast)."""
+    native = {}
+    for n, x in env.items():
+        v = tensor_value(n)
+        native[n] = x.to(v.dtype) if v is not None and v.dtype.is_floating_point else x
+    try:
+        o_got, s_got = probe(native, lift=False)
+    except ProbeError as e:
+        return f"the region does not run on probe inputs in its own dtypes: {e}"
+    # the reference reads what the IR node would: each input after its entry chain, replayed in its dtypes
+    ref_env, plain = {}, dataclasses.replace(a, chains={})
+    for role in ("q", "k", "v", "g", "beta", "h0"):
+        node = a.h0 if role == "h0" else getattr(a, role).node
+        if node is not None:
+            ref_env[node] = a.chain(role).apply_native(native[node]).double()
+    o_ref, s_ref = _reference(plain, ref_env, probe.steps, EXACT, scale=a.scale)
+    pairs = []
+    if o_got.dtype.is_floating_point and torch.finfo(o_got.dtype).bits >= 32:
+        pairs.append(("output", o_got.double().permute(a.out_perm), o_ref, o_got.dtype))
+    if s_got is not None:
+        if probe.token:
+            _, s_ref = _reference(plain, ref_env, 1, EXACT, scale=a.scale)
+        pairs.append(("state", s_got.double().reshape(s_ref.shape), s_ref, s_got.dtype))
+    for what, got, ref, dtype in pairs:
+        err = rel_err(got, ref)
+        if not err <= NATIVE_TOL:
+            return (f"the region matches the delta rule in float64 but not in its own dtypes: its {what} differs by "
+                    f"{err:.2e} (relative) in {str(dtype).replace('torch.', '')} (a rounding trick, a round trip "
+                    f"through a narrower dtype or a cancellation that float64 hides)")
+    return None
+
+
+def _agrees(probe: Probe, a: Assignment, env: dict, what: str, evidence: Evidence | None = None) -> str | None:
     try:
         o_got, s_got = probe(env)
     except ProbeError as e:
         return f"the region does not run on probe inputs with {what}: {e}"
+    if evidence is not None:
+        evidence.runs.append((what, env, (o_got, s_got)))
     o_got = o_got.permute(a.out_perm)
     o_ref, s_ref = _reference(a, env, probe.steps, EXACT, scale=a.scale)
     pairs = [(o_got, o_ref)]
@@ -575,13 +635,13 @@ def _deep_decay(region: Region, a: Assignment, env: dict, gen) -> dict:
     return env
 
 
-def _vjp(probe: Probe, a: Assignment, env: dict) -> str | None:
+def _vjp(probe: Probe, a: Assignment, env: dict, evidence: Evidence | None = None) -> str | None:
     """The region's vector-Jacobian product against the delta rule's, for every input."""
     with torch.enable_grad():  # the graph may be traced under no_grad
-        return _vjp_enabled(probe, a, env)
+        return _vjp_enabled(probe, a, env, evidence)
 
 
-def _vjp_enabled(probe: Probe, a: Assignment, env: dict) -> str | None:
+def _vjp_enabled(probe: Probe, a: Assignment, env: dict, evidence: Evidence | None) -> str | None:
     leaves = {n: x.detach().clone().requires_grad_() for n, x in env.items()}
     try:
         with torch.enable_grad():
@@ -619,4 +679,6 @@ def _vjp_enabled(probe: Probe, a: Assignment, env: dict) -> str | None:
         if not err <= TOL:
             return (f"the region's gradient differs from the delta rule's: d{roles.get(n, n.name)} ({n.name}) relative "
                     f"error {err:.2e} (a detach, a no-grad island or a custom backward?)")
+    if evidence is not None:
+        evidence.vjp = (env, co, steps, {n: x for n, x in zip(nodes, g_got)})
     return None

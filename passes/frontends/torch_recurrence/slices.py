@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from la_compiler.passes.frontends.torch_recurrence.dataflow import tensor_value
+from la_compiler.passes.frontends.torch_recurrence.dataflow import static_int, tensor_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +78,8 @@ def time_slices(node: torch.fx.Node) -> list[TimeSlice]:
             item = index[p]
             if d is None or d >= sv.dim():
                 continue
-            size = sv.shape[d]
-            if not isinstance(size, int):
+            size = static_int(sv.shape[d])
+            if size is None:
                 continue
             if isinstance(item, int) and not isinstance(item, bool):
                 keep, i = False, item % size

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from la_compiler.kernels.common.qdq import (amax_abs, fp8_scale, grid_dot, int8_scale, nvfp4_block_scale,
                                             nvfp4_global_scale, qdq_e2m1, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32,
-                                            quant_fp8_e4m3, quant_int8)
+                                            qdq_rows_3d, quant_fp8_e4m3, quant_int8)
 
 
 # fp32 -> bf16 -> fp32, round to nearest even, written on the bits: Triton's interpreter truncates in
@@ -215,11 +215,7 @@ def qdq_state(b_h, STATE_Q: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TS
             else:
                 return qdq_int8(b_h, int8_scale(tl.max(amax_abs(b_h), axis=1))[:, None])
         else:
-            b_h3 = tl.reshape(b_h, (BK, BV // BLOCK, BLOCK))
-            if STATE_Q == "fp8_e4m3":
-                return tl.reshape(qdq_fp8_e4m3(b_h3, fp8_scale(tl.max(amax_abs(b_h3), axis=2))[:, :, None]), (BK, BV))
-            else:
-                return tl.reshape(qdq_int8(b_h3, int8_scale(tl.max(amax_abs(b_h3), axis=2))[:, :, None]), (BK, BV))
+            return tl.reshape(qdq_rows_3d(tl.reshape(b_h, (BK, BV // BLOCK, BLOCK)), STATE_Q == "fp8_e4m3"), (BK, BV))
     elif TS == 0:
         if STATE_Q == "fp8_e4m3":
             return qdq_fp8_e4m3(b_h, fp8_scale(tl.max(tl.max(amax_abs(b_h), axis=1), axis=0)))
@@ -253,8 +249,4 @@ def qdq_w(b_w, b_wamax, W_Q: tl.constexpr, W_BLOCK: tl.constexpr, C: tl.constexp
         else:
             return qdq_int8(b_w, int8_scale(tl.maximum(b_wamax, tl.max(amax_abs(b_w), axis=1)))[:, None])
     else:
-        b_w3 = tl.reshape(b_w, (C, BK // W_BLOCK, W_BLOCK))
-        if W_Q == "fp8_e4m3":
-            return tl.reshape(qdq_fp8_e4m3(b_w3, fp8_scale(tl.max(amax_abs(b_w3), axis=2))[:, :, None]), (C, BK))
-        else:
-            return tl.reshape(qdq_int8(b_w3, int8_scale(tl.max(amax_abs(b_w3), axis=2))[:, :, None]), (C, BK))
+        return tl.reshape(qdq_rows_3d(tl.reshape(b_w, (C, BK // W_BLOCK, W_BLOCK)), W_Q == "fp8_e4m3"), (C, BK))

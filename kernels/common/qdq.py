@@ -236,6 +236,17 @@ def qdq_int8(x, scale):
     return quant_int8(x, scale) * scale
 
 
+@triton.jit
+def qdq_rows_3d(x3, IS_FP8: tl.constexpr):
+    """FP8 E4M3 (IS_FP8) or INT8 of x3 [R, G, N] with one dynamic scale per [r, g, :] (amax over the last axis):
+    the block groups of the state and W quantizers."""
+    b_amax = tl.max(amax_abs(x3), axis=2)
+    if IS_FP8:
+        return qdq_fp8_e4m3(x3, fp8_scale(b_amax)[:, :, None])
+    else:
+        return qdq_int8(x3, int8_scale(b_amax)[:, :, None])
+
+
 BF16_GRID_DOT = tl.constexpr(not interpreter())  # the interpreter's bf16 tl.dot is wrong
 
 

@@ -11,7 +11,8 @@ vector over the tile, ``sum_k`` / ``sum_v`` reduce the tile over K / V.
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.common.qdq import amax_abs, fp8_scale, int8_scale, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32
+from la_compiler.kernels.common.qdq import (amax_abs, fp8_scale, int8_scale, qdq_fp8_e4m3, qdq_int8, qdq_int8_h32,
+                                            qdq_rows_3d)
 
 
 @triton.jit
@@ -78,16 +79,6 @@ def round_cache(b_h, CACHE: tl.constexpr):
 
 
 @triton.jit
-def _qdq_groups(b_x3, CODEC: tl.constexpr):
-    """FP8 (CODEC 1) or INT8 (2) with one scale per row of the last axis of b_x3 [R, G, N]."""
-    b_amax = tl.max(amax_abs(b_x3), axis=2)
-    if CODEC == 1:
-        return qdq_fp8_e4m3(b_x3, fp8_scale(b_amax)[:, :, None])
-    else:
-        return qdq_int8(b_x3, int8_scale(b_amax)[:, :, None])
-
-
-@triton.jit
 def round_state(b_h, CODEC: tl.constexpr, CODEC_BLOCK: tl.constexpr, CACHE: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr, VFIRST: tl.constexpr):
     """The state codec on one state tile, then the serving cache's dtype. CODEC_BLOCK 0: one scale for the tile
@@ -103,11 +94,11 @@ def round_state(b_h, CODEC: tl.constexpr, CODEC_BLOCK: tl.constexpr, CACHE: tl.c
             else:
                 b_h = qdq_int8(b_h, int8_scale(b_amax))
         elif VFIRST:
-            b_t = tl.reshape(_qdq_groups(tl.reshape(tl.trans(b_h), (BK, BV // CODEC_BLOCK, CODEC_BLOCK)), CODEC),
+            b_t = tl.reshape(qdq_rows_3d(tl.reshape(tl.trans(b_h), (BK, BV // CODEC_BLOCK, CODEC_BLOCK)), CODEC == 1),
                              (BK, BV))
             b_h = tl.trans(b_t)
         else:
-            b_h = tl.reshape(_qdq_groups(tl.reshape(b_h, (BK, BV // CODEC_BLOCK, CODEC_BLOCK)), CODEC), (BK, BV))
+            b_h = tl.reshape(qdq_rows_3d(tl.reshape(b_h, (BK, BV // CODEC_BLOCK, CODEC_BLOCK)), CODEC == 1), (BK, BV))
     return round_cache(b_h, CACHE)
 
 

@@ -165,8 +165,8 @@ def decode_bwd_kernel(
     """Every CK-token block of every suffix independently (a persistent grid: each program takes work items
     (block, value head, value tile) in turn): the block's states recomputed from its checkpoint into the
     program's scratch [CK, BK * BV], then the reverse recurrence from dh_end [blocks, HV, K, V], the gradient of
-    the state leaving the block (identity gradient through every rounding). dq, dk, dg (KDA) and dbeta are this value tile's
-    shares ([NV, TOTAL, HV, ...]), summed outside; dv is whole."""
+    the state leaving the block (identity gradient through every rounding). dq, dk, dg (KDA) and dbeta are this
+    value tile's shares ([NV, TOTAL, HV, ...]), summed outside; dv is whole."""
     i_prog = tl.program_id(0)
     NV: tl.constexpr = (V + BV - 1) // BV
     p_sc = scratch + i_prog.to(tl.int64) * CK * BK * BV

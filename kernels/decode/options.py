@@ -149,7 +149,8 @@ class DecodeOptions:
             step = extra.get("decay_log_step")
             window = extra.get("replay_window")
             return DecodeOptions(
-                mode=spec.phase, codec=codec, block_v=block_v, codec_block=codec_block, readout=extra.get("readout", "working"),
+                mode=spec.phase, codec=codec, block_v=block_v, codec_block=codec_block,
+                readout=extra.get("readout", "working"),
                 decay_log_step=None if step is None else float(step),
                 window=1 if window is None else int(window),
                 factor_format="none" if factor == "0" else ("fp8_e4m3" if codec == "fp8_e4m3" else "int8"),

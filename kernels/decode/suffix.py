@@ -6,11 +6,11 @@
                      CHECKPOINT_EVERY tokens at once: its states recomputed from its checkpoint, its reverse
                      recurrence (docs/decode_phase.md derives it)
 
-One program per (sequence, value head, value tile of BV columns) in the serial kernels. BV is the codec's scale
-group where it has one (``[K x BV]`` tiles; blocks of N values: BV = N), so every rounding group lies inside one
-program (int8_h32: its tile, inside which its 32-value groups and replay's factor groups lie); without a codec,
-32 columns: more programs for the serial scan. What the spec fixes of the kernels is ``DecodeParams.constants()``, passed by name at every launch
-(``laqat source SPEC`` shows the file and those values).
+One program per (sequence, value head, value tile of BV columns) in the forward. BV is the codec's scale group
+where it has one (``[K x BV]`` tiles; blocks of N values: BV = N), so every rounding group lies inside one program
+(int8_h32: its tile, inside which its 32-value groups and replay's factor groups lie); without a codec, 32
+columns. The state-gradient walk rounds nothing: 8 columns a program. What the spec fixes of the kernels is
+``DecodeParams.constants()``, passed by name at every launch (``laqat source SPEC`` shows the file and values).
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from la_compiler.ddp_buckets import check_pieces
+import la_compiler.ir_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
 from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
 from la_compiler.module_specialize import ModuleSpecializedGraph
 from la_compiler.options import DEFAULT_TUNING, OptionsError, TuningOptions
@@ -49,7 +50,7 @@ class BackendOptionsError(LaqatError, ValueError):
 class BackendOptions:
     policy: Policy | None  # None: not given (the attached policy, else exact numerics)
     compiler: str = "inductor"  # what runs the rewritten graph; "eager" for bisecting
-    verify: bool = False  # graph frontends check each rewrite numerically at compile time
+    verify: bool = False  # the thorough rewrite check (the whole region); a bounded one runs on every compile
     tuning: TuningOptions = DEFAULT_TUNING  # the chunk kernels' launches (docs/options.md)
 
     @staticmethod

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import la_compiler
 import la_compiler.backend  # noqa: F401  (registers every op the backend can put in a graph)
 import la_compiler.ir  # noqa: F401
+import la_compiler.ir_decay  # noqa: F401
 import la_compiler.ir_phase  # noqa: F401
 from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401
 from la_compiler.spec import RecurrenceSpec
@@ -419,6 +420,13 @@ def test_fused_linear_cross_entropy(case):
     reduction, l2warp, fp32_acc = _options(case, ("mean", False, True), ("sum", True, False), ("mean", True, True))
     opcheck("fused_linear_cross_entropy", (x, target, weight, bias, -100, 0.1, 1.0, None, 2, reduction, l2warp,
                                            1e-4, fp32_acc))
+
+
+# ---- the log of a decay passed in exponentiated (la_compiler/ir_decay.py) ------------------------------------
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_log_decay(case):
+    decay = laid_out((0.05 + 0.9 * torch.rand(2, 5, 3)).to(case.dtype), case.layout, grad=True)
+    opcheck("log_decay", (decay, "d"))
 
 
 def test_every_laqat_op_has_cases():

@@ -2,7 +2,8 @@
 
 Emitted in front of the IR node, as ordinary torch ops: the permutes of the inputs to
 [B, T, H, D], casts to the dtype the region computed in, and ``log`` of a pre-exponentiated
-decay. Behind it: ``getitem`` 0/1, the permute of o back to the region's output layout and
+decay (``laqat::log_decay`` where the decay is not provably positive: it checks it at run time).
+Behind it: ``getitem`` 0/1, the permute of o back to the region's output layout and
 casts to the dtypes the region produced. Every new node gets ``example_value`` (computed by
 running the op on the graph's fake tensors) and the module metadata of the region.
 """
@@ -13,11 +14,13 @@ import operator
 import torch
 
 from la_compiler.ir import DELTA_RULE, LaqatMeta
+from la_compiler.ir_decay import LOG_DECAY
+from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value, value
 from la_compiler.passes.frontends.torch_recurrence.entry import replay
 from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
 from la_compiler.passes.frontends.torch_recurrence.region import Region
-from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment
+from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment, positive
 from la_compiler.passes.module_names import module_name
 from la_compiler.spec import RecurrenceSpec
 
@@ -93,8 +96,9 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     # each input: to [B, T, H, D], its entry chain's casts and scalars replayed (entry.py), the compute dtype
     q, k, v, g, beta = (em.cast(replay(em.emit, em.permute(new(lay.node), lay.perm), a.chain(role)), compute)
                         for role, lay in (("q", a.q), ("k", a.k), ("v", a.v), ("g", a.g), ("beta", a.beta)))
-    if a.decay_form == "exp":
-        g = em.emit("call_function", torch.log, [g])
+    if a.decay_form == "exp":  # the log of a pre-exponentiated decay; checked positive at run time where not proven
+        g = em.emit("call_function", torch.log, [g]) if decay_is_positive(a) else \
+            em.emit("call_function", LOG_DECAY, [g, decay_where(flow, region, a)])
     h0 = em.cast(replay(em.emit, new(a.h0), a.chain("h0")), compute) if a.h0 is not None else None
     B, HV = tensor_value(v).shape[0], tensor_value(v).shape[2]
     if h0 is not None and tensor_value(h0).dim() == 3:  # a flattened [B*HV, K, V] state
@@ -120,6 +124,18 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     for n in sorted(region.nodes, key=flow.pos.__getitem__, reverse=True):
         gm.graph.erase_node(n)
     return ir
+
+
+def decay_is_positive(a: Assignment) -> bool:
+    """A pre-exponentiated decay provably positive at compile time: exp / sigmoid / softplus through layout ops,
+    scaled by a positive factor on its way in."""
+    return positive(a.g.node) and a.chain("g").factor > 0
+
+
+def decay_where(flow: Dataflow, region: Region, a: Assignment) -> str:
+    """The decay, named for ``laqat::log_decay``'s error: its node and the line the region first reads it at."""
+    readers = sorted((u for u in a.g.node.users if u in region.nodes), key=flow.pos.__getitem__)
+    return f"{a.g.node.name}" + (f" (read at {where_from(readers[0])})" if readers else "")
 
 
 def check_replaceable(region: Region) -> None:

@@ -58,7 +58,8 @@ class Evidence:
     the whole region): the rewrite check (``verify_mode.py``) compares them with the IR node instead of running
     the region again."""
 
-    runs: list = dataclasses.field(default_factory=list)  # (what, env, (o as the region lays it out, state))
+    # (what, env, (o as the region lays it out, final state, state after the first chunk))
+    runs: list = dataclasses.field(default_factory=list)
     vjp: tuple | None = None  # (env, cotangent of o in [B, T, HV, V], tokens it covers, {frontier node: gradient})
 
 
@@ -263,12 +264,15 @@ def _draws(region: Region, g_node, form, gen, device):
 
 
 class Probe:
-    """Runs the region on probe inputs and returns (o [B, T', HV, V] in region layout order, S)."""
+    """Runs the region on probe inputs and returns (o [B, T', HV, V] in region layout order, S). A loop over
+    chunks also keeps, in ``first_state``, the state its first step carries to the second (the state after the
+    first chunk), for the rewrite check."""
 
     def __init__(self, flow: Dataflow, region: Region):
         self.flow, self.region = flow, region
         body = region.body
         self.token = region.chunk == 1
+        self.first_state = None
         ordered = region.ordered(flow)
         if self.token:
             m = min(TOKEN_PROBE_STEPS, body.steps)
@@ -294,6 +298,7 @@ class Probe:
         else:
             o = out[region.output]
             state = out[region.final_state] if region.final_state is not None else None
+            self.first_state = out.get(body.states[0]) if body.states[0] is not None else None
         return o, state
 
 
@@ -368,15 +373,14 @@ def solve(flow: Dataflow, region: Region, seed: int = 0) -> Assignment:
             got = probe(env)
         except ProbeError as e:
             raise NotARecurrence(f"the region does not run on probe inputs: {e}") from None
+        first_state = probe.first_state
         results.append((env, got, members))
         for a in members:
             err, c = _compare(a, env, got, probe.steps, EXACT, probe.token)
             if err <= TOL:
                 a.scale = _snap_scale(c, tensor_value(a.q.node).shape[a.q.perm[3]])
-                why = stress(region, probe, a, env, gen, got) if a.decay_form == "log" or positive(a.g.node) else (
-                    f"the state is multiplied by {a.g.node.name} itself, which is not provably positive: the IR "
-                    f"node takes log(decay), exact only for a positive decay (write exp(g) inside, or "
-                    f"pre-exponentiate with exp or sigmoid)")
+                # a decay multiplied in directly that is not provably positive is checked at run time (replace.py)
+                why = stress(region, probe, a, env, gen, (*got, first_state))
                 if why is None:
                     return a
                 stressed = stressed or f"{why} (under {a.describe()})"
@@ -402,8 +406,9 @@ POSITIVE = {"exp", "sigmoid", "softplus"}
 
 
 def positive(node, depth: int = 8) -> bool:
-    """Whether ``node`` is, through layout ops, the result of exp / sigmoid / softplus (a
-    pre-exponentiated decay the IR can take the log of exactly)."""
+    """Whether ``node`` is, through layout ops, the result of exp / sigmoid / softplus (a pre-exponentiated
+    decay the IR can take the log of exactly; any other decay's log is taken by ``laqat::log_decay``, which
+    checks it positive at run time)."""
     from la_compiler.passes.frontends.torch_recurrence import rules
     from la_compiler.passes.frontends.torch_recurrence.entry import RESHAPE_FUNCTIONS, RESHAPE_METHODS
 
@@ -521,7 +526,7 @@ def stress(region: Region, probe: Probe, a: Assignment, env: dict, gen, got=None
     finite; elsewhere the values agree), with log-decay sums near fp32's exponent range, and the
     vector-Jacobian product of the region against the delta rule's (so that a detach or a
     no-grad island fails). None when all hold; then a loop over chunks keeps the region's runs in
-    ``a.evidence`` (``got``: its outputs on ``env``) for the rewrite check."""
+    ``a.evidence`` (``got``: its outputs on ``env`` and ``first_state``) for the rewrite check."""
     evidence = None if probe.token else Evidence(runs=[("generic inputs", env, got)] if got is not None else [])
     large = _large_state(a, env, gen)
     x = large[a.v.node].clone()
@@ -583,7 +588,7 @@ def _agrees(probe: Probe, a: Assignment, env: dict, what: str, evidence: Evidenc
     except ProbeError as e:
         return f"the region does not run on probe inputs with {what}: {e}"
     if evidence is not None:
-        evidence.runs.append((what, env, (o_got, s_got)))
+        evidence.runs.append((what, env, (o_got, s_got, probe.first_state)))
     o_got = o_got.permute(a.out_perm)
     o_ref, s_ref = _reference(a, env, probe.steps, EXACT, scale=a.scale)
     pairs = [(o_got, o_ref)]

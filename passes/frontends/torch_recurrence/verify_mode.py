@@ -5,26 +5,29 @@ The IR side is ``laqat.delta_rule`` itself (its fp64 ``reference`` variant: this
 kernel's rounding), fed as the replacement feeds it: each input after its entry chain, in [B, T, H, D], the
 log of a pre-exponentiated decay, a flattened state reshaped, the fitted scale. The region side is the
 region's own nodes (``probe.run_nodes``, casts to fp32 lifted to fp64). Outputs, states and the
-vector-Jacobian product of every input are compared (relative L2 <= ``TOL``; with a non-finite input, the
-finite entries, and the region must not be finite where the IR node is not).
+vector-Jacobian product of every input are compared (relative L2 <= ``TOL``; with a NaN input, the finite
+entries, and both must be finite at the same entries).
 
 Default (every compile; cost bounded independently of T):
 
 - token loops: fresh random inputs (rows of q, k, v of norm 0.7..1: not on the unit sphere); the region run
   on a prefix of ``PREFIX_STEPS`` steps from its initial state and on ``SAMPLED_SEGMENTS`` segments of
   ``SEGMENT_STEPS`` later steps, spread over the sequence and ending at the last step, each from a random
-  state put in place of the one the step before carries; forward with a small, a generic and a large state,
-  the vector-Jacobian product (injected states included) with a generic and a large one. A loop of at most
-  ``PREFIX_STEPS + SAMPLED_SEGMENTS * SEGMENT_STEPS`` steps is checked whole.
+  state put in place of the one the step before carries; forward with a generic, a small and a large state,
+  the vector-Jacobian product (of every input and injected state) with the generic one. A loop of at most
+  ``WHOLE_STEPS`` (17) steps is checked whole.
 - loops over chunks: the region cannot be cut (its intra-chunk work is vectorized over all chunks), and the
   algebra check (``semantics.py``) has already run it whole on random inputs (generic, a large state with a
-  NaN, deep decays) and differentiated it: those runs are compared with the IR node on the first
-  ``max(C + 2, CHUNK_TOKENS // B)`` tokens (all T and the final state when T is no longer), the
-  vector-Jacobian product on the first C + 2 tokens (the cotangent the algebra check used).
+  NaN, deep decays) and differentiated it: those runs are compared with the IR node on the first chunk and
+  two tokens of the second (outputs; the state after the first chunk where the region returns its final
+  state), the vector-Jacobian product on the same tokens (the cotangent the algebra check used).
+- the IR side runs on the first ``CHECK_BATCH`` batch elements (the fp64 reference loops over the batch in
+  Python); the algebra check has compared every batch element with the delta rule.
 
-``verify=True`` (thorough): fresh random inputs, the whole region on every step and token, read where the
-IR node's outputs go (the region's output and final state), two generic draws, a small, a large state and
-deep decays forward, the vector-Jacobian product of all outputs with a generic and a large state.
+``verify=True`` (thorough): fresh random inputs, the whole region on every step, token and batch element,
+read where the IR node's outputs go (the region's output and final state), two generic draws, a small, a
+large state and deep decays forward, the vector-Jacobian product of all outputs with a generic and a large
+state.
 """
 from __future__ import annotations
 
@@ -42,8 +45,10 @@ from la_compiler.spec import RecurrenceSpec
 PREFIX_STEPS = 8
 SAMPLED_SEGMENTS = 3
 SEGMENT_STEPS = 2
-WHOLE_STEPS = PREFIX_STEPS + SAMPLED_SEGMENTS * SEGMENT_STEPS  # token loops this short: every step
-CHUNK_TOKENS = 128
+# token loops this short are checked on every step: the sampled segments need a step between them (the state
+# that step carries is replaced by a random one)
+WHOLE_STEPS = PREFIX_STEPS + SAMPLED_SEGMENTS * (SEGMENT_STEPS + 1)
+CHECK_BATCH = 1  # the default check compares this many batch elements (the algebra check saw all of them)
 SEED = 1  # the algebra check draws with seed 0: independent inputs
 
 
@@ -57,23 +62,19 @@ class Segment:
 
 
 def segments(steps: int) -> list[Segment]:
-    """The steps of a token loop the default check runs: a prefix, and later segments, the last ending at the
-    last step."""
+    """The steps of a token loop the default check runs: a prefix, and later segments spread over the rest, the
+    last ending at the last step; a step the check does not run lies between two segments."""
     if steps <= WHOLE_STEPS:
         return [Segment(0, steps)]
-    out = [Segment(0, PREFIX_STEPS)]
-    for j in range(1, SAMPLED_SEGMENTS + 1):
-        start = steps - SEGMENT_STEPS if j == SAMPLED_SEGMENTS else \
-            PREFIX_STEPS + (steps - PREFIX_STEPS - SEGMENT_STEPS) * j // SAMPLED_SEGMENTS
-        start = max(start, out[-1].stop)
-        out.append(Segment(start, min(start + SEGMENT_STEPS, steps)))
-    return out
+    lo, hi = PREFIX_STEPS + 1, steps - SEGMENT_STEPS
+    starts = [lo + (hi - lo) * j // (SAMPLED_SEGMENTS - 1) for j in range(SAMPLED_SEGMENTS)]
+    return [Segment(0, PREFIX_STEPS)] + [Segment(t, t + SEGMENT_STEPS) for t in starts]
 
 
 def check_rewrite(flow: Dataflow, region: Region, a: Assignment, spec: RecurrenceSpec, *,
                   thorough: bool = False) -> str | None:
     """None when the IR node reproduces the region; else the mismatch, for the near-miss report."""
-    check = _Check(flow, region, a, spec, "verify" if thorough else "check")
+    check = _Check(flow, region, a, spec, "verify" if thorough else "check", thorough)
     try:
         if thorough:
             return check.whole()
@@ -87,12 +88,16 @@ def check_rewrite(flow: Dataflow, region: Region, a: Assignment, spec: Recurrenc
 
 
 class _Check:
-    def __init__(self, flow: Dataflow, region: Region, a: Assignment, spec: RecurrenceSpec, label: str):
+    def __init__(self, flow: Dataflow, region: Region, a: Assignment, spec: RecurrenceSpec, label: str,
+                 thorough: bool):
         self.flow, self.region, self.a, self.label = flow, region, a, label
         self.spec = spec.replace(kernel="reference").to_string()
         self.device = tensor_value(region.frontier[0]).device
         self.batch = tensor_value(a.v.node).shape[a.v.perm[0]]
         self.heads = tensor_value(a.v.node).shape[a.v.perm[2]]
+        # the IR side (fp64, token by token in Python: its cost grows with the batch) on the first batch elements;
+        # the region runs on all of them (its cost barely does)
+        self.nb = self.batch if thorough else min(self.batch, CHECK_BATCH)
 
     # ---- the IR side ----------------------------------------------------------------------------
     def ir_inputs(self, env):
@@ -104,12 +109,26 @@ class _Check:
         return q, k, v, g, beta
 
     def ir_state(self, x):
-        return x if x is None or x.dim() == 4 else x.reshape(self.batch, self.heads, *x.shape[-2:])
+        """A state of the region (or a flattened [B*HV, K, V] one) as the IR node lays it out, first ``nb``
+        batch elements."""
+        if x is None:
+            return None
+        return (x if x.dim() == 4 else x.reshape(-1, self.heads, *x.shape[-2:]))[:self.nb]
 
     def ir(self, inputs, start: int, stop: int, h0):
-        """The IR node on tokens start .. stop - 1 from state h0: (o [B, L, HV, V], final state)."""
-        q, k, v, g, beta = (x[:, start:stop].contiguous() for x in inputs)
+        """The IR node on tokens start .. stop - 1 of the first ``nb`` batch elements from state h0:
+        (o [nb, L, HV, V], final state)."""
+        q, k, v, g, beta = (x[:self.nb, start:stop].contiguous() for x in inputs)
         return torch.ops.laqat.delta_rule(q, k, v, g, beta, self.ir_state(h0), None, float(self.a.scale), self.spec)
+
+    def region_part(self, node, x):
+        """A frontier tensor (or its gradient) of the region, in the IR's layout, first ``nb`` batch elements;
+        None for a tensor that is no input of the IR node."""
+        a = self.a
+        for lay in (a.q, a.k, a.v, a.g, a.beta):
+            if node is lay.node:
+                return lay.to_ir(x)[:self.nb]
+        return self.ir_state(x) if node is a.h0 or node in self.region.body.states else None
 
     def h0(self, env):
         return self.a.ir_input64("h0", env) if self.a.h0 is not None else None
@@ -132,21 +151,20 @@ class _Check:
         nodes = list(pre)
         for s in segs:
             nodes += [n for t in range(s.start, s.stop) for n in body.windows[t] if n is not None and n in live]
-        where = ", ".join(f"steps {s.start}-{s.stop - 1}" for s in segs)
         gen = torch.Generator().manual_seed(SEED)
         base = _draws(region, self.a.g.node, self.a.decay_form, gen, self.device)
         injected = {s: 0.3 * torch.randn(tuple(tensor_value(body.states[s.start - 1]).shape), generator=gen,
                                          dtype=torch.float64).to(self.device) for s in segs if s.start}
         for what, env, states, vjp in (
-                ("a small state", _scaled(self.a, base, gen, -6, -3), _spread(injected, gen, -5, -2), False),
                 ("generic inputs", base, injected, True),
-                ("a large state", _large_state(self.a, base, gen), _spread(injected, gen, 2, 5), True)):
-            why = self.compare_segments(nodes, segs, env, states, f"{where}, {what}", vjp)
+                ("a small state", _scaled(self.a, base, gen, -6, -3), _spread(injected, gen, -5, -2), False),
+                ("a large state", _large_state(self.a, base, gen), _spread(injected, gen, 2, 5), False)):
+            why = self.compare_segments(nodes, segs, env, states, what, vjp)
             if why:
                 return why
         return None
 
-    def compare_segments(self, nodes, segs, env, injected, where, vjp: bool) -> str | None:
+    def compare_segments(self, nodes, segs, env, injected, what, vjp: bool) -> str | None:
         body, a = self.region.body, self.a
         leaves = {**env, **{body.states[s.start - 1]: x for s, x in injected.items()}}
         if vjp:
@@ -154,22 +172,26 @@ class _Check:
         with torch.set_grad_enabled(vjp):
             out = run_nodes(nodes, {n: x.clone() for n, x in leaves.items()} if vjp else leaves, grad=vjp)
             inputs = self.ir_inputs(leaves)
-            o_pairs, s_pairs = [], []
+            got, ref = [], []
             for s in segs:
                 h0 = leaves[body.states[s.start - 1]] if s.start else self.h0(leaves)
                 o_ir, s_ir = self.ir(inputs, s.start, s.stop, h0)
-                o_pairs.append((self.segment_output(out, s).permute(a.out_perm), o_ir))
+                o_got = self.segment_output(out, s).permute(a.out_perm)[:self.nb]
+                got.append(o_got)
+                ref.append(o_ir)
+                errors = {"o": _rel(o_got, o_ir)}
                 last = body.states[s.stop - 1]
                 if last is not None:
-                    s_pairs.append((out[last].reshape(s_ir.shape), s_ir))
-            errors = {"o": _rel_all(o_pairs)}
-            if s_pairs:
-                errors["state"] = _rel_all(s_pairs)
-            why = self.mismatch(where, errors)
-            if why or not vjp:
-                return why
-            pairs = o_pairs + s_pairs
-            return self.compare_vjp(leaves, [g for g, _ in pairs], [r for _, r in pairs], where)
+                    got.append(self.ir_state(out[last]))
+                    ref.append(s_ir)
+                    errors["state"] = _rel(got[-1], s_ir)
+                why = self.mismatch(f"{_steps(s, body.steps)}, {what}", errors)
+                if why:
+                    return why
+            if not vjp:
+                return None
+            where = ", ".join(_steps(s, body.steps) for s in segs)
+            return self.compare_vjp(leaves, got, ref, f"{where}, {what}")
 
     def segment_output(self, out, s: Segment):
         body = self.region.body
@@ -201,10 +223,10 @@ class _Check:
     def role(self, n) -> str:
         a = self.a
         roles = {a.q.node: "q", a.k.node: "k", a.v.node: "v", a.g.node: "g", a.beta.node: "beta", a.h0: "h0"}
-        return roles.get(n, f"(state entering step {self.step_of(n) + 1})")
-
-    def step_of(self, n) -> int:
-        return self.region.body.states.index(n)
+        if n in roles:
+            return roles[n]
+        states = self.region.body.states
+        return f"(the state entering step {states.index(n) + 1})" if n in states else f"({n.name})"
 
     # ---- loops over chunks: the algebra check's runs ------------------------------------------------
     def chunk_evidence(self) -> str | None:
@@ -212,27 +234,39 @@ class _Check:
         evidence = a.evidence
         if evidence is None:  # no runs kept (a caller that skipped the algebra check): the whole region
             return self.whole()
-        T = region.seq_len
-        length = min(T, max(region.chunk + 2, CHUNK_TOKENS // max(self.batch, 1)))
+        T, C = region.seq_len, region.chunk
+        first = min(C, T)  # the first chunk, then two tokens of the second: the state crosses a chunk boundary
+        stop = min(T, C + 2)
         with torch.no_grad():
-            for what, env, (o_got, s_got) in evidence.runs:
-                o_ir, s_ir = self.ir(self.ir_inputs(env), 0, length, self.h0(env))
-                errors = {"o": _rel(o_got.permute(a.out_perm)[:, :length], o_ir)}
-                if length == T and s_got is not None:
-                    errors["final_state"] = _rel(s_got.reshape(s_ir.shape), s_ir)
-                why = self.mismatch(f"tokens 0-{length - 1}, {what}", errors)
+            for what, env, (o_got, _, s_first) in evidence.runs:
+                inputs = self.ir_inputs(env)
+                o_ir, s_ir = self.ir(inputs, 0, first, self.h0(env))
+                if stop > first:
+                    o_ir = torch.cat([o_ir, self.ir(inputs, first, stop, s_ir)[0]], 1)
+                errors = {"o": _rel(o_got.permute(a.out_perm)[:self.nb, :stop], o_ir)}
+                if s_first is not None and region.final_state is not None:
+                    # the state the first step carries is the final state's kind (the same step's value)
+                    errors["state after the first chunk"] = _rel(self.ir_state(s_first), s_ir)
+                why = self.mismatch(f"tokens 0-{stop - 1}, {what}", errors)
                 if why:
                     return why
         if evidence.vjp is None:
             return None
+        # the region's gradient came from a cotangent on every batch element; the algebra check found it equal to
+        # the delta rule's, whose batch elements are independent: its first ones are those of their cotangents
         env, co, steps, g_got = evidence.vjp
         leaves = {n: x.detach().clone().requires_grad_() for n, x in env.items()}
-        nodes = list(env)
+        nodes = [n for n in env if self.region_part(n, env[n]) is not None]
         with torch.enable_grad():
             o_ir, _ = self.ir(self.ir_inputs(leaves), 0, steps, self.h0(leaves))
-            g_ref = torch.autograd.grad((o_ir * co[:, :steps]).sum(), [leaves[n] for n in nodes], allow_unused=True)
-        return self.mismatch(f"vector-Jacobian product of tokens 0-{steps - 1}, generic inputs",
-                             self.grad_errors(nodes, leaves, [g_got.get(n) for n in nodes], g_ref))
+            g_ref = torch.autograd.grad((o_ir * co[:self.nb, :steps]).sum(), [leaves[n] for n in nodes],
+                                        allow_unused=True)
+        errors = {}
+        for n, y in zip(nodes, g_ref):
+            x = g_got.get(n)
+            x, y = (torch.zeros_like(env[n]) if t is None else t for t in (x, y))
+            errors[f"d{self.role(n)}"] = rel_err(self.region_part(n, x), self.region_part(n, y))
+        return self.mismatch(f"vector-Jacobian product of tokens 0-{steps - 1}, generic inputs", errors)
 
     # ---- verify=True: the whole region ---------------------------------------------------------------
     def whole(self) -> str | None:
@@ -259,7 +293,7 @@ class _Check:
                 got, ref = [o_got], [o_ir]
                 errors = {"o": _rel(o_got, o_ir)}
                 if last is not None and out.get(last) is not None:
-                    got.append(out[last].reshape(s_ir.shape))
+                    got.append(self.ir_state(out[last]))
                     ref.append(s_ir)
                     errors["final_state"] = _rel(got[1], s_ir)
                 where = f"all {region.seq_len} tokens, {what}"
@@ -273,18 +307,19 @@ class _Check:
         return None
 
 
-def _rel_all(pairs) -> float:
-    return _rel(torch.cat([g.reshape(-1) for g, _ in pairs]), torch.cat([r.reshape(-1) for _, r in pairs]))
+def _steps(s: Segment, steps: int) -> str:
+    where = f"step {s.start}" if s.stop == s.start + 1 else f"steps {s.start}-{s.stop - 1}"
+    return f"{where} of {steps}" + (" from a random state" if s.start else "")
 
 
 def _rel(got, ref) -> float:
-    """Relative L2 over the entries finite in both; infinite where the region is finite and the IR node is not
-    (the region would hide a non-finite value)."""
+    """Relative L2 over the entries finite in both; infinite where one is finite and the other is not (a NaN
+    input: the rewrite would hide or add a non-finite value)."""
     got, ref = got.detach().double(), ref.detach().double()
-    if (~torch.isfinite(ref) & torch.isfinite(got)).any():
+    finite = torch.isfinite(ref)
+    if (finite != torch.isfinite(got)).any():
         return float("inf")
-    both = torch.isfinite(ref) & torch.isfinite(got)
-    return rel_err(got[both], ref[both]) if both.any() else 0.0
+    return rel_err(got[finite], ref[finite]) if finite.any() else 0.0
 
 
 def _spread(states: dict, gen, lo: float, hi: float) -> dict:

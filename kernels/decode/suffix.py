@@ -9,7 +9,8 @@
 One program per (sequence, value head, value tile of BV columns) in the forward. BV is the codec's scale group
 where it has one (``[K x BV]`` tiles; blocks of N values: BV = N), so every rounding group lies inside one program
 (int8_h32: its tile, inside which its 32-value groups and replay's factor groups lie); without a codec, 32
-columns. The state-gradient walk rounds nothing: 8 columns a program. What the spec fixes of the kernels is
+columns. The state-gradient walk rounds nothing: its tile is free (DSTATE_BLOCK_V). Warps: FORWARD_WARPS and
+BACKWARD_WARPS by the codec's scale groups. What the spec fixes of the kernels is
 ``DecodeParams.constants()``, passed by name at every launch (``laqat source SPEC`` shows the file and values).
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 import triton
 
 from la_compiler.kernels.decode import kernels
-from la_compiler.kernels.decode.options import DecodeOptions, decode_options
 from la_compiler.kernels.registry import spec_of
+from la_compiler.kernels.decode.options import DecodeOptions, decode_options
 from la_compiler.options import interpreter
 
 CODEC_IDS = {None: 0, "fp8_e4m3": 1, "int8": 2, "int8_h32": 3}
@@ -30,11 +31,15 @@ FACTOR_IDS = {"none": 0, "fp8_e4m3": 1, "int8": 2}
 CACHE_IDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 CHECKPOINT_EVERY = 32  # tokens per backward block (one checkpoint each, and CK states of scratch per program)
 MAX_HEAD_DIM = 256
-NUM_WARPS: int | None = None  # None: 4 up to 4096 state elements per program, else 8 (benchmarks may override)
+# Warps per program by the state codec's scale groups: "none" (no codec), "tile" (one scale per [K x BV] tile),
+# "block" (one per key row and N values). Measured on the H200 (docs/decode_phase.md, "Launch settings").
+FORWARD_WARPS = {"none": 4, "tile": 8, "block": 8}
+BACKWARD_WARPS = {"none": 4, "tile": 4, "block": 8}
+NUM_WARPS: int | None = None  # None: the tables above (benchmarks may override both kernels' warps)
 PROGRAMS_PER_SM = 4  # the backward's persistent grid: at most this many programs per multiprocessor, and
 SCRATCH_BYTES = 256 * 2**20  # at most this much scratch (CK states per program), but at least one per multiprocessor
-DSTATE_BLOCK_V = 8  # value columns per program of the state-gradient walk (it rounds nothing), as FLA's
-DSTATE_NUM_WARPS = 1  # fused_recurrent kernels take them: the most programs for a serial scan
+DSTATE_BLOCK_V = 32  # value columns per program of the state-gradient walk (it rounds nothing, so its tile is
+DSTATE_NUM_WARPS = 2  # free: the fastest measured, docs/decode_phase.md)
 UNCODED_BLOCK_V = 32  # value columns per program without a state codec
 # A serving profile's forward launches as vLLM 0.33 launches its decode kernels (value tiles of at most 32
 # columns; fused_recurrent_gated_delta_rule_packed_decode: 1 warp, fused_recurrent_kda_packed_decode: 4), so
@@ -111,14 +116,18 @@ def tiles(K: int, V: int, opts: DecodeOptions) -> tuple[int, int]:
     return triton.next_power_of_2(K), BV if V >= BV else triton.next_power_of_2(V)
 
 
-def _num_warps(BK: int, BV: int) -> int:
-    return NUM_WARPS if NUM_WARPS is not None else (4 if BK * BV <= 4096 else 8)
+def _codec_groups(p: DecodeParams) -> str:
+    return "none" if p.codec is None else "block" if p.codec_block else "tile"
 
 
-def _serial_warps(p: DecodeParams, BK: int, BV: int) -> int:
-    if NUM_WARPS is None and p.vfirst:
-        return SERVING_NUM_WARPS[p.kind]
-    return _num_warps(BK, BV)
+def _forward_warps(p: DecodeParams) -> int:
+    if NUM_WARPS is not None:
+        return NUM_WARPS
+    return SERVING_NUM_WARPS[p.kind] if p.vfirst else FORWARD_WARPS[_codec_groups(p)]
+
+
+def _backward_warps(p: DecodeParams) -> int:
+    return NUM_WARPS if NUM_WARPS is not None else BACKWARD_WARPS[_codec_groups(p)]
 
 
 def checkpoint_numel(spec, q, v, cu_seqlens) -> int:
@@ -217,7 +226,7 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
             q, k, v, g, beta, handoff.contiguous(), o, ht, checkpoints if checkpoints is not None else o,
             cu, blocks.offsets if blocks is not None else cu, float(scale), opts.window,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=checkpoints is not None,
-            **_constants(params, "decode_fwd_kernel"), num_warps=_serial_warps(params, BK, BV))
+            **_constants(params, "decode_fwd_kernel"), num_warps=_forward_warps(params))
     return o, ht
 
 
@@ -269,7 +278,7 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
             q, k, v, g, beta, checkpoints, dh_end, scratch, cu, blocks.offsets, blocks.sequence, do,
             dq, dk, dv, dg, dbeta, float(scale), opts.window, total, blocks.count,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_constants(params, "decode_bwd_kernel"),
-            num_warps=_num_warps(BK, BV))
+            num_warps=_backward_warps(params))
     group = HV // H
     dq = dq.sum(0).view(1, total, H, group, K).sum(3)
     dk = dk.sum(0).view(1, total, H, group, K).sum(3)

@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --ignore-requires-python megatron-core==0.19.2 psutil
 	touch $(STAMP)
 
-# Generated kernels are cached in the repo (LAQAT_CACHE_DIR), so `make clean` removes them too.
+# laqat's cache (LAQAT_CACHE_DIR: the chunk kernels' autotuning choices) is kept in the repo, so `make clean`
+# removes it too.
 RUN := TRITON_INTERPRET=1 LAQAT_CACHE_DIR=$(CURDIR)/.laqat_cache
 
 demo: $(STAMP)

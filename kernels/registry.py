@@ -1,7 +1,7 @@
 """Kernel variants: named implementations of one laqat recurrence node, each with what it supports.
 
 A variant is what the lower pass writes into a spec's ``kernel=`` field. It carries its entry points, the
-condition under which it computes a spec exactly as NUMERICS.md defines it, and (for the Triton families) the
+condition under which it computes a spec exactly as docs/numerics.md defines it, and (for the Triton families) the
 modules its kernels live in. The kernel families register their variants from
 ``kernels/__init__.py``; the selection table (``kernels/selection.py``) orders the registered variants and
 imports no family.

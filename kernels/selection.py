@@ -3,7 +3,7 @@
 The table is data: the order in which the registered variants are tried, one a line; the first
 whose ``supports`` accepts the spec wins. Every rejected variant is kept with its reason so that
 ``explain`` can say why a candidate was not chosen. A spec that no variant accepts is an error, never
-a silent fallback to other numerics. Every variant computes the spec's numerics exactly as NUMERICS.md
+a silent fallback to other numerics. Every variant computes the spec's numerics exactly as docs/numerics.md
 defines them where it accepts it; they differ in speed, not in what they round. The conditions live with
 the variants (``kernels/<family>/``), registered from ``kernels/__init__.py``.
 """

@@ -6,7 +6,9 @@
 Without a ``policy`` option (or with None) a graph gets the policy attached to the compiled module
 (``la_compiler.attach_policy``; also when a bound method such as ``model.loss`` is compiled), else exact
 numerics. ``tuning`` (``la_compiler.options.TuningOptions`` fields: how the chunk kernels launch and what they
-keep for the backward) goes into every node's spec (docs/options.md).
+keep for the backward) goes into every node's spec (docs/options.md). ``compiler`` is what runs the rewritten graph
+(the hand-off): as given, else Inductor for a graph with tensors on a GPU and eager for a CPU-only graph
+(``la_compiler.hand_off``; docs/options.md, "Hand-off").
 
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
@@ -14,11 +16,12 @@ imported ``la_compiler`` finds it; importing this module installs the trace-time
 
 Logging (``logging.getLogger(__name__)``, under ``la_compiler``; torch's ``TORCH_LOGS="+la_compiler"`` turns it on):
 each rewritten graph logs one DEBUG line per rewrite (module, kind, spec, kernel), per near miss and per policy
-note, and one INFO line with the graph's summary (``TORCH_LOGS="la_compiler"``).
+note, and one INFO line with the graph's summary, the hand-off and why included (``TORCH_LOGS="la_compiler"``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -27,8 +30,9 @@ import torch
 from la_compiler.ddp_buckets import check_pieces
 import la_compiler.ir_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
 from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
+from la_compiler.hand_off import choose_hand_off, compile_rewritten
 from la_compiler.module_specialize import ModuleSpecializedGraph
-from la_compiler.options import DEFAULT_TUNING, OptionsError, TuningOptions
+from la_compiler.options import DEFAULT_TUNING, HAND_OFFS, OptionsError, TuningOptions
 from la_compiler.passes.frontends import install_trace_frontends
 from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
@@ -37,7 +41,7 @@ from la_compiler.policy_attach import attached_policy_source
 from la_compiler.policy_guard import PolicyGuardedGraph
 from la_compiler.record import CompileRecord
 
-COMPILERS = ("inductor", "eager")
+COMPILERS = tuple(HAND_OFFS)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class BackendOptionsError(LaqatError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
     policy: Policy | None  # None: not given (the attached policy, else exact numerics)
-    compiler: str = "inductor"  # what runs the rewritten graph; "eager" for bisecting
+    compiler: str | None = None  # what runs the rewritten graph; None: chosen by device (la_compiler.hand_off)
     verify: bool = False  # the thorough rewrite check (the whole region); a bounded one runs on every compile
     tuning: TuningOptions = DEFAULT_TUNING  # the chunk kernels' launches (docs/options.md)
 
@@ -64,9 +68,10 @@ class BackendOptions:
         unknown = sorted(set(options) - known)
         if unknown:
             raise BackendOptionsError(f"unknown laqat option(s) {unknown}; allowed: {sorted(known)}")
-        compiler = options.get("compiler", "inductor")
-        if compiler not in COMPILERS:
-            raise BackendOptionsError(f"options['compiler'] must be one of {COMPILERS}, got {compiler!r}")
+        compiler = options.get("compiler")
+        if compiler is not None and compiler not in COMPILERS:
+            raise BackendOptionsError(f"options['compiler'] must be one of {COMPILERS} (or None: chosen by device), "
+                                      f"got {compiler!r}")
         verify = options.get("verify", False)
         if not isinstance(verify, bool):
             raise BackendOptionsError(f"options['verify'] must be a bool, got {verify!r}")
@@ -118,9 +123,10 @@ def log_graph(record) -> None:
         logger.debug("near miss (%s frontend) at %s: %s", n.frontend, n.module or "<top>", n.reason)
     for note in record.notes:
         logger.debug("note: %s", note)
-    logger.info("graph %d: %d recurrence(s) rewritten (%s), %d near miss(es); policy %s (%s)%s", record.graph_id,
-                len(record.matches), ", ".join(f"{m.kind} at {m.module or '<top>'}" for m in record.matches) or "none",
-                len(record.near_misses), record.policy, record.policy_source,
+    logger.info("graph %d: %d recurrence(s) rewritten (%s), %d near miss(es); policy %s (%s); hand-off %s (%s)%s",
+                record.graph_id, len(record.matches),
+                ", ".join(f"{m.kind} at {m.module or '<top>'}" for m in record.matches) or "none",
+                len(record.near_misses), record.policy, record.policy_source, record.hand_off, record.hand_off_reason,
                 f"; ended at a graph break: {record.graph_break}" if record.graph_break else "")
 
 
@@ -143,28 +149,18 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
     root = compiled_root_module()
     check_pieces(root)  # under DDPOptimizer: no recurrence split across two graph pieces
     policy, policy_source = policy_for(opts.policy, root)
+    chosen = choose_hand_off(opts.compiler, gm, example_inputs)
 
     def rewrite(graph: torch.fx.GraphModule, prefixes: dict[str, str]) -> torch.fx.GraphModule:
         record = sink.new_graph()
         record.graph_break = graph_break_of(gm)
         record.policy, record.policy_source = policy.name, policy_source
+        record.hand_off, record.hand_off_reason = chosen.compiler, chosen.reason
         run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes, tuning=opts.tuning)
         log_graph(record)
         return graph
 
-    def hand_off(graph: torch.fx.GraphModule, inputs) -> Callable:
-        if opts.compiler == "eager":
-            return graph.forward
-        from torch._inductor.compile_fx import compile_fx
-
-        # AOTAutograd rebuilds an output that aliases an intermediate (FLA's logits view) by replaying the
-        # view's recorded ViewMeta sequence; on torch 2.11 + CUDA that replay read garbage sizes
-        # ("shape '[140323329983992, 8766216997877507016, 32000]' is invalid", GatedDeltaNetForCausalLM at
-        # T=4096). Without replay it rebuilds the alias with as_strided from the output's own size, stride and
-        # offset: the same view of the same storage.
-        with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
-            return compile_fx(graph, inputs)
-
+    hand_off = functools.partial(compile_rewritten, chosen)
     prefixes = root_prefixes(gm, root)
     if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
         compiled = ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)

@@ -263,7 +263,7 @@ def _describe_item(prefix: str, key: str, text: str) -> str:
         return f"quantizer of site {key}"
     if prefix == "acc.":
         return f"{text.split(':')[0]} accumulator of {key}, rounded every {text.split(':')[1]} products"
-    return {"x.": "decode-phase option", "n.": "numerics option (docs/options.md)",
+    return {"x.": "decode option (docs/options.md)", "n.": "numerics option (docs/options.md)",
             "t.": "tuning option (docs/options.md)"}[prefix]
 
 

@@ -51,12 +51,19 @@ class ExplainReport:
         return "; ".join(used) or "none (no graph was compiled)"
 
     @property
+    def hand_off(self) -> str:
+        """What ran the rewritten graphs and why: "eager (options['compiler'])", "inductor (default: the graph's
+        tensors are on cuda)", ..."""
+        used = dict.fromkeys(f"{g.hand_off} ({g.hand_off_reason})" for g in self.graphs if g.hand_off)
+        return "; ".join(used) or "none (no graph was compiled)"
+
+    @property
     def notes(self) -> list[str]:
         return [n for g in self.graphs for n in g.notes]
 
     def __str__(self) -> str:
         out = [f"laqat explain: {len(self.matches)} recurrence(s) rewritten in {len(self.graphs)} graph(s), "
-               f"{self.graph_breaks} graph break(s)", f"policy: {self.policy}"]
+               f"{self.graph_breaks} graph break(s)", f"policy: {self.policy}", f"hand-off: {self.hand_off}"]
         for i, m in enumerate(self.matches):
             out.append(f"\n[{i}] {m.kind.upper()} at {m.module or '<top>'} (frontend: {m.frontend}, node {m.node}"
                        + (f", replaced {m.region_size} nodes" if m.region_size else "") + ")")
@@ -92,9 +99,9 @@ def _unwrap(model_or_fn):
 def explain(model_or_fn, *args, policy=None, compiler: str = "eager", tuning=None, **kwargs) -> ExplainReport:
     """Compiles ``model_or_fn`` with the laqat backend, runs it once on ``args``/``kwargs`` and
     reports every rewritten site. ``compiler`` picks what runs the rest of the graph ("eager"
-    by default: the laqat passes, and so the report, are the same under Inductor). ``policy=None``: the
-    policy attached to the module (``la_compiler.attach_policy``), else exact numerics. ``tuning``: the
-    backend's ``options["tuning"]``."""
+    by default: the laqat passes, and so the report, are the same under Inductor; None: the backend's choice by
+    device). ``policy=None``: the policy attached to the module (``la_compiler.attach_policy``), else exact
+    numerics. ``tuning``: the backend's ``options["tuning"]``."""
     from la_compiler.backend import laqat_backend
 
     record = CompileRecord()

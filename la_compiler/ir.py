@@ -5,7 +5,7 @@
 (a composite: ``laqat::delta_rule_train`` where a gradient can flow, which also returns the residual the
 kernel variant keeps for its backward, else ``laqat::delta_rule_eval``).
 
-Inputs are canonical (DESIGN.md, "The IR node"): q, k after any l2norm, [B, T, H, K];
+Inputs are canonical (docs/architecture.md, "The IR node"): q, k after any l2norm, [B, T, H, K];
 v [B, T, HV, V]; g the log-decay after gate activation, [B, T, HV] (GDN) or [B, T, HV, K]
 (KDA); beta after its activation, [B, T, HV]; initial_state [N, HV, K, V] (or [N, HV, V, K]
 with ``state=vk``), any float dtype. Outputs: o [B, T, HV, V] in q's dtype, final_state

@@ -1,4 +1,5 @@
-"""laqat's settings: the chunk kernels' numerics, the tuning of their launches, and the environment it reads.
+"""laqat's settings: the chunk kernels' numerics, the tuning of their launches, the decode phase's numerics, and
+the environment it reads.
 
 * ``NumericsOptions`` change result bits: a policy sets them (``linear_attention`` rules, ``cfg.numerics``), so
   they travel with the model; the annotate pass writes a non-default value into the spec as ``n.<name>=<value>``
@@ -7,22 +8,33 @@
   the whole compile, written into the spec as ``t.<name>=<value>`` (the kernels read them from there, so a
   forward and its backward always agree). Unset, a field takes the launch table's choice
   (``kernels/chunk/launch.py``).
+* ``DecodeOptions`` are the numerics of a decode phase (``phase=token|replay``): the policy builds them from a
+  rule's ``decode`` and ``serving`` keys and the state quantizer and writes them into the spec (``phase``,
+  ``q.state``, ``x.<key>=<value>``); the decode kernels and the fp64 reference read them with ``decode_options``.
+* ``HAND_OFFS``: the values of ``options={"compiler": ...}`` (what runs a rewritten graph) and the default's choice
+  by device (``la_compiler.hand_off``).
 * ``ENVIRONMENT`` lists every ``LAQAT_*`` variable; the only one laqat itself reads is ``LAQAT_CACHE_DIR``, here.
 
-Both option classes are frozen dataclasses validated in ``__post_init__``; a bad value is an ``OptionsError``
+The option classes are frozen dataclasses validated in ``__post_init__``; a bad value is an ``OptionsError``
 naming the key. docs/options.md is generated from the fields below (``la_compiler.options_doc``).
-This module imports nothing of the project but ``la_compiler.suggest``, so the spec types and the kernels can
-both depend on it.
+This module imports nothing of the project but ``la_compiler.suggest`` and the quantizer formats
+(``la_compiler.quant.config``), so the spec types and the kernels can both depend on it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from la_compiler.error_base import LaqatError
+from la_compiler.quant.config import QuantConfig, QuantConfigError
 from la_compiler.suggest import did_you_mean
+
+if TYPE_CHECKING:
+    from la_compiler.spec import RecurrenceSpec
 
 
 class OptionsError(LaqatError, ValueError):
@@ -163,6 +175,243 @@ class TuningOptions(_Options):
 
 DEFAULT_NUMERICS = NumericsOptions()
 DEFAULT_TUNING = TuningOptions()
+
+
+# ---- the hand-off: what runs a rewritten graph (``options={"compiler": ...}``; la_compiler/hand_off.py) ----------
+
+HAND_OFFS = {
+    "inductor": "Inductor compiles the graph around laqat's ops: AOTAutograd traces the forward and the backward, "
+                "its partitioner decides what the backward keeps; Triton kernels on a GPU, C++ on the CPU",
+    "eager": "the rewritten graph runs op by op under autograd, laqat's ops included: each op saves what its "
+             "autograd saves; nothing is compiled beyond Dynamo's capture and laqat's passes",
+}
+DEVICE_HAND_OFF = "inductor"  # unset, where a tensor of the graph is on an accelerator (CUDA, XPU, ...)
+CPU_HAND_OFF = "eager"  # unset, where every tensor of the graph is on the CPU
+
+
+# ---- the decode phase ------------------------------------------------------------------------
+
+DECODE_MODES = ("token", "replay")
+READOUTS = ("working", "stored")
+REPLAY_WINDOW = (1, 64)  # tokens between replay's anchor refreshes: the fewest and the most
+TILE_CODECS = ("fp8_e4m3", "int8", "int8_h32")  # decode state codecs with one scale per [K x BV] tile
+BLOCK_CODECS = ("fp8_e4m3", "int8")  # decode state codecs with one scale per key row and N values (block<N>)
+SERVING_PROFILES = ("vllm-0.33",)  # <engine>-<release>: the servers whose decode laqat reproduces
+SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # vLLM's --mamba-ssm-cache-dtype
+
+
+class DecodeOptionsError(OptionsError):
+    """A decode option laqat does not accept. ``field`` is the ``DecodeOptions`` field (None: the spec as a whole)
+    and ``reason`` the message without its key, so that a policy can name its own key instead of the spec's."""
+
+    def __init__(self, reason: str, field: str | None = None, *, where: str = ""):
+        self.reason, self.field = reason, field
+        text = f"{DecodeOptions.spec_key(field)}: {reason}" if field else reason
+        super().__init__(f"{where}: {text}" if where else text)
+
+
+def decode_option(default, *, spec: str, policy: str, doc: str, choices: tuple | None = None, values: str = ""):
+    """A field of ``DecodeOptions``: its default, the spec key and the policy key that carry it, what it accepts
+    (``choices``, else ``values`` in words, checked in ``__post_init__``) and what it does (docs/options.md)."""
+    return dataclasses.field(default=default, metadata={"spec": spec, "policy": policy, "choices": choices,
+                                                        "values": values, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How a spec with ``phase=token|replay`` rounds its decode suffix (docs/decode_phase.md). ``Policy.resolve``
+    builds them from a ``linear_attention`` rule's ``decode`` and ``serving`` keys and the state quantizer, and
+    writes them into the spec (``phase``, ``q.state``, ``spec_extra()``); the decode kernels and the fp64 reference
+    read them back with ``decode_options(spec)``. Every value and combination is checked here (the policy file's
+    checks read their values from the constants above); a bad one is a ``DecodeOptionsError`` naming the spec key."""
+
+    mode: str = decode_option("token", spec="phase", policy="decode.mode", choices=DECODE_MODES, doc=(
+        "`token`: the state rounded at every decode write; `replay`: rounded at every `window`-th write (the "
+        "anchor), the writes between it kept unrounded (but for `factor_qdq`)"))
+    state_codec: QuantConfig | None = decode_option(None, spec="q.state", policy="quant_cfg", values=(
+        "unset, `fp8_e4m3` / `int8` / `int8_h32` with `tile<BV>`, `fp8_e4m3` / `int8` with `block<N>`"), doc=(
+        "the stored state's format: the state quantizer's (the rule for `*_state_quantizer`; INT8 as ReplaySSM's "
+        "Hadamard-32 with `decode.state_codec: hadamard32`), identity gradient; unset: the decode state is not "
+        "rounded"))
+    readout: str = decode_option("working", spec="x.readout", policy="decode.readout", choices=READOUTS, doc=(
+        "each decode output read from the state before the write's rounding (`working`) or after it (`stored`)"))
+    decay_log_step: float | None = decode_option(None, spec="x.decay_log_step", policy="decode.decay_log_step",
+                                                 values="unset, a positive finite number", doc=(
+        "the suffix's log-decays rounded to `round(g/d)*d` (identity gradient)"))
+    window: int = decode_option(1, spec="x.replay_window", policy="decode.replay.window",
+                                values=f"`{REPLAY_WINDOW[0]}`..`{REPLAY_WINDOW[1]}`", doc=(
+        "replay: the anchor is refreshed every `window` suffix tokens (token mode: 1)"))
+    factor_qdq: bool = decode_option(False, spec="x.replay_factor_qdq", policy="decode.replay.factor_qdq",
+                                     choices=(False, True), doc=(
+        "replay: the rank-one factors k_t, u_t rounded once, when written, in the state codec's scalar format "
+        "(`fp8_e4m3`, or `int8` for `int8` / `int8_h32`); the spec spells it `0` / `1`"))
+    serving: str | None = decode_option(None, spec="x.serving", policy="serving", choices=(None,) + SERVING_PROFILES,
+                                        doc=(
+        "`<engine>-<release>` of the policy's `serving.engine` and `serving.version` (or `precision: vllm`): the "
+        "decode steps in that server's order of operations (its sums over K), token mode, working readout "
+        "(docs/serving.md)"))
+    state_dtype: str = decode_option("float32", spec="x.state_dtype", policy="serving.state_dtype",
+                                     choices=SERVING_STATE_DTYPES, doc=(
+        "with `serving` only (the policy's default there: `auto`): the server's state-cache dtype, the state "
+        "rounded to it (nearest even) on load, at the handoff and at every decode write, after the codec; `auto` is "
+        "vLLM's rule (GDN: the dtype of v; KDA: float32); `float32` rounds nothing"))
+
+    def __post_init__(self):
+        if isinstance(self.state_codec, str):
+            try:
+                object.__setattr__(self, "state_codec", QuantConfig.parse(self.state_codec))
+            except QuantConfigError as e:
+                raise DecodeOptionsError(str(e), "state_codec") from None
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices is not None and not any(_same(value, c) for c in choices):
+                raise DecodeOptionsError(f"must be one of {list(choices)}, got {value!r}"
+                                         f"{did_you_mean(value, choices)}", f.name)
+        self._check_codec()
+        step = self.decay_log_step
+        if step is not None:
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step) and step > 0):
+                raise DecodeOptionsError(f"must be a positive finite number, got {step!r}", "decay_log_step")
+            object.__setattr__(self, "decay_log_step", float(step))
+        lo, hi = REPLAY_WINDOW
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or not lo <= self.window <= hi:
+            raise DecodeOptionsError(f"must be in {lo}..{hi}, got {self.window!r}", "window")
+        if self.mode == "token" and (self.window != 1 or self.factor_qdq):
+            raise DecodeOptionsError("only for phase=replay", "window" if self.window != 1 else "factor_qdq")
+        if self.factor_qdq and self.state_codec is None:
+            raise DecodeOptionsError("rounds the replay factors in the state codec's format, but there is no "
+                                     "state codec", "factor_qdq")
+        if self.serving is None and self.state_dtype != "float32":
+            raise DecodeOptionsError("the serving cache's dtype, only with x.serving", "state_dtype")
+        unserved = unserved_decode(self.mode, self.readout, self.decay_log_step, self.codec)
+        if self.serving is not None and unserved:
+            raise DecodeOptionsError(f"{self.serving} decodes as that server does: it needs "
+                                     f"{', '.join(UNSERVED[u] for u in unserved)}", unserved[0])
+
+    def _check_codec(self):
+        cfg = self.state_codec
+        if cfg is None:
+            return
+        if not isinstance(cfg, QuantConfig):
+            raise DecodeOptionsError(f"must be a QuantConfig, its string or None, got {cfg!r}", "state_codec")
+        tile = cfg.format in TILE_CODECS and cfg.group == "tile"
+        block = cfg.format in BLOCK_CODECS and cfg.group == "block"
+        if not (tile or block) or cfg.ste != "identity":
+            raise DecodeOptionsError(f"the decode state codec must be one of {[f + '/tile<BV>' for f in TILE_CODECS]}"
+                                     f" or {[f + '/block<N>' for f in BLOCK_CODECS]}, got {cfg.to_string()!r}",
+                                     "state_codec")
+
+    @classmethod
+    def spec_key(cls, field: str) -> str:
+        return cls.__dataclass_fields__[field].metadata["spec"]
+
+    @classmethod
+    def policy_key(cls, field: str) -> str:
+        return cls.__dataclass_fields__[field].metadata["policy"]
+
+    # ---- what the decode kernels read ---------------------------------------------------------
+    @property
+    def codec(self) -> str | None:
+        """The state codec's format (``fp8_e4m3``, ``int8``, ``int8_h32``), None where the state is not rounded."""
+        return None if self.state_codec is None else self.state_codec.format
+
+    @property
+    def block_v(self) -> int:
+        """Value columns per codec scale group: the tile's BV, or a block's N."""
+        cfg = self.state_codec
+        return 64 if cfg is None else cfg.block_v if cfg.group == "tile" else cfg.block_size
+
+    @property
+    def codec_block(self) -> int:
+        """0: one codec scale per [K x BV] tile; N: one per key row and N values along V (BV = N)."""
+        cfg = self.state_codec
+        return cfg.block_size if cfg is not None and cfg.group == "block" else 0
+
+    @property
+    def factor_format(self) -> str:
+        """The replay factors' format: ``none``, or the codec's scalar format."""
+        if not self.factor_qdq:
+            return "none"
+        return "fp8_e4m3" if self.codec == "fp8_e4m3" else "int8"
+
+    @property
+    def vllm_order(self) -> bool:
+        """The decode steps in vLLM's order of operations (the state tile V-first in registers)."""
+        return self.serving is not None
+
+    def cache_dtype(self, kind: str, model_dtype) -> str:
+        """The state cache's dtype for inputs of ``model_dtype`` (a torch dtype): float32, bfloat16 or float16.
+        ``auto`` is vLLM 0.33's MambaStateDtypeCalculator: GDN the model's dtype, KDA float32."""
+        if self.state_dtype != "auto":
+            return self.state_dtype
+        if kind == "kda":
+            return "float32"
+        name = str(model_dtype).removeprefix("torch.")
+        return name if name in ("bfloat16", "float16") else "float32"
+
+    # ---- the spec encoding --------------------------------------------------------------------
+    def spec_extra(self) -> tuple[tuple[str, str], ...]:
+        """The spec's ``x.<key>`` items: the readout always, the serving profile's two, the decay step if set, and
+        replay's two in replay mode (``phase`` and ``q.state`` carry ``mode`` and ``state_codec``)."""
+        extra = {"readout": self.readout}
+        if self.serving is not None:
+            extra.update(serving=self.serving, state_dtype=self.state_dtype)
+        if self.decay_log_step is not None:
+            extra["decay_log_step"] = repr(self.decay_log_step)
+        if self.mode == "replay":
+            extra.update(replay_window=str(self.window), replay_factor_qdq="1" if self.factor_qdq else "0")
+        return tuple(sorted(extra.items()))
+
+
+UNSERVED = {"mode": "phase=token", "readout": "x.readout=working", "decay_log_step": "no x.decay_log_step",
+            "state_codec": "a state codec other than int8_h32 (Hadamard-32 is ReplaySSM's codec)"}
+
+
+def unserved_decode(mode: str, readout: str, decay_log_step: float | None, codec: str | None) -> tuple[str, ...]:
+    """The fields (in ``UNSERVED``'s order) whose values a serving profile does not decode: a server decodes one
+    token per step from its fp32 working state, rounds no log-decay, and stores the state in the state
+    quantizer's own format."""
+    served = {"mode": mode == "token", "readout": readout == "working", "decay_log_step": decay_log_step is None,
+              "state_codec": codec != "int8_h32"}
+    return tuple(field for field, ok in served.items() if not ok)
+
+
+@functools.lru_cache(maxsize=1024)  # read once per spec, not at every launch
+def decode_options(spec: RecurrenceSpec) -> DecodeOptions:
+    """The decode options a spec carries (``phase``, ``q.state``, ``x.<key>``); a spec of another phase, an ``x.``
+    key that is no decode option, or a numerics field the decode phase does not round is a ``DecodeOptionsError``."""
+    if spec.phase not in DECODE_MODES:
+        raise DecodeOptionsError(f"spec {spec} has phase={spec.phase}; decode kernels need phase=token or replay")
+    keys = {f.metadata["spec"][2:]: f.name for f in dataclasses.fields(DecodeOptions)
+            if f.metadata["spec"].startswith("x.")}
+    extra = dict(spec.extra)
+    unknown = sorted(set(extra) - set(keys))
+    if unknown:
+        raise DecodeOptionsError(f"spec {spec}: unknown decode option(s) {['x.' + k for k in unknown]}; "
+                                 f"known: {['x.' + k for k in keys]}")
+    others = [f"q.{s}" for s, _ in spec.quant if s != "state"] + [f"acc.{s}" for s, _ in spec.acc] + (
+        [f"solve={spec.solve}"] if spec.solve != "exact" else [])
+    if others:
+        raise DecodeOptionsError(f"spec {spec}: decode-phase kernels round the state only; the prefix runs the "
+                                 f"exact recurrence, so {others} cannot be applied (not implemented)")
+    values = {keys[k]: text for k, text in extra.items()}
+    try:
+        if "decay_log_step" in values:
+            values["decay_log_step"] = float(values["decay_log_step"])
+        if "window" in values:
+            values["window"] = int(values["window"])
+    except ValueError as e:
+        raise DecodeOptionsError(f"spec {spec}: x.decay_log_step / x.replay_window not a number: {e}") from None
+    if "factor_qdq" in values:
+        spelled = {"0": False, "1": True}
+        if values["factor_qdq"] not in spelled:
+            raise DecodeOptionsError(f"must be 0 or 1, got {values['factor_qdq']!r}", "factor_qdq",
+                                     where=f"spec {spec}")
+        values["factor_qdq"] = spelled[values["factor_qdq"]]
+    try:
+        return DecodeOptions(mode=spec.phase, state_codec=spec.quant_map.get("state"), **values)
+    except DecodeOptionsError as e:
+        raise DecodeOptionsError(e.reason, e.field, where=f"spec {spec}") from None
 
 
 # ---- the environment -------------------------------------------------------------------------

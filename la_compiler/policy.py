@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from la_compiler.errors import warn_at_caller
+from la_compiler.options import DecodeOptions, DecodeOptionsError
 from la_compiler.policy_schema import (LINEAR_ATTENTION_KEYS, LinearAttentionCfg, PolicyError,
                                        UnmatchedPolicyRuleWarning, check_bool, check_mapping, check_str, prefixed)
 from la_compiler.quant import QuantConfig, QuantConfigError
@@ -156,7 +157,7 @@ def _glob_suggestions(glob: str) -> list[str]:
     return [c for r, c in scored if r <= scored[0][0] + 0.01][:2]
 
 
-# The scale grouping each site's kernels and references implement (NUMERICS.md, "sites").
+# The scale grouping each site's kernels and references implement (docs/numerics.md, "Where the rounding happens").
 _SITE_GROUPS = {"state": ("tile", "block"), "w": ("row", "block")}
 _OPERAND_GROUPS = ("row", "block")
 
@@ -433,21 +434,20 @@ class Policy:
             quant["state"] = _hadamard_state(quant.get("state"), la, la_key, where)
         if la.serving is not None:
             prefixed(f"{la_key}.", la.serving.check_kind, kind)
-            if quant.get("state", "").startswith("int8_h32"):
-                raise PolicyError(f"quant_cfg: {where}: a rotating (Hadamard-32) state quantizer is ReplaySSM's codec, "
-                                  f"not {la.serving.engine}'s ({la_key}.serving)")
         w_alias = quant.pop("state_read.lhs", None)  # W is state_read's lhs: one rounding, spelt "w" in the spec
         if w_alias is not None and quant.setdefault("w", w_alias) != w_alias:
             raise PolicyError(f"quant_cfg: {where}: the {kind}_w_quantizer and linear_attn_sites.state_read."
                               f"lhs_quantizer round the same operand (W) but are set to {quant['w']} and {w_alias}")
 
         acc = {site: a.canonical() for site, a in la.matmul if a.canonical() is not None}
+        decode = _decode_options(la, quant.get("state"), la_key, where)
         if not rules:
             rules.append("no policy rule matched: exact numerics, no quantization")
         return Resolution(
             quant=tuple(sorted(quant.items())), acc=tuple(sorted(acc.items())),
-            solve=la.solve.method, degree=la.solve.degree, chunk=la.chunk_size, phase=la.decode.mode,
-            extra=_extras(la, quant.get("state"), la_key, where), numerics=la.numerics.spec_items(),
+            solve=la.solve.method, degree=la.solve.degree, chunk=la.chunk_size,
+            phase="none" if decode is None else decode.mode, extra=() if decode is None else decode.spec_extra(),
+            numerics=la.numerics.spec_items(),
             backend=la.requested_backend, rules=tuple(rules),
             backend_key=f"{la_key}.backend" if la.requested_backend else None,
             implementation=la.implementation[1] if la.implementation else None,
@@ -583,25 +583,23 @@ def _hadamard_state(state: str | None, la: LinearAttentionCfg, la_key: str, wher
     return QuantConfig("int8_h32", "tile", block_v=la.state.block_v, ste=cfg.ste).to_string()
 
 
-def _extras(la: LinearAttentionCfg, state: str | None, la_key: str | None, where: str) -> tuple[tuple[str, str], ...]:
-    """The spec's ``x.<key>`` decode options (docs/policy.md, "Spec encoding"; read by
-    kernels/decode/options.py). Only a decode phase has any."""
-    d = la.decode
+def _decode_options(la: LinearAttentionCfg, state: str | None, la_key: str | None,
+                    where: str) -> DecodeOptions | None:
+    """The decode options of a rule's ``decode`` and ``serving`` keys with the state quantizer's format as the codec
+    (None: no decode phase). What they refuse in combination with the quantizer is a ``PolicyError`` at the key."""
+    d, serving = la.decode, la.serving
     if d.mode == "none":
-        return ()
-    extra = {"readout": d.readout}
-    if la.serving is not None:
-        extra["serving"] = la.serving.profile
-        extra["state_dtype"] = la.serving.state_dtype
-    if d.decay_log_step is not None:
-        extra["decay_log_step"] = repr(float(d.decay_log_step))
-    if d.replay is not None:
-        extra["replay_window"] = str(d.replay.window)
-        extra["replay_factor_qdq"] = "1" if d.replay.factor_qdq else "0"
-        if d.replay.factor_qdq and state is None:
-            raise PolicyError(f"{la_key}.decode.replay.factor_qdq: true rounds the replay factors in the state "
-                              f"codec's format, but {where} has no enabled state quantizer")
-    return tuple(sorted(extra.items()))
+        return None
+    try:
+        return DecodeOptions(mode=d.mode, state_codec=state, readout=d.readout, decay_log_step=d.decay_log_step,
+                             window=1 if d.replay is None else d.replay.window,
+                             factor_qdq=d.replay is not None and d.replay.factor_qdq,
+                             serving=None if serving is None else serving.profile,
+                             state_dtype="float32" if serving is None else serving.state_dtype)
+    except DecodeOptionsError as e:
+        key = "quant_cfg" if e.field == "state_codec" else f"{la_key}.{DecodeOptions.policy_key(e.field)}"
+        quantizer = "no enabled state quantizer" if state is None else f"state quantizer {state}"
+        raise PolicyError(f"{key}: {e.reason} ({where}: {quantizer})") from None
 
 
 def load_recipe(name: str) -> Policy:

@@ -2,7 +2,9 @@
 and the checks every policy key goes through.
 
 Keys keep ModelOpt's names (``backend``, ``chunk_size``, ``state.block_v``, ``solve``,
-``decode``, ``matmul``); ``numerics`` is laqat's (``la_compiler.options.NumericsOptions``). Each config validates itself in ``__post_init__`` (torchao style)
+``decode``, ``matmul``); ``numerics`` is laqat's (``la_compiler.options.NumericsOptions``). The values the ``decode``
+and ``serving`` keys accept are the decode options' (``la_compiler.options``: ``DecodeOptions``, which the policy
+builds from them at resolution). Each config validates itself in ``__post_init__`` (torchao style)
 and raises ``PolicyError`` naming the key (relative to its ``cfg``) and the allowed values;
 the loader prefixes the position of the rule (``linear_attention[2].cfg.``).
 
@@ -20,7 +22,8 @@ from typing import Any, Mapping
 
 from la_compiler.error_base import LaqatError
 from la_compiler.kernels.selection import ORDER
-from la_compiler.options import NumericsOptions, OptionsError
+from la_compiler.options import (DECODE_MODES, READOUTS, REPLAY_WINDOW, SERVING_PROFILES, SERVING_STATE_DTYPES,
+                                  NumericsOptions, OptionsError, unserved_decode)
 from la_compiler.spec import GEMM_SITES
 from la_compiler.suggest import did_you_mean
 
@@ -144,19 +147,16 @@ def prefixed(prefix: str, fn, *args, **kwargs):
 
 BACKEND_ALIASES = ("auto", "matmul")  # "matmul" is ModelOpt's "apply the policy's numerics": laqat picks the kernel
 IMPLEMENTATIONS = ("auto", "triton", "torch")  # constrains the kernel family; never the numerics
-DECODE_MODES = ("none", "token", "replay")
-READOUTS = ("working", "stored")  # decode readout from the unrounded working state or the stored (rounded) one
 # The stored state's codec: the state quantizer's format as it is, or (INT8 only) ReplaySSM's Hadamard-32.
 # It is the format of every state rounding (prefill chunks and decode writes alike): the spec's q.state.
 STATE_CODECS = ("quantizer", "hadamard32")
 STATE_BLOCK_V = (16, 32, 64, 128)
 ACCUMULATOR_DTYPES = ("fp32", "fp16", "bf16")
-REPLAY_WINDOW = (1, 64)
-# Serving profiles (docs/serving.md): the engines and releases whose decode laqat reproduces, their state-cache
-# dtypes (vLLM's --mamba-ssm-cache-dtype; KDA: MambaStateDtypeCalculator.kda_state_dtype's three), and
+# Serving profiles (docs/serving.md): the engines and releases of the profiles (la_compiler.options spells them
+# <engine>-<release>), the KDA state-cache dtypes (MambaStateDtypeCalculator.kda_state_dtype's three), and
 # ModelOpt's `precision` spellings.
-SERVING_VERSIONS = {"vllm": ("0.33",)}
-SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SERVING_VERSIONS = {engine: tuple(p.partition("-")[2] for p in SERVING_PROFILES if p.partition("-")[0] == engine)
+                    for engine in dict.fromkeys(p.partition("-")[0] for p in SERVING_PROFILES)}
 KDA_SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16")
 SERVING_MODELS = (None, "kimi_k3")  # kimi_k3: vLLM's Kimi-K3 / Kimi-Linear KDA layers (KDA only)
 PRECISIONS = ("vllm", "vllm_kimi_k3", "replayssm")
@@ -216,7 +216,7 @@ class ReplayCfg:
 @dataclasses.dataclass(frozen=True)
 class DecodeCfg:
     KEY = "decode"
-    mode: str = setting("none", kind="choice", choices=DECODE_MODES,
+    mode: str = setting("none", kind="choice", choices=("none",) + DECODE_MODES,
                     doc="decode-phase training: none, token (the state rounded at every token write) or replay")
     readout: str = setting("working", kind="choice", choices=READOUTS,
                        doc="decode outputs read the unrounded working state or the stored (rounded) one")
@@ -233,7 +233,8 @@ class DecodeCfg:
     def __post_init__(self):
         check_fields(self)
         if self.mode == "replay" and self.replay is None:
-            raise PolicyError("decode.replay: required with decode.mode='replay' (give replay.window, 1..64)")
+            raise PolicyError(f"decode.replay: required with decode.mode='replay' (give replay.window, "
+                              f"{REPLAY_WINDOW[0]}..{REPLAY_WINDOW[1]})")
         if self.mode != "replay" and self.replay is not None:
             raise PolicyError(f"decode.replay: only with decode.mode='replay', got decode.mode={self.mode!r}")
         if self.mode == "none":  # the state codec is the stored state's format: it holds in every phase
@@ -369,19 +370,22 @@ class LinearAttentionCfg:
             self._check_serving()
 
     def _check_serving(self):
+        """What a serving profile decodes (``la_compiler.options.unserved_decode``), in this file's keys; the state
+        quantizer's own rotation is known at resolution (``DecodeOptions`` refuses it there)."""
         d, engine = self.decode, self.serving.engine
-        if d.mode != "token":
-            raise PolicyError(f"decode.mode: a serving profile decodes one token per step: needs 'token', "
-                              f"got {d.mode!r}")
-        if d.readout != "working":
-            raise PolicyError(f"decode.readout: {engine} reads each decode output from the fp32 working state "
-                              f"('working'), got {d.readout!r}")
-        if d.decay_log_step is not None:
-            raise PolicyError(f"decode.decay_log_step: {engine} does not round the log-decay; leave it out with "
-                              f"serving")
-        if d.state_codec != "quantizer":
-            raise PolicyError(f"decode.state_codec: {d.state_codec!r} is ReplaySSM's codec, not {engine}'s; a serving "
-                              f"profile takes the state quantizer's own format (or none)")
+        refusals = {
+            "mode": f"decode.mode: a serving profile decodes one token per step: needs 'token', got {d.mode!r}",
+            "readout": f"decode.readout: {engine} reads each decode output from the fp32 working state "
+                       f"('working'), got {d.readout!r}",
+            "decay_log_step": f"decode.decay_log_step: {engine} does not round the log-decay; leave it out with "
+                              f"serving",
+            "state_codec": f"decode.state_codec: {d.state_codec!r} is ReplaySSM's codec, not {engine}'s; a serving "
+                           f"profile takes the state quantizer's own format (or none)",
+        }
+        codec = "int8_h32" if d.state_codec == "hadamard32" else None
+        unserved = unserved_decode(d.mode, d.readout, d.decay_log_step, codec)
+        if unserved:
+            raise PolicyError(refusals[unserved[0]])
 
     @property
     def requested_backend(self) -> str | None:
@@ -439,5 +443,5 @@ LINEAR_ATTENTION_KEYS = tuple(f.name for f in dataclasses.fields(LinearAttention
 def _replay_fields(replay: Any) -> dict:
     fields = dict(check_mapping(replay, "decode.replay", config_keys(ReplayCfg)))
     if "window" not in fields:
-        raise PolicyError("decode.replay.window: required (1..64)")
+        raise PolicyError(f"decode.replay.window: required ({REPLAY_WINDOW[0]}..{REPLAY_WINDOW[1]})")
     return fields

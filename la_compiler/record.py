@@ -39,6 +39,8 @@ class GraphRecord:
     graph_break: str = ""  # why Dynamo ended this graph at a graph break, and where ("" if it did not)
     policy: str = ""  # the name of the policy the graph was compiled with
     policy_source: str = ""  # "option", "attached to <module class>" or "default exact"
+    hand_off: str = ""  # what runs the rewritten graph: "inductor" | "eager"
+    hand_off_reason: str = ""  # "options['compiler']", or the devices the default was chosen by
     pass_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 

@@ -23,12 +23,12 @@ import re
 from typing import Mapping
 
 from la_compiler.error_base import LaqatError
-from la_compiler.options import NumericsOptions, OptionsError, TuningOptions
+from la_compiler.options import DECODE_MODES, NumericsOptions, OptionsError, TuningOptions
 
 KINDS = ("gdn", "kda")
 STATE_LAYOUTS = ("kv", "vk")  # "vk" = FLA's state_v_first / vLLM's V-first GDN cache
 SOLVE_METHODS = ("exact", "neumann")
-PHASE_MODES = ("none", "token", "replay")
+PHASE_MODES = ("none",) + DECODE_MODES
 
 # Quantization sites of one recurrence. "state" and "w" are the recurrent-state and WY-key
 # quantizers; the rest are the eight prefill GEMM operand sites, each with lhs/rhs.

@@ -66,8 +66,6 @@ def lower(gm: torch.fx.GraphModule, record: GraphRecord | None = None) -> int:
 
 # ---- slow kernels nobody pinned (CUDA) ---------------------------------------------------------
 
-FAMILY_EXTRAS = ("decode_impl", "solve_impl")  # x. keys that choose a kernel family: no numerics
-
 @dataclasses.dataclass(frozen=True)
 class SlowKernel:
     """A node that the table sent to a slow kernel on CUDA, unpinned."""
@@ -122,8 +120,7 @@ def numerics_fields(spec: RecurrenceSpec) -> dict[str, RecurrenceSpec]:
     for key, value in spec.numerics:
         fields[f"n.{key}={value}"] = spec.replace(numerics=tuple(item for item in spec.numerics if item[0] != key))
     for key, value in spec.extra:
-        if key not in FAMILY_EXTRAS:
-            fields[f"x.{key}={value}"] = spec.replace(extra=tuple(item for item in spec.extra if item[0] != key))
+        fields[f"x.{key}={value}"] = spec.replace(extra=tuple(item for item in spec.extra if item[0] != key))
     return fields
 
 
@@ -131,8 +128,7 @@ def numerics_blockers(spec: RecurrenceSpec, inputs: dict) -> tuple[str, ...] | N
     """Where a Triton kernel runs these inputs (the recurrence without any numerics field), the fields that keep the
     Triton kernels off ``spec``: those each of which alone does, else all of them. None where no Triton kernel runs
     the inputs whatever the numerics (float64, head dims beyond theirs)."""
-    bare = spec.replace(quant=(), acc=(), solve="exact", degree=None, chunk=64, numerics=(),
-                        extra=tuple(item for item in spec.extra if item[0] in FAMILY_EXTRAS))
+    bare = spec.replace(quant=(), acc=(), solve="exact", degree=None, chunk=64, numerics=(), extra=())
     if not _triton_runs(bare, inputs):
         return None
     fields = numerics_fields(spec)

@@ -37,7 +37,7 @@ def rel_l2(a, b) -> float:
 
 
 def make_inputs(kind, B, T, H, HV, K, V, dtype, *, h0=False, n_seqs=None, state="kv", device="cuda"):
-    """BASELINES.md's inputs: q, v randn; k l2-normalised; g = 0.1*logsigmoid(randn) (per channel
+    """The benchmarks' inputs: q, v randn; k l2-normalised; g = 0.1*logsigmoid(randn) (per channel
     for KDA); beta = sigmoid(rand). Returns ([q, k, v, g, beta] in dtype, fp32 initial state or None)."""
     import torch
     import torch.nn.functional as F

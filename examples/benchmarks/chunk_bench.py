@@ -10,7 +10,7 @@ First use of every spec compiles its Triton kernels (seconds each); split long r
    every gradient against fp64 autograd of the chunk reference, exact (relative L2 <= 1e-5) and
    with state / W QDQ (<= 1e-3);
 2. at [B, T, H, D] in (1,1024,4,64), (1,4096,16,128), (8,4096,16,128), bf16 inputs as in
-   BASELINES.md: triton.testing.do_bench medians of forward and forward+backward (backward of
+   triton.testing.do_bench medians of forward and forward+backward (backward of
    o.float().sum()) and peak extra MiB above the pre-run allocation, for
      FLA exact (chunk_kda fwd / fwd+bwd; chunk_gated_delta_rule fwd, its backward where FLA allows it, or
        with --lift-fla-gdn-guard past FLA's Hopper guard, timing only),
@@ -285,7 +285,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
 
     blocked = gdn_backward_blocker() if kind == "gdn" else None
     lifted = None
-    if blocked and lift_gdn_guard:  # BASELINES.md's "guard lifted (timing only)" row: wrong gradients, real time
+    if blocked and lift_gdn_guard:  # the guard lifted (timing only): wrong gradients, real time
         import fla.ops.common.chunk_o as fla_chunk_o
 
         guarded_fwd_bwd, lifted = fla_fwd_bwd, blocked
@@ -354,7 +354,7 @@ def bench_shape(kind, B, T, H, D, *, with_emulation=True, policies=tuple(POLICIE
             except Exception as e:  # noqa: BLE001
                 rows[name]["rel_l2_o_vs_fla"] = f"{type(e).__name__}: {e}"
 
-    # fp32 torch chunk emulation, FP8 state (BASELINES.md's "fp32 torch chunk emulation")
+    # fp32 torch chunk emulation, FP8 state (the slow path a torch-level QAT emulation takes)
     if with_emulation:
         spec = RecurrenceSpec(kind=kind, chunk=64).replace(quant={"state": "fp8_e4m3/tile64"})
         emu_leaves = leaves_of([x.float() for x in xs])
@@ -423,7 +423,7 @@ def main():
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's kernels (no ratios)")
     parser.add_argument("--lift-fla-gdn-guard", action="store_true",
                         help="time FLA's GDN fwd+bwd past its Hopper/Triton guard (its gradients are wrong there: "
-                             "timing only, as BASELINES.md's guard-lifted row)")
+                             "timing only)")
     parser.add_argument("--profile", default="",
                         help="comma-separated rows (e.g. 'FLA exact,laqat exact') whose fwd+bwd kernels are timed one by one")
     parser.add_argument("--policies", default=None,

@@ -8,8 +8,8 @@
 1. ``accuracy``: the fused decode kernels (fp32 inputs) against the fp64 decode reference, forward and every
    gradient, token / decay-grid / replay / Hadamard cases;
 2. ``timing``: KDA at each of ``--timing-shapes`` ([B, T, H, D]:prefix; default [1, 257, 4, 128] prefix 64,
-   BASELINES.md's decode-phase anchor shape, and [2, 4096, 8, 128] prefix 2048, the model benchmark's layer; bf16
-   q/k/v, BASELINES.md's inputs): fwd+bwd (forward, then backward of o.float().sum()) of laqat's decode_fused
+   the decode-phase anchor shape, and [2, 4096, 8, 128] prefix 2048, the model benchmark's layer; bf16
+   q/k/v, bench_common.make_inputs): fwd+bwd (forward, then backward of o.float().sum()) of laqat's decode_fused
    through ``laqat::delta_rule_phased`` per policy and warp count (do_bench medians), against the fp32 torch
    reference of the same policy (up to ``--reference-max-tokens`` tokens) and FLA's exact chunk_kda.
    Target: laqat <= 2x FLA exact.
@@ -50,9 +50,9 @@ import la_compiler.ir  # noqa: E402,F401  (registers laqat::delta_rule)
 import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401  (registers the kernel variants)
 from la_compiler.kernels.decode import fused as decode_fused  # noqa: E402
-from la_compiler.kernels.decode.options import decode_options  # noqa: E402
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference  # noqa: E402
 from la_compiler.kernels.selection import select_kernel  # noqa: E402
+from la_compiler.options import decode_options  # noqa: E402
 from la_compiler.policy import load_policy  # noqa: E402
 from la_compiler.spec import RecurrenceSpec  # noqa: E402
 
@@ -135,7 +135,7 @@ def accuracy(case, device="cuda") -> dict:
     errors = {"o": rel_l2(o, ro), "ht": rel_l2(ht, rht)}
     errors.update({n: rel_l2(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, ref)})
     # ht is stored rounded: compare it element for element, counting rounding flips (fp32 and fp64 values on
-    # either side of a rounding boundary, NUMERICS.md); everything else within 1e-3 relative L2
+    # either side of a rounding boundary, docs/numerics.md); everything else within 1e-3 relative L2
     tile_amax = rht.abs().amax((-2, -1), keepdim=True)
     flips = int(((ht.double() - rht).abs() > 1e-4 * rht.abs() + 1e-6 * tile_amax).sum())
     ok = all(e <= 1e-3 for n, e in errors.items() if n != "ht") and flips <= 0.02 * ht.numel()
@@ -494,7 +494,7 @@ def list_compare(kinds, T, D, names) -> None:
                 print(f"{kind} {name}: no kernel ({type(e).__name__}: {str(e)[:200]})")
 
 
-SMALL = (1, 257, 4, 128, 64)  # BASELINES.md's decode-phase anchor shape: --fla-ms is a figure of it
+SMALL = (1, 257, 4, 128, 64)  # the decode-phase anchor shape: --fla-ms is a figure of it
 
 
 def print_timing(rows) -> None:
@@ -520,7 +520,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="skip the accuracy cases")
     parser.add_argument("--fla-ms", type=float, default=None,
                         help="skip timing FLA's chunk_kda at [1, 257, 4, 128] (minutes of compilation on a fresh "
-                             "machine) and use this fwd+bwd figure, e.g. BASELINES.md's 3.50 ms; the table says it "
+                             "machine) and use this fwd+bwd figure, e.g. 3.50 ms; the table says it "
                              "is not from this run")
     parser.add_argument("--profile", action="store_true", help="also time each laqat timing row's kernels one by one")
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8, 16])

@@ -2,6 +2,7 @@
 
     OUT=./out python examples/benchmarks/decode_profile.py [--kinds gdn kda] [--shape 1x4096x16x128] [--prefix 2048]
         [--rows token,token-int8-block32,vllm serving recipe] [--sections split forward dstate backward]
+        [--state kv|vk]
 
 1. ``split``: device time per kernel (torch.profiler, ms per call) of one forward and backward of
    ``laqat::delta_rule_phased`` per row (decode_bench.py's comparison rows, the kernel the selection table picks);
@@ -53,8 +54,8 @@ class Case:
     scale: float
 
 
-def build(kind, row, B, T, H, D, prefix) -> Case:
-    spec = compare_spec(kind, row, T, D, "cuda")
+def build(kind, row, B, T, H, D, prefix, state="kv") -> Case:
+    spec = compare_spec(kind, row, T, D, "cuda").replace(state=state)
     (q, k, v, g, beta), _ = make_inputs(kind, B, T, H, H, D, D, torch.bfloat16)
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
     packed = [x[:, prefix:].reshape(1, -1, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
@@ -179,20 +180,22 @@ def main():
     parser.add_argument("--kinds", nargs="+", default=["gdn", "kda"])
     parser.add_argument("--shape", default="1x4096x16x128")
     parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--state", choices=["kv", "vk"], default="kv",
+                        help="the state's memory layout (FLA's GDN layers hand the IR a V-first state: vk)")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--sections", nargs="+", default=["split", "forward", "dstate", "backward"])
     args = parser.parse_args()
     B, T, H, D, _ = parse_shape(f"{args.shape}:{args.prefix}")
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    result = {"shape": [B, T, H, D], "prefix": args.prefix, "device": torch.cuda.get_device_name(),
+    result = {"shape": [B, T, H, D], "prefix": args.prefix, "state": args.state, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "cases": []}
     sweeps = {"split": split, "forward": forward_sweep, "dstate": dstate_sweep, "backward": backward_sweep}
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     for kind in args.kinds:
         for row in rows:
-            case = build(kind, row, B, T, H, D, args.prefix)
-            record = {"kind": kind, "row": row}
+            case = build(kind, row, B, T, H, D, args.prefix, args.state)
+            record = {"kind": kind, "row": row, "state": args.state}
             for section in args.sections:
                 if section == "dstate" and row != rows[0]:  # it rounds nothing: the same for every row of a kind
                     continue

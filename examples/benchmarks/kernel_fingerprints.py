@@ -234,12 +234,13 @@ def run_case(case, device) -> dict[str, "torch.Tensor | None"]:
     outputs = {}
     if size:
         kept = torch.full((size,), float("nan"), dtype=torch.float32, device=device)
-        o, ht = variant.forward(spec, q, k, v, g, beta, h0, cu, scale, save_to=kept)
+        o, ht = variant.forward(spec, q, k, v, g, beta, h0, cu, scale, save_to=kept, **kwargs)
         outputs.update(o=o, ht=ht, residual=kept)
-        outputs.update(zip(OUTPUT_NAMES, variant.backward(spec, q, k, v, g, beta, h0, cu, scale, do, dht, saved=kept)))
+        outputs.update(zip(OUTPUT_NAMES, variant.backward(spec, q, k, v, g, beta, h0, cu, scale, do, dht, saved=kept,
+                                                          **kwargs)))
         # the backward without the residual (recomputes the forward): bits of its own code path
         outputs.update(zip((f"{n}_recomputed" for n in OUTPUT_NAMES),
-                           variant.backward(spec, q, k, v, g, beta, h0, cu, scale, do, dht)))
+                           variant.backward(spec, q, k, v, g, beta, h0, cu, scale, do, dht, **kwargs)))
     else:
         o, ht = variant.forward(spec, q, k, v, g, beta, h0, cu, scale, **kwargs)
         outputs.update(o=o, ht=ht)

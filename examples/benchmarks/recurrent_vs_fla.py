@@ -4,7 +4,7 @@
 
 1. exactness on the GPU: fp32 forward and every gradient of small cases (varlen, grouped heads,
    initial state, both state layouts) against the fp64 reference (relative L2 <= 1e-5);
-2. at [B, T, H, D] = [1, 1024, 4, 64] and [1, 4096, 16, 128] (bf16, BASELINES.md's inputs):
+2. at [B, T, H, D] = [1, 1024, 4, 64] and [1, 4096, 16, 128] (bf16, bench_common.make_inputs):
    the fused recurrent kernel vs FLA's fused_recurrent_gated_delta_rule / fused_recurrent_kda forward
    (and vs FLA's chunk kernels), relative L2 of o and the final state, and
    triton.testing.do_bench medians of forward and forward+backward.

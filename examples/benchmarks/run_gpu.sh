@@ -17,7 +17,8 @@
 #   decode     decode_bench.py: the decode kernels' accuracy against the fp64 decode reference, then KDA
 #              [1,257,4,128] prefix 64 and [2,4096,8,128] prefix 2048 fwd+bwd per policy at 4 and 8 warps against FLA's
 #              chunk_kda, kernels split; then (kernels31) every decode mode and serving recipe, GDN and KDA, at
-#              [1,4096,16,128] prefix 2048 against FLA's chunk fwd+bwd and fused recurrent forward, timed interleaved
+#              [1,4096,16,128] prefix 2048 against FLA's chunk fwd+bwd and fused recurrent forward, timed interleaved;
+#              then (profile) decode_profile.py: each decode kernel's time, and sweeps of their launch settings
 #   recurrent  recurrent_vs_fla.py: the fused recurrent kernels' exactness, then both kinds against FLA's kernels
 #   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
@@ -101,6 +102,7 @@ suite_chunk-kda() {
 suite_decode() {
   part accuracy-and-timing 540 python3 $B/decode_bench.py --sections accuracy timing --num-warps 4 8 --profile
   part kernels31 540 python3 $B/decode_bench.py --sections compare --rounds 30 --budget-s 500
+  part profile 540 python3 $B/decode_profile.py
 }
 
 suite_recurrent() {

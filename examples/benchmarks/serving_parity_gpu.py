@@ -153,7 +153,7 @@ def fla_timing(kind, B, T, H, D) -> dict:
     if not blocked:
         return {"ms": do_bench(run, return_mode="median"), "extra_mib": peak_extra_mib(run)}
     # FLA's GDN chunk backward refuses this Triton on Hopper: timed past its guard, timing only (wrong gradients,
-    # real time), as chunk_bench.py --lift-fla-gdn-guard and BASELINES.md's guard-lifted row
+    # real time), as chunk_bench.py --lift-fla-gdn-guard
     import fla.ops.common.chunk_o as fla_chunk_o
 
     saved, fla_chunk_o.TRITON_ABOVE_3_7_1 = fla_chunk_o.TRITON_ABOVE_3_7_1, True

@@ -3,11 +3,11 @@
     OUT=./out python examples/benchmarks/sm90_resources.py --kind gdn --head 128 --dtype bf16 \
         --policies "laqat exact,laqat FP8 all sites" [--warps 4,8] [--stages 1,2]
 
-The real launchers (kernels/chunk/fwd.py, chunk/bwd.py) run a training forward (keeping its residual) and its
-backward on small CPU tensors with a recorder in place of ``chunk.launch.launch``: nothing executes, and every
-kernel they would launch is compiled by Triton for sm_90 (its bundled ptxas) with the launch's own constants,
-warps and pipeline stages, then read back with ``cuobjdump -res-usage``. ``--warps`` / ``--stages`` compile each
-kernel at other settings too. Prints a table and writes $OUT/sm90_resources.json.
+The real recipes (kernels/chunk/fwd.py, chunk/bwd.py) run a training forward (keeping its residual) and its
+backward on small CPU tensors with a recorder in place of the stage launchers' ``chunk.launch.launch``: nothing
+executes, and every kernel they would launch is compiled by Triton for sm_90 (its bundled ptxas) with the
+launch's own constants, warps and pipeline stages, then read back with ``cuobjdump -res-usage``. ``--warps`` /
+``--stages`` compile each kernel at other settings too. Prints a table and writes $OUT/sm90_resources.json.
 
 This is the machine-independent half of "where the time goes": a stage at 255 registers with spills runs one
 program per SM and waits on local memory. A register count is a guide, not a timing (docs/kernels-chunk.md,
@@ -40,9 +40,10 @@ ensure_la_compiler()
 
 from la_compiler.kernels.chunk import bwd as chunk_bwd_module  # noqa: E402
 from la_compiler.kernels.chunk import fwd as chunk_fwd_module  # noqa: E402
+from la_compiler.kernels.chunk import stages as chunk_stages  # noqa: E402
 from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs  # noqa: E402
 from la_compiler.kernels.chunk.params import ChunkParams  # noqa: E402
-from la_compiler.kernels.chunk.launch import LaunchConfig  # noqa: E402
+from la_compiler.kernels.chunk.launch import StageLaunch  # noqa: E402
 from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
 from la_compiler.spec import RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.common import qdq  # noqa: E402
@@ -68,11 +69,12 @@ def recorded_launches(spec: RecurrenceSpec, head: int, dtype: torch.dtype, chunk
     h0 = torch.zeros(B, H, head, head)
     launches, seen = [], set()
 
-    def record(kernel, grid, *args, config: LaunchConfig, autotune: bool = False, **constexprs):
-        key = (kernel.fn.__name__, config, tuple(sorted((n, repr(x)) for n, x in constexprs.items())))
+    def record(stage: StageLaunch, arguments: dict, **launcher_constexprs):
+        constexprs = {**stage.constexprs, **launcher_constexprs}
+        key = (stage.kernel.fn.__name__, stage.config, tuple(sorted((n, repr(x)) for n, x in constexprs.items())))
         if key not in seen:
             seen.add(key)
-            launches.append(dict(kernel=kernel, args=args, config=config, constexprs=constexprs))
+            launches.append(dict(kernel=stage.kernel, args=arguments, config=stage.config, constexprs=constexprs))
 
     def check_on_the_cpu(*a, **kw):  # the input check asks for CUDA tensors unless the interpreter runs them
         before = os.environ.get("TRITON_INTERPRET")
@@ -85,7 +87,7 @@ def recorded_launches(spec: RecurrenceSpec, head: int, dtype: torch.dtype, chunk
             else:
                 os.environ["TRITON_INTERPRET"] = before
 
-    saved = {m: m.launch for m in (chunk_fwd_module, chunk_bwd_module)}
+    saved = {m: m.launch for m in set(chunk_stages.STAGES.values())}  # each stage module's launchers call it
     try:
         for m in saved:
             m.launch = record
@@ -102,10 +104,11 @@ def recorded_launches(spec: RecurrenceSpec, head: int, dtype: torch.dtype, chunk
 
 
 def _argument_types(kernel, args, constexprs) -> tuple[dict, dict, dict]:
-    """(signature, constants, attributes) as Triton's launcher would specialize this call: tensors as pointers
-    aligned to 16 bytes, None and constexpr parameters as constants, T (never specialized) as i32."""
+    """(signature, constants, attributes) as Triton's launcher would specialize this call (``args``: the launcher's
+    arguments by name): tensors as pointers aligned to 16 bytes, None and constexpr parameters as constants, T
+    (never specialized) as i32."""
     signature, constants, attrs = {}, {}, {}
-    values = dict(zip(kernel.arg_names, args), **constexprs)
+    values = dict(args, **constexprs)
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         value = values[name]
         if param.is_constexpr or value is None:

@@ -4,10 +4,17 @@ that the intra and pairs kernels summed) within the chunk, per key channel. One 
 key block. GDN takes its dg inside the intra kernel (only KDA's exact solve splits its backward), so the kernel
 has no kind of its own. docs/kernels-chunk.md lists the backward's stages.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import chunk_program
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -43,4 +50,9 @@ def chunk_bwd_kernel_dg(
 
 
 KERNELS = {"dg": chunk_bwd_kernel_dg}
-SPEC_CONSTEXPRS = {"dg": ()}
+
+
+def chunk_bwd_dg(plan: "ChunkPlan", *, layout: "ChunkLayout", dG, dg):
+    """KDA's dg: the reverse cumsum of dG within every chunk."""
+    launch(plan.bwd_dg, dict(dG=dG, dg=dg, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
+                             T=layout.T))

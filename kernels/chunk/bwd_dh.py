@@ -7,10 +7,17 @@ dS <- exp(G_C) dS + scale (Q ⊙ exp G)^T dO - W^T dV_new; dh0 = dS at the seque
 output_value.lhs (A_qk), state_update.lhs (K_d) and output_state.lhs (Q ⊙ exp G) are rounded as in the forward,
 identity straight-through. docs/kernels-chunk.md derives it.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import cast_for, gemm, qdq_operand
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -125,4 +132,13 @@ def chunk_bwd_kernel_dh(
 
 
 KERNELS = {"dh": chunk_bwd_kernel_dh}
-SPEC_CONSTEXPRS = {"dh": ("KDA", "STATE_VK", "Q_OUTPUT_VALUE_LHS", "Q_STATE_UPDATE_LHS", "Q_OUTPUT_STATE_LHS")}
+
+
+def chunk_bwd_dh(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, kd, w, g_cum, A_qk, do, dht, dh, dv_new, dh0,
+                 scale):
+    """Walks every sequence's chunks in reverse: dh (the state gradient at every chunk's end), dV_new and dh0 (None:
+    no initial state) from dht (None: zeros)."""
+    launch(plan.bwd_dh, dict(q=q, k=k, kd=kd, w=w, g_cum=g_cum, A_qk=A_qk, do=do, dht=dht, dh=dh, dv_new=dv_new,
+                             dh0=dh0, cu_seqlens=layout.cu_seqlens, chunk_offsets=layout.chunk_offsets, scale=scale,
+                             T=layout.T),
+           USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None)

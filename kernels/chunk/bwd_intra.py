@@ -8,11 +8,18 @@ before its key loop, whose blocks then store their final dq, dk; every other spe
 one key block) and takes the pair products and their gradients here, before the value loop where the Neumann
 solve needs A, else after it.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import (acc_gemm, acc_row_sum, chunk_program, gemm, qdq_operand, row_sum,
                                               tile_amax)
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 # ---- decays of the two kinds --------------------------------------------------------------------------------
@@ -694,8 +701,13 @@ def chunk_bwd_kernel_intra(
 
 
 KERNELS = {"intra": chunk_bwd_kernel_intra}
-SPEC_CONSTEXPRS = {"intra": (
-    "KDA", "SOLVE", "DEGREE", "SPLIT_PAIR_GRADS", "GDN_KEY_BLOCKS", "PAIRS_ROUNDED", "SUB_CHUNK",
-    "Q_KEY_INTERACTION_LHS", "Q_KEY_INTERACTION_RHS", "Q_OUTPUT_SCORE_LHS", "Q_OUTPUT_SCORE_RHS", "Q_OUTPUT_STATE_RHS",
-    "Q_OUTPUT_VALUE_RHS", "Q_STATE_READ_RHS", "Q_STATE_UPDATE_RHS", "Q_WY_KEY_LHS", "Q_WY_KEY_RHS", "Q_WY_VALUE_LHS",
-    "Q_WY_VALUE_RHS", "ACC_KEY_INTERACTION", "ACC_KEY_INTERACTION_BLOCK", "ACC_OUTPUT_SCORE", "ACC_OUTPUT_SCORE_BLOCK")}
+
+
+def chunk_bwd_intra(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, v, beta, g, g_cum, t_solved, p_pairs, h, dh,
+                    v_new, dv_new, do, dq, dk, dv, dbeta, dg, dpair, scale):
+    """Every input gradient of every chunk; where KDA splits its pair gradients, dq, dk, dg receive the other shares
+    and dpair dP, dP_qk (for chunk_bwd_pairs)."""
+    launch(plan.bwd_intra, dict(q=q, k=k, v=v, beta=beta, g=g, g_cum=g_cum, t_solved=t_solved, p_pairs=p_pairs, h=h,
+                                dh=dh, v_new=v_new, dv_new=dv_new, do=do, dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg,
+                                dpair=dpair, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
+                                scale=scale, T=layout.T))

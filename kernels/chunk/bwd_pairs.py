@@ -8,11 +8,18 @@ STE through every QDQ. Both add the other shares (dq_rest, dk_rest, dg_rest), wr
 complete dG into dg_rest (chunk_bwd_kernel_dg takes its reverse cumsum). docs/kernels-chunk.md derives both,
 "Rounded pair products" where the reference rounds and why the column side needs no rounding of its own.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import chunk_program, qdq_operand, sub_dot
 from la_compiler.kernels.chunk.fwd_pairs import pair_amaxes, pair_column, rounded_pair_rows
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -309,8 +316,13 @@ def chunk_bwd_kernel_pairs_rounded(
 
 
 KERNELS = {"pairs": chunk_bwd_kernel_pairs, "pairs_rounded": chunk_bwd_kernel_pairs_rounded}
-SPEC_CONSTEXPRS = {
-    "pairs": (),
-    "pairs_rounded": ("Q_KEY_INTERACTION_LHS", "Q_KEY_INTERACTION_RHS", "Q_OUTPUT_SCORE_LHS", "Q_OUTPUT_SCORE_RHS",
-                      "PAIRS_NVFP4", "COLUMN_SIDE_BY_PRODUCTS", "SHARES_PAIR_RHS"),
-}
+
+
+def chunk_bwd_pairs(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, g_cum, dpair, dq_rest, dk_rest, dg_rest, dq,
+                    dk, pair_amax):
+    """KDA's pair products' share of dq, dk, dG by sub-chunk and key block, added to the rest: dq, dk and the
+    complete dG (into dg_rest). The rounded kernel reads ``pair_amax``, the others None."""
+    amaxes = {"pair_amax": pair_amax} if plan.pairs_rounded else {}
+    launch(plan.bwd_pairs, dict(q=q, k=k, g_cum=g_cum, dpair=dpair, dq_rest=dq_rest, dk_rest=dk_rest, dg_rest=dg_rest,
+                                dq=dq, dk=dk, **amaxes, cu_seqlens=layout.cu_seqlens,
+                                chunk_indices=layout.chunk_indices, T=layout.T))

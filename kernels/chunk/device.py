@@ -6,7 +6,7 @@ Every function is specialized by constexpr arguments that the stage's launcher t
 row or column of the register tile) or "nvfp4" (blocks of 16 along the reduction)), an accumulator a dtype
 ("" when not emulated, "fp16", "bf16") and a reduction block. With a site off each function is the identity
 (or the plain product), so an unquantized spec runs exactly the unrounded kernel.
-docs/kernels-chunk.md derives where each stage rounds; NUMERICS.md defines the formats.
+docs/kernels-chunk.md derives where each stage rounds; docs/numerics.md defines the formats.
 """
 import triton
 import triton.language as tl

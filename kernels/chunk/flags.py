@@ -1,7 +1,8 @@
 """The constexpr values a spec fixes in the chunk kernels: what ``ChunkParams`` becomes at a launch.
 
-``spec_constexprs(p)`` is one flat dict; each stage kernel declares the names it takes and its launcher passes
-``pick(p, NAMES)``. Names:
+``spec_constexprs(p)`` is one flat dict; a stage kernel takes those of its ``tl.constexpr`` arguments that the dict
+names (``kernel_spec_constexprs(p, kernel)``, read from the kernel's signature): a new one is a kernel argument and
+its value here. Names:
 
 * ``KDA``: the kind (per-key-channel decay) or GDN (one decay per head); ``STATE_VK``: h0 / ht stored [V, K];
 * ``Q_<SITE>_<SIDE>`` of each GEMM operand site (``OPERAND_SITES``): "" (off), "fp8_e4m3" / "int8" (one scale
@@ -19,11 +20,16 @@
 from __future__ import annotations
 
 import functools
+import inspect
+
+import triton.language as tl
 
 from la_compiler.kernels.chunk import forms
-from la_compiler.kernels.chunk.params import OPERAND_SITES, ChunkParams, parse_acc
-from la_compiler.quant.config import QuantConfig
+from la_compiler.kernels.chunk.formats import Accumulator
+from la_compiler.kernels.chunk.params import OPERAND_SITES, ChunkParams
 from la_compiler.spec import GEMM_SITES
+
+_NO_ACCUMULATOR = Accumulator("", 1)
 
 
 def site_name(site: str) -> str:
@@ -36,24 +42,19 @@ def acc_name(site: str) -> str:
     return "ACC_" + site.upper()
 
 
-def _format(text: str | None) -> str:
-    return "" if text is None else QuantConfig.parse(text).format
-
-
 @functools.lru_cache(maxsize=None)
 def spec_constexprs(p: ChunkParams) -> dict:
-    operands = dict(p.operands)
+    formats = p.formats
     values = {"KDA": p.kind == "kda", "STATE_VK": p.state == "vk"}
     for site in OPERAND_SITES:
-        values[site_name(site)] = _format(operands.get(site))
-    acc = dict(p.acc)
+        values[site_name(site)] = formats.operand_format(site) or ""
     for site in GEMM_SITES:
-        name, block = parse_acc(acc[site]) if site in acc else ("", 1)
-        values[acc_name(site)], values[acc_name(site) + "_BLOCK"] = name, block
-    values["STATE_Q"] = _format(p.state_quant)
+        acc = formats.accumulators.get(site, _NO_ACCUMULATOR)
+        values[acc_name(site)], values[acc_name(site) + "_BLOCK"] = acc.dtype, acc.block
+    values["STATE_Q"] = "" if formats.state is None else formats.state.format
     values["STATE_TS"] = (p.state_block_v or 0) if p.h_full_v and values["STATE_Q"] not in ("", "int8_h32") else 0
     values["STATE_BLOCK"] = p.state_block
-    w = None if p.w_quant is None else QuantConfig.parse(p.w_quant)
+    w = formats.w
     values["W_Q"] = "" if w is None else w.format
     values["W_BLOCK"] = 0 if w is None or w.format == "nvfp4" or w.group == "row" else w.block_size
     values["W_AMAX_PASS"] = w is not None and (w.format == "nvfp4" or w.group == "row")
@@ -64,7 +65,16 @@ def spec_constexprs(p: ChunkParams) -> dict:
     return values
 
 
-def pick(p: ChunkParams, names: tuple[str, ...]) -> dict:
-    """The constexprs ``names`` of ``p`` (a stage kernel's spec-derived arguments)."""
+@functools.lru_cache(maxsize=None)
+def spec_constexpr_names(kernel) -> tuple[str, ...]:
+    """The ``tl.constexpr`` arguments of a ``@triton.jit`` kernel that a spec fixes (``spec_constexprs``' names),
+    in the kernel's order."""
+    spec_names = spec_constexprs(ChunkParams("gdn", "kv", 64)).keys()  # the same names for every spec
+    arguments = inspect.signature(kernel.fn).parameters.values()
+    return tuple(a.name for a in arguments if a.annotation is tl.constexpr and a.name in spec_names)
+
+
+def kernel_spec_constexprs(p: ChunkParams, kernel) -> dict:
+    """The constexprs ``p`` fixes in ``kernel`` (a stage kernel's spec-derived arguments)."""
     values = spec_constexprs(p)
-    return {name: values[name] for name in names}
+    return {name: values[name] for name in spec_constexpr_names(kernel)}

@@ -7,7 +7,6 @@ as constexprs (``chunk/flags.py``). docs/kernels-chunk.md explains each form and
 from __future__ import annotations
 
 from la_compiler.kernels.chunk.params import ChunkParams
-from la_compiler.quant.config import QuantConfig
 
 PAIRWISE_SITES = ("key_interaction", "output_score")  # KDA: the decay sits inside these products' reduction
 KEY_SIDE_OPERAND_SITES = ("state_read.rhs", "output_state.rhs", "wy_key.rhs")  # rounded over all key rows
@@ -27,8 +26,7 @@ MAX_HEAD_K = 256  # key-blocked stages (the h / dh stages hold a [K x BV] state 
 
 def site_format(p: ChunkParams, site: str) -> str | None:
     """The format name of a GEMM operand site ("fp8_e4m3", "int8", "nvfp4"), None when it is off."""
-    fmt = dict(p.operands).get(site)
-    return None if fmt is None else QuantConfig.parse(fmt).format
+    return p.formats.operand_format(site)
 
 
 def nvfp4_site(p: ChunkParams, site: str) -> bool:
@@ -37,7 +35,7 @@ def nvfp4_site(p: ChunkParams, site: str) -> bool:
 
 def has_nvfp4_operands(p: ChunkParams) -> bool:
     """A GEMM operand site rounds to NVFP4 (the launch table keeps eight warps in the h, o and dh stages)."""
-    return any(fmt.startswith("nvfp4") for _, fmt in p.operands)
+    return p.formats.has_nvfp4_operands()
 
 
 def factored(p: ChunkParams, gemm: str) -> bool:
@@ -48,7 +46,7 @@ def factored(p: ChunkParams, gemm: str) -> bool:
     37.28; the o stage 0.97 -> 0.83 ms (examples/benchmarks/results/comparisons.jsonl, topics residual and
     factored-scales)."""
     return (site_format(p, f"{gemm}.lhs") in ROW_FORMATS and site_format(p, f"{gemm}.rhs") in ROW_FORMATS
-            and gemm not in dict(p.acc))
+            and gemm not in p.formats.accumulators)
 
 
 def gdn_decays_values(p: ChunkParams) -> bool:
@@ -102,9 +100,8 @@ def shares_pair_rhs(p: ChunkParams) -> bool:
     only on the diagonal) in the same per-row format: one QDQ serves both. P's diagonal, where they
     differ, is never read (A is strictly lower; dP is masked to i > j). NVFP4's global amaxes differ
     (the causal tile holds the diagonal), so NVFP4 rounds twice."""
-    ops = dict(p.operands)
-    lhs, rhs = ops.get("key_interaction.rhs"), ops.get("output_score.rhs")
-    return lhs == rhs and (lhs is None or not lhs.startswith("nvfp4"))
+    lhs, rhs = p.formats.operands.get("key_interaction.rhs"), p.formats.operands.get("output_score.rhs")
+    return lhs == rhs and (lhs is None or lhs.format != "nvfp4")
 
 
 def kda_splits_pair_grads(p: ChunkParams) -> bool:

@@ -7,10 +7,17 @@ here, their accumulators emulated, or the state update runs on grid values (``FA
 K ⊙ exp(G_C - G) comes from the intra stage (kd); GDN's decay, one number per row, is applied here, to K's rows,
 or to V_new's where no state_update operand is rounded (``GDN_DECAYS_VALUES``). docs/kernels-chunk.md derives it.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import acc_gemm, cast_for, gemm, grid_gemm, grid_operand, qdq_operand, qdq_state
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -110,7 +117,7 @@ def chunk_fwd_kernel_h(
             # GDN's state update with no state_update operand rounded: the chunk decay exp(G_C - G) (one number
             # per row) scales V_new's rows instead of K's, K^T loaded as a [BK x C] tile, as FLA's h kernel does;
             # the form below scales K in fp32 and transposes it in registers (state_update.lhs is K ⊙ decay:
-            # NUMERICS.md's operand)
+            # docs/numerics.md's operand)
             b_kd = tl.load(k + ((bos + t_c) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_c[None, :],
                            other=0)  # K^T
             b_g = tl.load(g_cum + (bos + t_c) * HV + i_hv, mask=m_c, other=0)
@@ -145,6 +152,11 @@ def chunk_fwd_kernel_h(
 
 
 KERNELS = {"h": chunk_fwd_kernel_h}
-SPEC_CONSTEXPRS = {"h": ("KDA", "STATE_VK", "Q_STATE_READ_RHS", "ACC_STATE_READ", "ACC_STATE_READ_BLOCK",
-                         "Q_STATE_UPDATE_LHS", "Q_STATE_UPDATE_RHS", "ACC_STATE_UPDATE", "ACC_STATE_UPDATE_BLOCK",
-                         "FACTORED_STATE_UPDATE", "GDN_DECAYS_VALUES", "STATE_Q", "STATE_TS", "STATE_BLOCK")}
+
+
+def chunk_fwd_h(plan: "ChunkPlan", *, layout: "ChunkLayout", k, kd, w, u, g_cum, h, v_new, h0, ht):
+    """Walks every sequence's chunks: h (the chunk-start states), V_new and the final state ht, from h0 (None:
+    zeros)."""
+    launch(plan.fwd_h, dict(k=k, kd=kd, w=w, u=u, g_cum=g_cum, h=h, v_new=v_new, h0=h0, ht=ht,
+                            cu_seqlens=layout.cu_seqlens, chunk_offsets=layout.chunk_offsets, T=layout.T),
+           USE_INITIAL_STATE=h0 is not None)

@@ -10,13 +10,20 @@ alone, for the backward's recompute from the T (and GDN's G) a training forward 
 both kernels run the same device function ``wu_half``. docs/kernels-chunk.md derives the algorithm and lists
 where each GEMM operand site, accumulator and the W quantizer round.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk import forms
 from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, chunk_program, grid_gemm, grid_operand, qdq_operand,
                                               qdq_w, tile_amax)
+from la_compiler.kernels.chunk.launch import launch
 from la_compiler.kernels.common.qdq import amax_abs
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 SOLVE_BLOCK = tl.constexpr(forms.SOLVE_BLOCK)  # rows of the diagonal blocks of the blocked exact solve
 
@@ -307,7 +314,7 @@ def chunk_fwd_kernel_intra(
     h and dh stages.
     Keys are read in blocks of BK columns (the pair products are sums over key columns; W's columns are
     independent), so no program holds a full-width [C x K] tile; BK >= K where a rounded pair operand or
-    the W quantizer's tile needs all columns at once (chunk.fwd.intra_key_block). KDA's exact pair
+    the W quantizer's tile needs all columns at once (chunk.blocks.intra_key_block). KDA's exact pair
     products come from chunk_fwd_kernel_pairs (P in p_pairs, P_qk in A_qk, G in g_cum)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -444,12 +451,22 @@ def chunk_fwd_kernel_wu(
 
 
 KERNELS = {"intra": chunk_fwd_kernel_intra, "wu": chunk_fwd_kernel_wu}
-_WU_CONSTEXPRS = ("KDA", "Q_WY_KEY_LHS", "Q_WY_KEY_RHS", "Q_WY_VALUE_LHS", "Q_WY_VALUE_RHS", "ACC_WY_KEY",
-                  "ACC_WY_KEY_BLOCK", "ACC_WY_VALUE", "ACC_WY_VALUE_BLOCK", "FACTORED_WY", "W_Q", "W_BLOCK",
-                  "W_AMAX_PASS")
-SPEC_CONSTEXPRS = {
-    "intra": ("KDA", "Q_KEY_INTERACTION_LHS", "Q_KEY_INTERACTION_RHS", "Q_OUTPUT_SCORE_LHS", "Q_OUTPUT_SCORE_RHS",
-              "ACC_KEY_INTERACTION", "ACC_KEY_INTERACTION_BLOCK", "ACC_OUTPUT_SCORE", "ACC_OUTPUT_SCORE_BLOCK",
-              "FACTORED_PAIRS", "SOLVE", "DEGREE") + _WU_CONSTEXPRS[1:],
-    "wu": _WU_CONSTEXPRS,
-}
+
+
+def chunk_fwd_intra(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_out,
+                    p_pairs, scale):
+    """G (GDN), the pairs and the solve, then W, U and KDA's kd, of every chunk; T = (I + A)^-1 into ``t_out``
+    where it is given."""
+    launch(plan.fwd_intra, dict(q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, t_out=t_out,
+                                p_pairs=p_pairs, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
+                                scale=scale, T=layout.T),
+           STORE_T=t_out is not None)
+
+
+def chunk_fwd_wu(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, v, g, beta, g_cum, w, u, kd, A_qk, t_solved,
+                 p_pairs, scale):
+    """W, U and KDA's kd of every chunk from a kept T (``t_solved``), A_qk and G or P (the backward's recompute)."""
+    launch(plan.fwd_wu, dict(q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, t_out=t_solved,
+                             p_pairs=p_pairs, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
+                             scale=scale, T=layout.T),
+           STORE_T=False)

@@ -6,11 +6,18 @@ product runs on grid values (``FACTORED_OUTPUT_STATE`` / ``FACTORED_OUTPUT_VALUE
 its global amax over all value blocks of the operand, of which the program holds one. docs/kernels-chunk.md
 derives it.
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, chunk_program, grid_gemm, grid_operand, qdq_operand,
                                               tile_amax)
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 @triton.jit
@@ -121,6 +128,9 @@ def chunk_fwd_kernel_o(
 
 
 KERNELS = {"o": chunk_fwd_kernel_o}
-SPEC_CONSTEXPRS = {"o": ("KDA", "Q_OUTPUT_STATE_LHS", "Q_OUTPUT_STATE_RHS", "ACC_OUTPUT_STATE",
-                         "ACC_OUTPUT_STATE_BLOCK", "FACTORED_OUTPUT_STATE", "Q_OUTPUT_VALUE_LHS", "Q_OUTPUT_VALUE_RHS",
-                         "ACC_OUTPUT_VALUE", "ACC_OUTPUT_VALUE_BLOCK", "FACTORED_OUTPUT_VALUE")}
+
+
+def chunk_fwd_o(plan: "ChunkPlan", *, layout: "ChunkLayout", q, g_cum, A_qk, h, v_new, o, scale):
+    """o of every chunk from its chunk-start state h and V_new."""
+    launch(plan.fwd_o, dict(q=q, g_cum=g_cum, A_qk=A_qk, h=h, v_new=v_new, o=o, cu_seqlens=layout.cu_seqlens,
+                            chunk_indices=layout.chunk_indices, scale=scale, T=layout.T))

@@ -8,10 +8,17 @@ each pair's operand k_j e^(G_i - G_j) column by column over whole key rows, roun
 intra stage, so these kernels have no kind of their own. docs/kernels-chunk.md derives the decay split, "The
 diagonal blocks" and "Rounded pair products".
 """
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.device import acc_row_sum, chunk_program, qdq_operand, sub_dot, tile_amax
+from la_compiler.kernels.chunk.launch import launch
+
+if TYPE_CHECKING:
+    from la_compiler.kernels.chunk.layout import ChunkLayout
+    from la_compiler.kernels.chunk.plan import ChunkPlan
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -373,11 +380,22 @@ KERNELS = {
     "pairs": chunk_fwd_kernel_pairs,
     "pairs_rounded": chunk_fwd_kernel_pairs_rounded,
 }
-SPEC_CONSTEXPRS = {
-    "cumsum": (),
-    "pair_amax": (),
-    "pairs": (),
-    "pairs_rounded": ("Q_KEY_INTERACTION_LHS", "Q_KEY_INTERACTION_RHS", "Q_OUTPUT_SCORE_LHS", "Q_OUTPUT_SCORE_RHS",
-                      "ACC_KEY_INTERACTION", "ACC_KEY_INTERACTION_BLOCK", "ACC_OUTPUT_SCORE",
-                      "ACC_OUTPUT_SCORE_BLOCK", "PAIRS_NVFP4", "SHARES_PAIR_RHS"),
-}
+
+
+def chunk_fwd_cumsum(plan: "ChunkPlan", *, layout: "ChunkLayout", g, g_cum):
+    """KDA's G = cumsum(g) within every chunk."""
+    launch(plan.fwd_cumsum, dict(g=g, g_cum=g_cum, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
+                                 T=layout.T))
+
+
+def chunk_fwd_pair_amax(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, g_cum, pair_amax):
+    """The chunk-wide amaxes of KDA's NVFP4 pairwise operands."""
+    launch(plan.fwd_pair_amax, dict(q=q, k=k, g_cum=g_cum, pair_amax=pair_amax, cu_seqlens=layout.cu_seqlens,
+                                    chunk_indices=layout.chunk_indices, T=layout.T))
+
+
+def chunk_fwd_pairs(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, g_cum, p_pairs, p_qk, pair_amax):
+    """KDA's pair products P and P_qk by sub-chunk (the rounded kernel reads ``pair_amax``, the others None)."""
+    amaxes = {"pair_amax": pair_amax} if plan.pairs_rounded else {}
+    launch(plan.fwd_pairs, dict(q=q, k=k, g_cum=g_cum, p_pairs=p_pairs, p_qk=p_qk, **amaxes,
+                                cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices, T=layout.T))

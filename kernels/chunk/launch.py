@@ -16,10 +16,15 @@ The tuning option ``t.autotune=true`` replaces the table's choice by the fastest
 Pipelining depth never changes what is computed, so a launch that Triton refuses for shared memory
 is retried with fewer stages (and the working depth remembered per kernel and constants); any other
 error propagates.
+
+A ``StageLaunch`` is one kernel launch as the launch plan (chunk/plan.py) fixes it; the stage launchers at the end
+of each stage module pass it to ``launch`` with the tensors.
 """
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
+from typing import Mapping
 
 from triton.runtime.errors import OutOfResources
 
@@ -122,18 +127,35 @@ def next_power_of_2(n: int) -> int:
 _working_stages: dict[tuple, int] = {}
 
 
-def launch(kernel, grid, *args, config: LaunchConfig, autotune: bool = False, **constexprs):
-    """kernel[grid](*args, **constexprs) with the config (or, with ``autotune`` (t.autotune) on CUDA, the fastest
-    of a few around it: kernels/chunk/autotune.py); fewer pipeline stages on OutOfResources."""
-    if chunk_autotune.active(autotune):
+@dataclasses.dataclass(frozen=True)
+class StageLaunch:
+    """One kernel launch of a chunk step, all but its tensors and what they say (an initial state or not, ...)."""
+
+    kernel: object  # a @triton.jit kernel
+    grid: tuple[int, ...]
+    config: LaunchConfig
+    constexprs: Mapping[str, object]  # the spec's (chunk/flags.py) and the plan's (shapes, blocks, precisions)
+    autotune: bool = False  # t.autotune
+
+    def __post_init__(self):
+        object.__setattr__(self, "constexprs", MappingProxyType(dict(self.constexprs)))
+
+
+def launch(stage: StageLaunch, arguments: Mapping[str, object], **constexprs):
+    """stage.kernel[stage.grid](**arguments, **stage.constexprs, **constexprs) with the stage's config (or, with
+    ``autotune`` (t.autotune) on CUDA, the fastest of a few around it: kernels/chunk/autotune.py); fewer pipeline
+    stages on OutOfResources. ``constexprs``: those the launcher reads off the tensors."""
+    kernel, grid, config = stage.kernel, stage.grid, stage.config
+    constexprs = {**stage.constexprs, **constexprs}
+    if chunk_autotune.active(stage.autotune):
         config = chunk_autotune.tuner().best(
             chunk_autotune.key_of(kernel, grid, constexprs), chunk_autotune.candidates(config),
-            lambda c: kernel[grid](*args, num_warps=c.num_warps, num_stages=c.num_stages, **constexprs))
+            lambda c: kernel[grid](**arguments, num_warps=c.num_warps, num_stages=c.num_stages, **constexprs))
     key = (id(kernel), config.num_warps, tuple(sorted(constexprs.items())))
     stages = _working_stages.get(key, config.num_stages)
     while True:
         try:
-            result = kernel[grid](*args, num_warps=config.num_warps, num_stages=stages, **constexprs)
+            result = kernel[grid](**arguments, num_warps=config.num_warps, num_stages=stages, **constexprs)
         except OutOfResources:
             if stages <= 1:
                 raise

@@ -2,28 +2,19 @@
 
 A spec's numerics reach the chunk family only through these parameters: the kind, the state layout,
 the chunk size, the solve, the canonical format strings of the state, W and GEMM-operand
-quantizers and the accumulator emulation, and the numerics options (``n.<name>``: GEMM and dot
-precision, key blocks). ``unsupported(spec)`` says why a spec is not one of them.
+quantizers and the accumulator emulation (parsed once, into ``ChunkParams.formats``: chunk/formats.py), and the
+numerics options (``n.<name>``: GEMM and dot precision, key blocks). ``unsupported(spec)`` says why a spec is not
+one of them.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from la_compiler.kernels.chunk.formats import Accumulator, ChunkFormats
 from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.options import NumericsOptions
 from la_compiler.quant.config import QuantConfig
 from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
-
-ACC_DTYPES = ("fp16", "bf16")  # accumulator emulation: the running sum rounded to this dtype
-
-
-def parse_acc(text: str) -> tuple[str, int]:
-    """``fp16:16`` -> ("fp16", 16) (the spec's acc.<site> value); ValueError otherwise."""
-    name, sep, block = text.partition(":")
-    if name not in ACC_DTYPES or not sep or not block.isdigit() or int(block) <= 0:
-        raise ValueError(f"accumulator {text!r} must read '<fp16|bf16>:<reduction block>'")
-    return name, int(block)
-
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
 STATE_BLOCK_FORMATS = ("fp8_e4m3", "int8")  # with group block<N>: one scale per key row x N values along V
@@ -44,6 +35,7 @@ class ChunkParams:
     operands: tuple[tuple[str, str], ...] = ()  # ("<gemm site>.lhs|rhs", format), sorted
     acc: tuple[tuple[str, str], ...] = ()  # ("<gemm site>", "fp16:16"), sorted: accumulator emulation
     numerics: NumericsOptions = NumericsOptions()  # the spec's n.<name> fields
+    formats: ChunkFormats = dataclasses.field(init=False, repr=False, compare=False)  # the strings above, parsed
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -56,16 +48,18 @@ class ChunkParams:
             raise KernelParamsError(f"chunk: chunk size must be a power of two, got {self.chunk}")
         if (self.solve == "neumann") != (self.degree is not None) or self.solve not in ("exact", "neumann"):
             raise KernelParamsError(f"chunk: solve must be exact or neumann with a degree, got {self.solve}/{self.degree}")
+        state = None
         if self.state_quant is not None:
-            cfg = _parse(self.state_quant)
-            tile = cfg.group == "tile" and cfg.format in STATE_FORMATS
-            block = cfg.group == "block" and cfg.format in STATE_BLOCK_FORMATS
-            if not (tile or block) or cfg.ste != "identity":
+            state = QuantConfig.parse(self.state_quant)
+            tile = state.group == "tile" and state.format in STATE_FORMATS
+            block = state.group == "block" and state.format in STATE_BLOCK_FORMATS
+            if not (tile or block) or state.ste != "identity":
                 raise KernelParamsError(f"chunk: q.state={self.state_quant} is not implemented by the chunk kernels "
                                    f"(they take {STATE_FORMATS} with tile<BV> groups, {STATE_BLOCK_FORMATS} with "
                                    "block<N> groups, and the identity STE)")
+        operands = {}
         for site, fmt in self.operands:
-            cfg = _parse(fmt)
+            cfg = QuantConfig.parse(fmt)
             if site not in OPERAND_SITES:
                 raise KernelParamsError(f"chunk: q.{site} is not a GEMM operand site of the chunk kernels")
             row = cfg.format in ("fp8_e4m3", "int8") and cfg.group == "row"
@@ -75,26 +69,29 @@ class ChunkParams:
             if cfg.format == "nvfp4" and self.chunk % 16:
                 raise KernelParamsError(f"chunk: q.{site}={fmt}: NVFP4 blocks of 16 along a chunk need chunk % 16 == 0, "
                                    f"got chunk={self.chunk}")
+            operands[site] = cfg
+        accumulators = {}
         for site, text in self.acc:
             if site not in GEMM_SITES:
                 raise KernelParamsError(f"chunk: acc.{site}: not a GEMM site")
             try:
-                parse_acc(text)
+                accumulators[site] = Accumulator.parse(text)
             except ValueError as e:
                 raise KernelParamsError(f"chunk: acc.{site}={text}: {e}") from None
+        w = None
         if self.w_quant is not None:
-            cfg = _parse(self.w_quant)
-            ok = cfg.format in W_FORMATS and cfg.group in ("row", "block") and cfg.ste == "identity"
+            w = QuantConfig.parse(self.w_quant)
+            ok = w.format in W_FORMATS and w.group in ("row", "block") and w.ste == "identity"
             if not ok:
                 raise KernelParamsError(f"chunk: q.w={self.w_quant} is not implemented by the chunk kernels "
                                    f"(they take {W_FORMATS} with row or block<N> groups and the identity STE)")
+        object.__setattr__(self, "formats", ChunkFormats(state, w, operands, accumulators))
 
     @property
     def h_full_v(self) -> bool:
         """The h stage holds all value columns in one tile: NVFP4 operands of state_read / state_update
         take a global amax over all of V."""
-        return any(site in ("state_read.rhs", "state_update.rhs") and fmt.startswith("nvfp4")
-                   for site, fmt in self.operands)
+        return any(self.formats.operand_format(site) == "nvfp4" for site in ("state_read.rhs", "state_update.rhs"))
 
     @property
     def sub_chunk(self) -> int:
@@ -104,14 +101,14 @@ class ChunkParams:
     @property
     def state_block_v(self) -> int | None:
         """The state tile's width BV (group tile<BV>: the h stage's value tile is that tile), else None."""
-        return None if self.state_quant is None else _parse(self.state_quant).block_v
+        return None if self.formats.state is None else self.formats.state.block_v
 
     @property
     def state_block(self) -> int:
         """N of a block<N> state quantizer (one scale per key row x N consecutive values along V), else 0. Any h-stage
         value tile that is a multiple of N, or that holds all of V, holds whole blocks."""
-        cfg = None if self.state_quant is None else _parse(self.state_quant)
-        return cfg.block_size if cfg is not None and cfg.group == "block" else 0
+        state = self.formats.state
+        return state.block_size if state is not None and state.group == "block" else 0
 
     @classmethod
     def from_spec(cls, spec: RecurrenceSpec | str) -> "ChunkParams":
@@ -150,7 +147,3 @@ OPERAND_SITES = tuple(f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs
 
 def _operand_sites(quant: dict) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((site, fmt) for site, fmt in quant.items() if site not in ("state", "w", "state_read.lhs")))
-
-
-def _parse(text: str) -> QuantConfig:
-    return QuantConfig.parse(text)

@@ -78,27 +78,3 @@ def describe(p, dtype: torch.dtype) -> str:
     why = "the spec rounds GEMM operands" if rounds_gemm_operands(p) else "n.gemm=tf32"
     return f"fp32 GEMM operands and intermediates, dots in {gemm} ({why})"
 
-
-GEMM_HELPER = '''@triton.jit
-def _gemm(a, b, PRECISION: tl.constexpr):
-    """a @ b with fp32 accumulation: operands cast to bf16 / fp16 (16-bit GEMMs), or fp32 operands at
-    PRECISION ("ieee", "tf32", "tf32x3")."""
-    if PRECISION == "bf16":
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif PRECISION == "fp16":
-        return tl.dot(a.to(tl.float16), b.to(tl.float16))
-    elif PRECISION == "bf16_rounded":  # the interpreter's stand-in for "bf16" (chunk.precision.gemm_precision)
-        return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
-    elif PRECISION == "fp16_rounded":
-        return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
-    else:  # fp32 operands (a 16-bit load, GDN's K^T in the h stage, is widened; fp32 ones are unchanged)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-
-
-@triton.jit
-def _cast_for(x, buffer, PRECISION: tl.constexpr):
-    """x (fp32) in ``buffer``'s element type, rounded to nearest even (the GPU's conversion; the
-    interpreter's truncates, so its stand-in rounds on the bits first)."""
-    if PRECISION == "bf16_rounded":
-        x = _round_bf16(x)
-    return x.to(buffer.dtype.element_ty)'''

@@ -1,9 +1,9 @@
-"""The kernel of every chunk stage, and the constexprs a spec fixes in it: what the launchers (fwd.py, bwd.py)
-run for ``ChunkParams``, and what ``laqat source SPEC`` shows.
+"""The kernel of every chunk stage, and the constexprs a spec fixes in it: what the launch plan (chunk/plan.py)
+runs for ``ChunkParams``, and what ``laqat source SPEC`` shows.
 
-A stage module holds the ``@triton.jit`` kernel of each of its stages (``KERNELS``: stage -> kernel) and the
-names of the spec-derived constexprs each takes (``SPEC_CONSTEXPRS``: stage -> names, values from
-``chunk/flags.py``); its launch arguments are the launcher's (the shapes, blocks, precisions and input flags).
+A stage module holds the ``@triton.jit`` kernel of each of its stages (``KERNELS``: stage -> kernel) and, at its
+end, the launchers that take the plan and the tensors. The spec-derived constexprs of a kernel are those of its
+``tl.constexpr`` arguments that ``chunk/flags.py`` gives values (``flags.spec_constexpr_names``).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import ModuleType
 
 from la_compiler.kernels.chunk import (bwd_dg, bwd_dh, bwd_intra, bwd_pairs, forms, fwd_h, fwd_intra, fwd_o,
                                        fwd_pairs)
-from la_compiler.kernels.chunk.flags import pick
+from la_compiler.kernels.chunk.flags import kernel_spec_constexprs
 from la_compiler.kernels.chunk.params import ChunkParams
 
 # pairs_rounded: KDA's pair products (or their gradients) with rounding, column by column (forms.kda_rounds_pairs)
@@ -32,10 +32,9 @@ STAGES: dict[tuple[str, str], ModuleType] = {
 }
 
 
-def stage_kernel(p: ChunkParams, direction: str, stage: str):
-    """(kernel, spec constexprs) of one stage for ``p``: ``kernel[grid](*args, **constexprs, **launch's)``."""
-    module = STAGES[(direction, stage)]
-    return module.KERNELS[stage], pick(p, module.SPEC_CONSTEXPRS[stage])
+def kernel(direction: str, stage: str):
+    """The ``@triton.jit`` kernel of one stage ("fwd" / "bwd", a name of ``STAGES``)."""
+    return STAGES[(direction, stage)].KERNELS[stage]
 
 
 def stages_of(p: ChunkParams) -> list[tuple[str, str]]:
@@ -61,7 +60,7 @@ def modules_of(p: ChunkParams) -> dict[str, ModuleType]:
 
 def constexprs_of(p: ChunkParams) -> dict[str, object]:
     """Every spec-derived constexpr of the stages ``p`` runs, with its value."""
-    names = []
+    values: dict[str, object] = {}
     for direction, stage in stages_of(p):
-        names += [n for n in STAGES[(direction, stage)].SPEC_CONSTEXPRS[stage] if n not in names]
-    return pick(p, tuple(names))
+        values.update(kernel_spec_constexprs(p, kernel(direction, stage)))
+    return values

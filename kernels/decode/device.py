@@ -175,6 +175,17 @@ def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.const
 
 
 @triton.jit
+def tile_offsets(BK: tl.constexpr, BV: tl.constexpr, STATE_VK: tl.constexpr, VFIRST: tl.constexpr):
+    """Offsets of a [BK x BV] tile in a private buffer (checkpoints, scratch), in the state's memory orientation:
+    every state-sized load and store of a kernel then runs along the same axis, so that Triton keeps one register
+    layout for the tile in the token loop instead of converting it."""
+    if STATE_VK:
+        return along_k(tl.arange(0, BK), VFIRST) + along_v(tl.arange(0, BV), VFIRST) * BK
+    else:
+        return along_k(tl.arange(0, BK), VFIRST) * BV + along_v(tl.arange(0, BV), VFIRST)
+
+
+@triton.jit
 def is_write(t, window, REPLAY: tl.constexpr):
     """Does suffix token t (counted from the suffix's start) round the state it writes? Token mode: always;
     replay: at the anchor refresh, every window-th token."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from la_compiler.kernels.common.decode_phase import decode_reason
 from la_compiler.kernels.common.support import needs, not_float64, triton_runs
 from la_compiler.kernels.decode import kernels, phased, suffix
-from la_compiler.kernels.decode.options import decode_reason
 from la_compiler.kernels.registry import SelectionContext, get_variant, register_variant, spec_of
 from la_compiler.spec import RecurrenceSpec
 
@@ -47,12 +47,12 @@ def source_modules(spec) -> dict[str, ModuleType]:
 
 def supports_phase(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     """What both decode variants need: a decode spec, Triton on the device, head dims, a chunked prefix."""
-    return (decode_reason(spec, "triton") or needs(triton_runs(ctx), not_float64(ctx))
+    return (decode_reason(spec) or needs(triton_runs(ctx), not_float64(ctx))
             or suffix.unsupported_reason(spec, ctx.head_k, ctx.head_v) or phased.prefill_reason(spec, ctx))
 
 
 def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
-    reason = decode_reason(spec, "triton")
+    reason = decode_reason(spec)
     if reason is None and suffix.options_of(spec).serving is not None:
         return "a serving profile runs on decode_serving (the server's order of operations)"
     return reason or supports_phase(spec, ctx)

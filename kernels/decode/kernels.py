@@ -20,7 +20,8 @@ Plain ``@triton.jit`` kernels specialized by ``tl.constexpr`` arguments. The spe
 (``suffix.DecodeParams.constants()``; the launchers pass them by name):
 
     IS_KDA        the decay is one value per key channel (KDA), else a scalar per value head (GDN)
-    STATE_VK      h0 / ht / dht / dh0 are [V, K] in memory instead of [K, V]
+    STATE_VK      h0 / ht / dht / dh0 / dh_end are [V, K] in memory instead of [K, V] (the checkpoint and
+                  scratch tiles follow: device.tile_offsets)
     CODEC         the state codec: 0 none, 1 fp8_e4m3, 2 int8, 3 int8_h32 (``suffix.CODEC_IDS``)
     CODEC_BLOCK   the codec's scale group: 0 one scale per [K x BV] tile, N one per key row and N values
     READ_STORED   the readout uses the stored (rounded) state, else the working one
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from la_compiler.kernels.common.qdq import qdq_log_grid
 from la_compiler.kernels.decode.device import (along_k, along_v, decay_factor, is_write, load_token, round_factor,
-                                                round_state, state_offsets, sum_k, sum_v, token_update)
+                                                round_state, state_offsets, sum_k, sum_v, tile_offsets, token_update)
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def decode_fwd_kernel(
     m_v = o_v < V
     m_h = along_k(m_k, VFIRST) & along_v(m_v, VFIRST)
     o_h = state_offsets(o_k, o_v, K, V, STATE_VK, VFIRST)
-    o_c = along_k(tl.arange(0, BK), VFIRST) * BV + along_v(tl.arange(0, BV), VFIRST)
+    o_c = tile_offsets(BK, BV, STATE_VK, VFIRST)
 
     b_h = tl.load(h0 + i_nh * K * V + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_h = round_state(b_h, CODEC, CODEC_BLOCK, CACHE, BK, BV, VFIRST)  # the handoff
@@ -111,8 +112,8 @@ def decode_dstate_kernel(
     """The state gradient over one sequence's suffix, in reverse (identity through every rounding):
     dS_b = dS + (scale q) do^T;  dS <- Diag(exp g) (dS_b - k beta (k_f^T dS_b)).
     It reads no forward state and rounds nothing, so its value tile BV is free (narrow: many programs).
-    dh_end [blocks, HV, K, V] receives the gradient of the state leaving every CK-token block; dh0 that of the
-    handoff state (before its rounding: identity)."""
+    dh_end [blocks, HV, K, V] (V-first with STATE_VK, as the state) receives the gradient of the state leaving
+    every CK-token block; dh0 that of the handoff state (before its rounding: identity)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -125,8 +126,7 @@ def decode_dstate_kernel(
     m_k = o_k < K
     m_v = o_v < V
     m_h = along_k(m_k, VFIRST) & along_v(m_v, VFIRST)
-    o_h = state_offsets(o_k, o_v, K, V, STATE_VK, VFIRST)
-    o_e = along_k(o_k, VFIRST) * V + along_v(o_v, VFIRST)  # the tile in dh_end's [K, V]
+    o_h = state_offsets(o_k, o_v, K, V, STATE_VK, VFIRST)  # the tile in dht, dh0 and dh_end
 
     b_dh = tl.load(dht + i_nh * K * V + o_h, mask=m_h, other=0.0).to(tl.float32)
     # the previous token's inputs are loaded while this one computes (they do not depend on the state gradient)
@@ -140,7 +140,7 @@ def decode_dstate_kernel(
                                               IS_KDA)
         n_do = tl.load(do + (i_prev * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         if (t == L - 1) | ((t + 1) % CK == 0):
-            tl.store(dh_end + ((first_block + t // CK) * HV + i_hv) * K * V + o_e, b_dh, mask=m_h)
+            tl.store(dh_end + ((first_block + t // CK) * HV + i_hv) * K * V + o_h, b_dh, mask=m_h)
         b_q = b_q * scale
         b_kf = b_k
         if REPLAY and FACTOR != 0:
@@ -159,20 +159,20 @@ def decode_bwd_kernel(
     scale, window, TOTAL, N_BLOCKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr,
-    IS_KDA: tl.constexpr, CODEC: tl.constexpr, CODEC_BLOCK: tl.constexpr, READ_STORED: tl.constexpr,
-    REPLAY: tl.constexpr, FACTOR: tl.constexpr, VFIRST: tl.constexpr, CACHE: tl.constexpr,
+    IS_KDA: tl.constexpr, STATE_VK: tl.constexpr, CODEC: tl.constexpr, CODEC_BLOCK: tl.constexpr,
+    READ_STORED: tl.constexpr, REPLAY: tl.constexpr, FACTOR: tl.constexpr, VFIRST: tl.constexpr, CACHE: tl.constexpr,
 ):
     """Every CK-token block of every suffix independently (a persistent grid: each program takes work items
     (block, value head, value tile) in turn): the block's states recomputed from its checkpoint into the
-    program's scratch [CK, BK * BV], then the reverse recurrence from dh_end [blocks, HV, K, V], the gradient of
-    the state leaving the block (identity gradient through every rounding). dq, dk, dg (KDA) and dbeta are this
+    program's scratch [CK, BK * BV], then the reverse recurrence from dh_end [blocks, HV, K, V] (V-first with
+    STATE_VK), the gradient of the state leaving the block (identity gradient through every rounding). dq, dk, dg (KDA) and dbeta are this
     value tile's shares ([NV, TOTAL, HV, ...]), summed outside; dv is whole."""
     i_prog = tl.program_id(0)
     NV: tl.constexpr = (V + BV - 1) // BV
     p_sc = scratch + i_prog.to(tl.int64) * CK * BK * BV
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    o_c = along_k(tl.arange(0, BK), VFIRST) * BV + along_v(tl.arange(0, BV), VFIRST)
+    o_c = tile_offsets(BK, BV, STATE_VK, VFIRST)
     for i_work in range(i_prog, N_BLOCKS * HV * NV, tl.num_programs(0)):
         i_v = i_work % NV
         i_hv = (i_work // NV) % HV
@@ -198,9 +198,9 @@ def decode_bwd_kernel(
             b_h = b_hb
         tl.debug_barrier()
         # the reverse recurrence over the block
-        o_e = along_k(o_k, VFIRST) * V + along_v(o_v, VFIRST)
+        o_h = state_offsets(o_k, o_v, K, V, STATE_VK, VFIRST)
         m_h = along_k(m_k, VFIRST) & along_v(m_v, VFIRST)
-        b_dh = tl.load(dh_end + (i_blk.to(tl.int64) * HV + i_hv) * K * V + o_e, mask=m_h, other=0.0)
+        b_dh = tl.load(dh_end + (i_blk.to(tl.int64) * HV + i_hv) * K * V + o_h, mask=m_h, other=0.0)
         for j in range(0, t1 - t0):
             t = t1 - 1 - j
             b_h = tl.load(p_sc + (t - t0) * BK * BV + o_c)

@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
+from la_compiler.kernels.common.decode_phase import require_lengths
 from la_compiler.kernels.decode import suffix
-from la_compiler.kernels.decode.options import require_lengths
 from la_compiler.kernels.registry import get_variant, spec_of
 from la_compiler.spec import RecurrenceSpec
 

@@ -13,8 +13,8 @@ exact in fp32 for the emulated forward; the prefix gradients are the chunk kerne
 """
 from __future__ import annotations
 
+from la_compiler.kernels.common.decode_phase import decode_reason
 from la_compiler.kernels.decode import fused, phased, suffix
-from la_compiler.kernels.decode.options import decode_reason
 from la_compiler.kernels.registry import SelectionContext, register_variant
 from la_compiler.spec import RecurrenceSpec
 
@@ -23,7 +23,7 @@ decode_serving_backward = phased.phased_backward
 
 
 def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
-    reason = decode_reason(spec, "triton")
+    reason = decode_reason(spec)
     if reason is None and suffix.options_of(spec).serving is None:
         return "a serving profile's kernel: the spec has no x.serving"
     return reason or fused.supports_phase(spec, ctx)

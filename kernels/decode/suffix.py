@@ -23,8 +23,7 @@ import triton
 
 from la_compiler.kernels.decode import kernels
 from la_compiler.kernels.registry import spec_of
-from la_compiler.kernels.decode.options import DecodeOptions, decode_options
-from la_compiler.options import interpreter
+from la_compiler.options import DecodeOptions, decode_options, interpreter
 
 CODEC_IDS = {None: 0, "fp8_e4m3": 1, "int8": 2, "int8_h32": 3}
 FACTOR_IDS = {"none": 0, "fp8_e4m3": 1, "int8": 2}
@@ -99,7 +98,8 @@ KERNEL_CONSTEXPRS = {  # the spec's constexprs each kernel takes (decay_grid_ker
     "decode_fwd_kernel": ("IS_KDA", "STATE_VK", "CODEC", "CODEC_BLOCK", "READ_STORED", "REPLAY", "FACTOR", "VFIRST",
                           "CACHE"),
     "decode_dstate_kernel": ("IS_KDA", "STATE_VK", "REPLAY", "FACTOR", "VFIRST"),
-    "decode_bwd_kernel": ("IS_KDA", "CODEC", "CODEC_BLOCK", "READ_STORED", "REPLAY", "FACTOR", "VFIRST", "CACHE"),
+    "decode_bwd_kernel": ("IS_KDA", "STATE_VK", "CODEC", "CODEC_BLOCK", "READ_STORED", "REPLAY", "FACTOR", "VFIRST",
+                          "CACHE"),
     "round_state_kernel": ("STATE_VK", "CODEC", "CODEC_BLOCK", "VFIRST", "CACHE"),
 }
 

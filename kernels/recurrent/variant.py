@@ -27,7 +27,8 @@ FUSED_RECURRENT_MAX_TOKENS_ON_CUDA = 64
 def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
     short = ctx.device != "cuda" or (ctx.seq_len is not None and ctx.seq_len <= FUSED_RECURRENT_MAX_TOKENS_ON_CUDA)
     return needs(
-        (spec.is_exact, "the fused recurrent kernel has no quant sites, solve or phase support yet"),
+        (spec.is_exact, "the fused recurrent kernel has no quant sites, accumulator emulation, Neumann solve or "
+                        "decode phase: it computes the exact recurrence"),
         triton_runs(ctx),
         not_float64(ctx),
         (ctx.head_k <= 256 and ctx.head_v <= 256, "head dims above 256 exceed one register tile"),

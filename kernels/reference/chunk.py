@@ -1,6 +1,6 @@
 """The fp64 torch reference of the CHUNKED (WY) GDN/KDA algorithm, with every rounding site.
 
-Written from NUMERICS.md, independently of the kernels; docs/kernels-chunk.md derives it.
+Written from docs/numerics.md, independently of the kernels; docs/kernels-chunk.md derives it.
 Per (sequence, value head, chunk of C tokens), G = within-chunk cumsum of g:
 
     A     = strict_tril(diag(beta) (K K^T ⊙ Γ))        Γ_ij = exp(G_i - G_j) (KDA: per channel)

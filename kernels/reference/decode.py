@@ -1,6 +1,6 @@
 """The fp64 torch reference of decode-phase training (token and replay modes).
 
-Written from NUMERICS.md and the seeds (#2519, #2562), independently of every kernel. Each
+Written from docs/decode_phase.md ("Numerics"), independently of every kernel. Each
 sequence n is split into a prefix [0, p_n) (prefill: exact state, no internal rounding), a
 recurrent suffix [p_n, L_n) that runs as the serving decoder would, and padding [L_n, end)
 (zero output, no state change, zero gradient). Per suffix token t, in this order:
@@ -22,13 +22,13 @@ codec: ``codec(S)`` is then the format's QDQ (if any) followed by the round to n
 bfloat16 / float16 (of the fp32 value, as the kernels hold it), at every place above where the codec
 applies. The order of operations inside a step does not matter here (fp64).
 
-Codecs (state tiles [K x BV] per sequence and head; NUMERICS.md):
+Codecs (state tiles [K x BV] per sequence and head; docs/numerics.md, "Formats"):
     fp8_e4m3  s = amax/448 (1 if amax = 0); E4M3 round-to-nearest-even of clamp(x/s, ±448); * s
     int8      s = amax/127 (1 if amax = 0); clamp(round_half_even(x/s), ±127) * s
     fp8_e4m3 / int8 with block<N> groups: the same, one scale per key row and N values along V
     int8_h32  y = x H32 (per key row, 32 values); s = fp16(max(amax_32/127, 6e-8));
               clamp(round_half_away(y/s), ±127) * s, then H32 (orthonormal, its own inverse)
-Factor rounding (replay, x.factor_qdq): k_t one scale over K; u_t one scale per BV tile of V.
+Factor rounding (replay, x.replay_factor_qdq): k_t one scale over K; u_t one scale per BV tile of V.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ import math
 import torch
 
 from la_compiler.kernels.common.canonical_inputs import check_shapes
-from la_compiler.kernels.decode.options import DecodeOptions
 from la_compiler.kernels.reference.recurrent import expand_heads, sequence_bounds
+from la_compiler.options import DecodeOptions
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0

@@ -10,9 +10,10 @@ import torch
 
 from la_compiler.kernels.common.autograd_inside_op import recompute_vjp
 from la_compiler.kernels.common.canonical_inputs import final_state_dtype
-from la_compiler.kernels.decode.options import decode_options, decode_reason, require_lengths
+from la_compiler.kernels.common.decode_phase import decode_reason, require_lengths
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.registry import register_variant, spec_of
+from la_compiler.options import decode_options
 
 
 def _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, prefill_lengths, valid_lengths):
@@ -43,7 +44,7 @@ register_variant(
     decode_reference_forward,
     decode_reference_backward,
     "fp64 torch reference of decode-phase training (token / replay), token by token (any device; slow)",
-    supports=lambda spec, ctx: decode_reason(spec, "torch"),
+    supports=lambda spec, ctx: decode_reason(spec),
     summary="fp64 torch reference of decode-phase training (slow)",
     implementation="torch",
 )

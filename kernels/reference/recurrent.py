@@ -1,7 +1,7 @@
 """The fp64 torch reference of the GDN and KDA recurrences (token by token).
 
 This is the oracle every kernel is tested against, and the "reference" kernel variant the
-lower pass can select. It is written from NUMERICS.md, independently of every kernel:
+lower pass can select. It is written from docs/numerics.md, independently of every kernel:
 
     S <- Diag(exp(g_t)) S            (GDN: g_t is a scalar per value head; KDA: g_t in R^K)
     u_t = beta_t * (v_t - S^T k_t)

@@ -1,10 +1,10 @@
 """The "reference" kernel variant: the fp64 torch reference, run as a kernel.
 
 Slow (in Python) but exact, on every device; the lower pass selects it only where a policy
-asks for it (``backend: reference``) or where no Triton kernel implements the spec yet,
+asks for it (``backend: reference``) or where no Triton kernel implements the spec,
 and ``explain`` says so. Backward recomputes the forward under autograd.
 
-It applies a prefill spec's numerics (NUMERICS.md, "sites"):
+It applies a prefill spec's numerics (docs/numerics.md, "Where the rounding happens"):
 - no rounding, or state rounding only: the token-by-token reference; the state is rounded
   once when loaded and, through ``state_hook``, after every chunk of ``spec.chunk`` tokens
   (the partial last chunk included). Within a chunk, token t reads the rounded incoming state

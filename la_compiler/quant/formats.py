@@ -1,4 +1,4 @@
-"""Elementwise QDQ per format with a given scale, in fp32 torch ops (NUMERICS.md's table).
+"""Elementwise QDQ per format with a given scale, in fp32 torch ops (docs/numerics.md, "Formats").
 
 Every function takes fp32 ``x`` and a ``scale`` broadcastable to it and returns fp32.
 NaN in ``x`` (or a NaN quotient x/scale, e.g. inf/inf) stays NaN; a finite scale
@@ -14,7 +14,7 @@ import torch
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
 E2M1_MAX = 6.0
-NVFP4_SCALE_FLOOR = 1e-5  # a per-block scale below this is replaced by 1 (NUMERICS.md)
+NVFP4_SCALE_FLOOR = 1e-5  # a per-block scale below this is replaced by 1 (docs/numerics.md)
 H32_SCALE_FLOOR = 6e-8  # keeps fp16(s) > 0: the smallest fp16 subnormal is 2**-24 ~ 5.96e-8
 # 1/sqrt(32) as an fp32 tensor constant: Triton multiplies by the same fp32 number.
 H32_NORM = torch.tensor(1.0 / math.sqrt(32.0), dtype=torch.float32)
@@ -40,7 +40,7 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Nearest-even on the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6, sign kept."""
     a = v.abs()
     q = torch.full_like(a, 6.0)
-    # Thresholds from NUMERICS.md, applied from the top so the lowest matching bucket wins.
+    # Thresholds from docs/numerics.md, applied from the top so the lowest matching bucket wins.
     for bound, inclusive, value in ((5.0, True, 4.0), (3.5, False, 3.0), (2.5, True, 2.0), (1.75, False, 1.5),
                                     (1.25, True, 1.0), (0.75, False, 0.5), (0.25, True, 0.0)):
         q = torch.where(a <= bound if inclusive else a < bound, value, q)

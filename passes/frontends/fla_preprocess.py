@@ -1,7 +1,7 @@
 """The pre-processing FLA's recurrence kernels do in-kernel, written as ordinary torch ops.
 
 The FLA frontend emits these in front of the laqat IR node so that autograd differentiates
-them and Inductor fuses them; the node itself only sees canonical inputs (NUMERICS.md,
+them and Inductor fuses them; the node itself only sees canonical inputs (docs/numerics.md,
 "Frontend pre-processing"). Formulas follow fla 0.6:
 
 - l2norm        ``x * rsqrt(sum(x^2, -1) + 1e-6)`` in fp32        (fla/modules/norm/l2norm.py;

@@ -1,5 +1,5 @@
 """Shared checks of the chunk-kernel tests: small fp32 cases, the kernel and the fp64 chunk reference run side by
-side, every gradient against fp64 autograd, and rounding flips counted (NUMERICS.md, "How close is close")."""
+side, every gradient against fp64 autograd, and rounding flips counted (docs/numerics.md, "How close is close")."""
 import torch
 
 from la_compiler.kernels.chunk.bwd import chunk_bwd

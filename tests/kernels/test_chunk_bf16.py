@@ -1,6 +1,6 @@
 """bf16 inputs through the chunk kernels' 16-bit GEMMs (chunk/precision.py) against the fp64 chunk reference.
 
-The bar is FLA's for its own bf16 kernels (NUMERICS.md: relative RMSE o 0.005, dq/dk/dv 0.008,
+The bar is FLA's for its own bf16 kernels (docs/numerics.md: relative L2 o 0.005, dq/dk/dv 0.008,
 dg/dbeta 0.02), forward, final state and every gradient. The interpreter multiplies the 16-bit GEMMs'
 operands rounded to bf16 in fp32 (its bf16 tl.dot is broken), which forms the same products.
 """
@@ -110,7 +110,7 @@ def test_tf32_knob_keeps_fp32_intermediates():
 def test_bf16_kda_backward_by_key_blocks_of_64():
     """KDA with 16-bit GEMMs runs its key-blocked backward in blocks of 64 columns above 64 (chunk.bwd.bwd_key_block):
     K = 72 pads to 128 and takes two blocks, the second partial; every gradient at FLA's bars."""
-    from la_compiler.kernels.chunk.bwd import bwd_key_block
+    from la_compiler.kernels.chunk.blocks import bwd_key_block
 
     xs = make_inputs("kda", B=1, T=20, H=1, HV=1, K=72, V=16, dtype=torch.bfloat16)
     spec = RecurrenceSpec(kind="kda", chunk=16)
@@ -150,7 +150,7 @@ def test_gdn_bf16_backward_by_key_blocks(key_block):
     store their final dq, dk; the pair products' gradients multiplied in bf16. K = 72: by default one masked
     block of 128 columns; with blocks of 32, two full ones and a masked partial one. Every gradient against
     fp64 autograd at FLA's bar, with grouped value heads on a packed batch."""
-    from la_compiler.kernels.chunk.bwd import bwd_key_block
+    from la_compiler.kernels.chunk.blocks import bwd_key_block
     from la_compiler.kernels.chunk.forms import bwd_intra_by_key_blocks
 
     cu = torch.tensor([0, 21, 40])

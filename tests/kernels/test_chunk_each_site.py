@@ -1,7 +1,7 @@
 """Each GEMM operand site alone, in each format, GDN and KDA: the chunk kernels against the fp64 chunk
 reference that rounds at that one site (interpreter on CPU).
 
-With one site rounding there is nothing for an fp32/fp64 flip to spread through, so NUMERICS.md's bar holds
+With one site rounding there is nothing for an fp32/fp64 flip to spread through, so docs/numerics.md's bar holds
 as written: outputs, final state and every gradient within 1e-3 relative L2 (observed ~1e-7), and the
 QDQ'd intermediates the reference records (W, the chunk-start states h, the score product A_qk) equal element
 for element but for counted, bounded flips. The all-sites tests (test_chunk_kernels.py) run the sixteen sites

@@ -3,7 +3,7 @@
 With QDQ, the reference rounds at the same sites in the same order; QDQ'd intermediates (the
 W tile and the chunk-start states h) must agree element for element except for rounding
 flips (fp32 vs fp64 values on either side of a rounding boundary), which are counted and
-bounded (NUMERICS.md, "How close is close").
+bounded (docs/numerics.md, "How close is close").
 """
 import pytest
 import torch
@@ -201,7 +201,7 @@ def test_forward_intra_by_key_blocks(kind, varlen, quant):
     """The forward intra stage reads keys in blocks (64 columns by default; 16 here (n.key_block), so K = 40 takes
     two full blocks and a masked one): pair products summed over blocks, W block by block with its row /
     NVFP4 global amax from a first pass over all blocks. Forward, W element by element, every gradient."""
-    from la_compiler.kernels.chunk.fwd import intra_key_block
+    from la_compiler.kernels.chunk.blocks import intra_key_block
 
     inputs, cu = chunk_case(kind, varlen, "kv", K=40, V=16)
     spec = RecurrenceSpec(kind=kind, chunk=8).replace(quant=quant, numerics={"key_block": 16})
@@ -217,7 +217,7 @@ def test_forward_intra_by_key_blocks(kind, varlen, quant):
 def test_intra_key_block_choice():
     """All key columns at once where a pair product or wy_key.rhs is rounded over them; a bad override
     is refused by name."""
-    from la_compiler.kernels.chunk.fwd import intra_key_block
+    from la_compiler.kernels.chunk.blocks import intra_key_block
     from la_compiler.options import OptionsError
 
     exact = ChunkParams.from_spec(RecurrenceSpec(kind="kda", chunk=64))
@@ -422,7 +422,7 @@ def test_kda_diagonal_dots_need_the_range_guard(monkeypatch):
 def test_int64_offsets_where_an_offset_may_pass_2_31():
     """The per-chunk kernels take int32 offsets unless an element offset may pass 2^31: rows of the
     [B, T, heads, ..] buffers (up to 2C wide, each sequence's last chunk padded) or the chunk states."""
-    from la_compiler.kernels.chunk.fwd import needs_int64_index
+    from la_compiler.kernels.chunk.blocks import needs_int64_index
 
     rows_edge = 2 ** 24 - 64  # (T + C) * 1 head * 128 (= 2C) columns reaches 2^31
     assert not needs_int64_index(1, rows_edge - 1, 64, 1, 64, 64, (rows_edge - 1) // 64 + 1, 1)
@@ -433,14 +433,14 @@ def test_int64_offsets_where_an_offset_may_pass_2_31():
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, kind):
+def test_int64_offsets_compute_what_int32_ones_do(monkeypatch, request, kind):
     """Small inputs forced onto the int64-offset path (INDEX_64, taken by shapes past 2^31 elements) match
     the fp64 reference like the int32 path: forward, final state and every gradient, packed sequences."""
-    from la_compiler.kernels.chunk import bwd as bwd_module
-    from la_compiler.kernels.chunk import fwd as fwd_module
+    from la_compiler.kernels.chunk import blocks, plan
 
-    monkeypatch.setattr(fwd_module, "needs_int64_index", lambda *shape: True)
-    monkeypatch.setattr(bwd_module, "needs_int64_index", lambda *shape: True)
+    monkeypatch.setattr(blocks, "needs_int64_index", lambda *shape: True)
+    plan._plan.cache_clear()  # plans made with int32 offsets, before and after
+    request.addfinalizer(plan._plan.cache_clear)
     cu = torch.tensor([0, 40, 90])
     inputs = make_inputs(kind, B=1, T=90, H=1, HV=2, K=16, V=16, N=2, dtype=torch.float32)
     spec = RecurrenceSpec(kind=kind, chunk=32)
@@ -455,7 +455,7 @@ def test_kda_decayed_keys_and_a_wide_output_block(varlen):
     row, so partial chunks too), by key blocks of 16 here (K = 40: a masked block); V = 96 runs the output stage
     as one masked 128-wide value block. kd against fp64 from the inputs, o and ht against the fp64 reference,
     every gradient against fp64 autograd (the dh stage reads kd from the backward's recompute)."""
-    from la_compiler.kernels.chunk.fwd import output_value_block
+    from la_compiler.kernels.chunk.blocks import output_value_block
 
     C = 8
     inputs, cu = chunk_case("kda", varlen, "kv", K=40, V=96)
@@ -486,7 +486,7 @@ def test_kda_decayed_keys_and_a_wide_output_block(varlen):
 ])
 def test_gdn_chunk_decay_on_values_only_where_no_state_update_operand_rounds(quant, acc, on_values):
     """GDN's h stage scales V_new's rows by the chunk decay (K^T loaded as is) unless the state_update operands are
-    rounded or accumulated: NUMERICS.md's state_update.lhs is K ⊙ exp(G_C - G), so that form stays there. Both
+    rounded or accumulated: docs/numerics.md's state_update.lhs is K ⊙ exp(G_C - G), so that form stays there. Both
     forms against the fp64 reference (which rounds at the same sites)."""
     from la_compiler.kernels.chunk.flags import spec_constexprs
     from la_compiler.kernels.chunk.forms import gdn_decays_values

@@ -2,7 +2,7 @@
 import pytest
 from triton.runtime.errors import OutOfResources
 
-from la_compiler.kernels.chunk.launch import LaunchConfig, launch, launch_config
+from la_compiler.kernels.chunk.launch import LaunchConfig, StageLaunch, launch, launch_config
 
 
 class FakeKernel:
@@ -12,32 +12,32 @@ class FakeKernel:
         self.max_stages, self.error, self.calls = max_stages, error, []
 
     def __getitem__(self, grid):
-        def run(*args, num_warps, num_stages, **constexprs):
+        def run(*, num_warps, num_stages, **arguments):
             self.calls.append(num_stages)
             if self.error is not None:
                 raise self.error
             if num_stages > self.max_stages:
                 raise OutOfResources(262656, 232448, "shared memory")
-            return ("ran", grid, args, num_warps, num_stages, constexprs)
+            return ("ran", grid, num_warps, num_stages, arguments)
         return run
 
 
 def test_refused_launch_retries_with_fewer_stages_and_remembers():
     kernel = FakeKernel(max_stages=1)
-    result = launch(kernel, (2, 3), "x", config=LaunchConfig(4, 3), BK=64)
-    assert result == ("ran", (2, 3), ("x",), 4, 1, {"BK": 64}) and kernel.calls == [3, 2, 1]
-    launch(kernel, (2, 3), "y", config=LaunchConfig(4, 3), BK=64)
+    result = launch(StageLaunch(kernel, (2, 3), LaunchConfig(4, 3), {"BK": 64}), {"x": "x"}, STORE_T=True)
+    assert result == ("ran", (2, 3), 4, 1, {"x": "x", "BK": 64, "STORE_T": True}) and kernel.calls == [3, 2, 1]
+    launch(StageLaunch(kernel, (2, 3), LaunchConfig(4, 3), {"BK": 64}), {"x": "y"}, STORE_T=True)
     assert kernel.calls == [3, 2, 1, 1]  # the working depth is remembered per kernel and constants
-    launch(kernel, (2, 3), "y", config=LaunchConfig(4, 3), BK=128)
-    assert kernel.calls[-3:] == [3, 2, 1]  # other constants: tried afresh
+    launch(StageLaunch(kernel, (2, 3), LaunchConfig(4, 3), {"BK": 64}), {"x": "y"}, STORE_T=False)
+    assert kernel.calls[-3:] == [3, 2, 1]  # other constants (the launcher's too): tried afresh
 
 
 def test_refusal_at_one_stage_and_other_errors_propagate():
     with pytest.raises(OutOfResources):
-        launch(FakeKernel(max_stages=0), (1,), config=LaunchConfig(8, 2))
+        launch(StageLaunch(FakeKernel(max_stages=0), (1,), LaunchConfig(8, 2), {}), {})
     kernel = FakeKernel(max_stages=3, error=ValueError("bad argument"))
     with pytest.raises(ValueError, match="bad argument"):
-        launch(kernel, (1,), config=LaunchConfig(4, 3))
+        launch(StageLaunch(kernel, (1,), LaunchConfig(4, 3), {}), {})
     assert kernel.calls == [3]
 
 
@@ -115,16 +115,16 @@ def test_launch_takes_the_tuned_configuration(monkeypatch, tmp_path):
     from la_compiler.kernels.chunk import autotune as chunk_autotune
 
     def timer(fn):
-        return {2: 1.0}.get(fn()[4], 5.0)  # the launch result's num_stages: 2 stages fastest
+        return {2: 1.0}.get(fn()[3], 5.0)  # the launch result's num_stages: 2 stages fastest
 
     monkeypatch.setattr(chunk_autotune, "active", lambda requested: requested)
     monkeypatch.setattr(chunk_autotune, "key_of", lambda kernel, grid, constexprs: f"fake|{grid}")
     monkeypatch.setattr(chunk_autotune, "tuner", lambda: chunk_autotune.Tuner(tmp_path / "t.json", timer))
     kernel = FakeKernel(max_stages=3)
-    result = launch(kernel, (4,), "x", config=LaunchConfig(8, 1), autotune=True, BK=128)
-    assert result[3:5] == (8, 2)
-    untuned = FakeKernel(max_stages=3)
-    assert launch(untuned, (4,), "x", config=LaunchConfig(8, 1), BK=128)[3:5] == (8, 1)  # not asked: the table
+    result = launch(StageLaunch(kernel, (4,), LaunchConfig(8, 1), {"BK": 128}, autotune=True), {"x": "x"})
+    assert result[2:4] == (8, 2)
+    untuned = StageLaunch(FakeKernel(max_stages=3), (4,), LaunchConfig(8, 1), {"BK": 128})
+    assert launch(untuned, {"x": "x"})[2:4] == (8, 1)  # not asked: the table
 
 
 def test_fp32_dot_precision_knob():
@@ -153,28 +153,23 @@ def test_autotune_keeps_the_warps_where_the_table_says_so():
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind, monkeypatch):
+def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind):
     """GDN's key-blocked backward intra stage faulted at four warps on the H200: the autotuner must not try them."""
+    import dataclasses
+
     import torch
 
-    from la_compiler.kernels.chunk import bwd as chunk_bwd
     from la_compiler.kernels.chunk.params import ChunkParams
+    from la_compiler.kernels.chunk.plan import ChunkPlan, ChunkShape, chunk_plan
+    from la_compiler.options import TuningOptions
     from la_compiler.spec import RecurrenceSpec
-    from tests.kernels.chunk_inputs import make_inputs
 
-    seen = {}
-
-    def recording_launch(kernel, grid, *args, config, **constexprs):
-        seen[getattr(kernel, "__name__", getattr(getattr(kernel, "fn", None), "__name__", "?"))] = config
-        return launch(kernel, grid, *args, config=config, **constexprs)
-
-    monkeypatch.setattr(chunk_bwd, "launch", recording_launch)
-    q, k, v, g, beta, _ = make_inputs(kind, B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32)
     p = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=16, kernel="chunk"))
-    chunk_bwd.chunk_bwd(p, q, k, v, g, beta, 0.25, torch.randn_like(v))
-    intra = seen["chunk_bwd_kernel_intra"]
-    assert intra.keep_warps == (kind == "gdn")
-    assert not any(c.keep_warps for name, c in seen.items() if not name.endswith("_intra"))
+    plan = chunk_plan(p, ChunkShape(B=1, T=20, H=1, HV=1, K=16, V=16, N=1, NT=2, varlen=False), torch.float32,
+                      TuningOptions())
+    launches = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ChunkPlan) if f.name.startswith("bwd_")}
+    assert launches["bwd_intra"].config.keep_warps == (kind == "gdn")
+    assert not any(s.config.keep_warps for name, s in launches.items() if s is not None and name != "bwd_intra")
 
 
 def test_host_integer_helpers_match_tritons():

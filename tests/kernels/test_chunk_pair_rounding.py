@@ -73,7 +73,8 @@ def test_nvfp4_pair_amax_is_the_pair_tiles_max():
     chunks, so a sequence's last real row meets padded rows i with e^0 = 1), for j < i and j <= i, and of
     |K| / |Q| over the chunk. Growing and decaying channels (g of both signs), a packed batch whose chunks
     end mid-way and one longer than a chunk (row C is the next chunk's: excluded)."""
-    from la_compiler.kernels.chunk.fwd import chunk_fwd, chunk_layout
+    from la_compiler.kernels.chunk.fwd import chunk_fwd
+    from la_compiler.kernels.chunk.layout import chunk_layout
     from la_compiler.kernels.reference.chunk import _pair_decay
 
     C = 16

@@ -16,10 +16,10 @@ from la_compiler.kernels import sources
 from la_compiler.kernels.decode import suffix
 from la_compiler.kernels.decode.fused import decode_fused_backward, decode_fused_forward
 from la_compiler.kernels.decode.phased import residual_numel
-from la_compiler.kernels.decode.options import decode_options
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.registry import get_variant
 from la_compiler.kernels.selection import select_kernel
+from la_compiler.options import decode_options
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
@@ -105,8 +105,7 @@ def test_fused_decode_matches_reference(case, small_blocks):
 def test_selection_picks_the_fused_kernel_for_decode_specs_and_honours_implementation():
     spec = _spec("kda", "token", "fp8_e4m3/tile64", {}, "kv").replace(kernel="auto")
     assert select_kernel(spec, device="cpu", dtype=torch.float32, head_k=64, head_v=64).variant == "decode_fused"
-    torch_only = spec.replace(extra={"decode_impl": "torch"})
-    choice = select_kernel(torch_only, device="cpu", dtype=torch.float32, head_k=64, head_v=64)
+    choice = select_kernel(spec, device="cpu", dtype=torch.float32, head_k=64, head_v=64, family="torch")
     assert choice.variant == "decode_reference"
     assert any(name == "decode_fused" and "implementation" in why for name, why in choice.rejected)
     h32 = _spec("kda", "token", "int8_h32/tile32", {}, "kv").replace(kernel="auto")

@@ -1,18 +1,18 @@
 """The fp64 decode-phase reference against independent oracles.
 
 Oracles: the plain token-by-token reference (kernels/reference/recurrent.py) with a state hook that
-rounds where NUMERICS.md says (token mode, replay without factor rounding), and a literal
+rounds where docs/decode_phase.md says (token mode, replay without factor rounding), and a literal
 anchor + ordered rank-one-update replayer written here (replay with factor rounding).
 """
 import pytest
 import torch
 
-from la_compiler.kernels.decode.options import DecodeOptionsError, decode_options
 from la_compiler.kernels.reference.decode import (
     delta_rule_decode_reference, hadamard32, qdq_factor, qdq_int8_h32, qdq_state, round_e4m3,
     round_half_away, round_log_decay,
 )
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
+from la_compiler.options import DecodeOptionsError, decode_options
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
@@ -96,7 +96,7 @@ def test_options_from_spec_and_errors():
     assert (o.mode, o.codec, o.block_v, o.window, o.factor_format, o.readout, o.decay_log_step) == (
         "replay", "int8_h32", 32, 8, "int8", "stored", 0.0039)
     assert decode_options(_spec(phase="replay", replay_window=2, replay_factor_qdq=1)).factor_format == "fp8_e4m3"
-    with pytest.raises(DecodeOptionsError, match="no q.state"):
+    with pytest.raises(DecodeOptionsError, match="x.replay_factor_qdq: .* there is no state codec"):
         decode_options(_spec(phase="replay", state=None, replay_window=2, replay_factor_qdq=1))
     with pytest.raises(DecodeOptionsError, match="x.bogus"):
         decode_options(_spec(bogus=1))

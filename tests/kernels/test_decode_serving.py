@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import la_compiler.kernels  # noqa: F401  (registers the variants)
-from la_compiler.kernels.decode.options import decode_options
 from la_compiler.kernels.decode.serving import decode_serving_backward, decode_serving_forward
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
+from la_compiler.options import decode_options
 from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
@@ -59,9 +59,8 @@ def test_serving_variant_matches_the_decode_reference(case):
 def test_selection_runs_serving_specs_on_the_serving_variant():
     spec = _spec("gdn", "vk", "auto").replace(kernel="auto")
     assert select_kernel(spec, device="cpu", dtype=torch.bfloat16, head_k=64, head_v=64).variant == "decode_serving"
-    torch_only = spec.replace(extra={**dict(spec.extra), "decode_impl": "torch"})
-    assert select_kernel(torch_only, device="cpu", dtype=torch.float32, head_k=64, head_v=64).variant == \
-        "decode_reference"
+    assert select_kernel(spec, device="cpu", dtype=torch.float32, head_k=64, head_v=64,
+                         family="torch").variant == "decode_reference"
     plain = RecurrenceSpec("gdn", phase="token", kernel="auto", extra=(("readout", "working"),))
     choice = select_kernel(plain, device="cpu", dtype=torch.float32, head_k=8, head_v=8)
     assert choice.variant == "decode_fused" and "x.serving" in dict(choice.rejected)["decode_serving"]

@@ -18,7 +18,7 @@ from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from tests.helpers import assert_close_rel
 
 EXACT_FP32 = 1e-5
-# bf16 inputs: FLA's relative-error ratios (NUMERICS.md)
+# bf16 inputs: FLA's relative-error ratios (docs/numerics.md, "How close is close")
 BF16_TOL = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 8e-3}
 
 

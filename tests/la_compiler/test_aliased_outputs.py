@@ -22,7 +22,7 @@ def test_the_hand_off_compiles_without_view_replay(monkeypatch):
         y = (x * 2).view(2, 3, 4)  # an output that aliases an intermediate
         return y, y.transpose(1, 2)
     x = torch.randn(24, requires_grad=True)
-    y, yt = torch.compile(fn, backend="laqat")(x)
+    y, yt = torch.compile(fn, backend="laqat", options={"compiler": "inductor"})(x)
     assert seen == [False]
     assert torch.equal(y, (x * 2).view(2, 3, 4)) and torch.equal(yt, y.transpose(1, 2))
     assert yt._base is not None or yt.data_ptr() == y.data_ptr()  # still views of one buffer
@@ -40,7 +40,7 @@ def test_gdn_lm_at_the_shape_that_crashed_trains_under_inductor():
                                  vocab_size=32000)
     model = GatedDeltaNetForCausalLM(config).cuda().bfloat16()
     ids = torch.randint(0, 32000, (2, 4096), device="cuda")
-    compiled = torch.compile(model, backend="laqat", options={"policy": "state_fp8"})
+    compiled = torch.compile(model, backend="laqat", options={"policy": "state_fp8", "compiler": "inductor"})
     for _ in range(2):
         loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()

@@ -47,9 +47,9 @@ def test_every_exception_class_is_a_laqat_error():
 
 
 def test_standard_bases_are_kept():
-    from la_compiler.kernels.decode.options import DecodeOptionsError, PhaseLengthsMissing
+    from la_compiler.kernels.common.decode_phase import PhaseLengthsMissing
     from la_compiler.kernels.selection import KernelSelectionError, NoFastKernelError
-    from la_compiler.options import OptionsError
+    from la_compiler.options import DecodeOptionsError, OptionsError
     from la_compiler.policy_schema import PolicyError
     from la_compiler.spec import SpecError
 

@@ -1,5 +1,5 @@
 """Inductor with laqat's ops in its graphs: a head-first model ([B, H, T, D] tensors, which the frontend transposes
-to the IR's [B, T, H, D]) trains through the default hand-off.
+to the IR's [B, T, H, D]) trains through the Inductor hand-off.
 
 Inductor checks every custom op's outputs against the fake's sizes and strides (``assert_size_stride``): before
 the fakes stated contiguous outputs in each input's dtype, the backward of this model failed there in
@@ -40,13 +40,13 @@ def _head_first_inputs(B=2, H=2, T=6, K=8, V=8):
 
 
 def test_head_first_gdn_trains_through_inductor():
-    """Default options (Inductor hand-off), fullgraph: one laqat node; output, final state and every input's
+    """options={"compiler": "inductor"}, fullgraph: one laqat node; output, final state and every input's
     gradient equal to eager (fp32, rel L2 <= 1e-5)."""
     tensors = _head_first_inputs()
     eager_in = {n: t.clone().requires_grad_() for n, t in tensors.items()}
     laqat_in = {n: t.clone().requires_grad_() for n, t in tensors.items()}
     expected = gdn_head_first(**eager_in)
-    got = torch.compile(gdn_head_first, backend="laqat", fullgraph=True)(**laqat_in)
+    got = torch.compile(gdn_head_first, backend="laqat", fullgraph=True, options={"compiler": "inductor"})(**laqat_in)
     matches = la_compiler.backend.last_record().graphs[-1].matches
     assert [(m.frontend, m.kind) for m in matches] == [("torch", "gdn")], matches
     cotangents = [torch.randn_like(e) for e in expected]

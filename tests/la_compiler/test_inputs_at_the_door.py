@@ -50,14 +50,14 @@ def test_bad_tensors_are_compile_time_errors_naming_the_argument(bad, message):
         k = k.double()
     elif bad == "rank3_q":
         q = q[:, :, 0]
-    fn = torch.compile(_op, backend="laqat", fullgraph=True)
+    fn = torch.compile(_op, backend="laqat", fullgraph=True, options={"compiler": "inductor"})
     with pytest.raises(IRInputError, match=message):  # as itself, not wrapped in Dynamo's TorchRuntimeError
         fn(q, k, v, g, beta, None, cu)
 
 
 def test_float64_is_computed_in_float64():
     q, k, v, g, beta = (x.requires_grad_() for x in _inputs(T=5, dtype=torch.float64))
-    fn = torch.compile(_op, backend="laqat", fullgraph=True)
+    fn = torch.compile(_op, backend="laqat", fullgraph=True, options={"compiler": "inductor"})
     o, ht = fn(q, k, v, g, beta)
     (match,) = la_compiler.backend.last_record().graphs[-1].matches
     assert match.kernel == "reference", match.kernel_reason
@@ -72,7 +72,7 @@ def test_fla_call_with_offsets_past_t_is_refused_before_a_kernel_runs():
 
     def fn(q, k, v, g, beta, cu):
         return fla_gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)[0]
-    compiled = torch.compile(fn, backend="laqat", fullgraph=True)
+    compiled = torch.compile(fn, backend="laqat", fullgraph=True, options={"compiler": "inductor"})
     with pytest.raises(IRInputError, match=r"cu_seqlens must start at 0, never decrease and end at T=8; got "
                                            r"\[0, 3, 12\]"):
         compiled(q, k, v, g, beta, torch.tensor([0, 3, 12], dtype=torch.int32))

@@ -64,7 +64,7 @@ def test_per_layer_policy_applies_to_its_layer_after_a_graph_break():
     start = _graph_count()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmatchedPolicyRuleWarning)  # each graph's rules match its own layer
-        compiled = torch.compile(model, backend="laqat", options={"policy": LAYER_1_STATE_FP8})  # Inductor
+        compiled = torch.compile(model, backend="laqat", options={"policy": LAYER_1_STATE_FP8, "compiler": "inductor"})
         out = compiled(tokens)
     assert _sites(start) == [("layers.0.attn", False), ("layers.1.attn", True)]
     assert_close_rel(out, expected, 1e-6, "logits with a graph break in every block")

@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from la_compiler.kernels.decode.options import DecodeOptions
+from la_compiler.options import decode_options
 from la_compiler.policy import ModuleRule, Policy, PolicyError, QuantRule, load_policy
 from la_compiler.policy_schema import LinearAttentionCfg, SolveCfg
 from la_compiler.policy import load_recipe
@@ -195,7 +195,7 @@ def test_decode_options_encode_into_spec_extras(decode, state, quant, extra):
     res = policy.resolve("layers.0.attn", "gdn")
     assert (res.phase, dict(res.quant).get("state"), dict(res.extra)) == (decode["mode"], quant, extra)
     spec = RecurrenceSpec(kind="gdn", quant=res.quant, phase=res.phase, extra=res.extra)
-    options = DecodeOptions.from_spec(RecurrenceSpec.parse(spec.to_string()))  # the decode kernels' reader
+    options = decode_options(RecurrenceSpec.parse(spec.to_string()))  # the decode kernels' reader
     assert (options.mode, options.readout) == (decode["mode"], extra["readout"])
     assert options.codec == (quant.split("/")[0] if quant else None)
     assert options.window == int(extra.get("replay_window", 1))

@@ -151,8 +151,8 @@ RESOLVE_ERRORS = [
      "the gdn_w_quantizer and linear_attn_sites.state_read.lhs_quantizer round the same operand (W) but are set "
      "to fp8_e4m3/row and int8/row"),
     (la({"decode": {"mode": "replay", "replay": {"window": 4, "factor_qdq": True}}}),
-     "linear_attention[0].cfg.decode.replay.factor_qdq: true rounds the replay factors in the state codec's format, "
-     "but module 'layers.0.attn' has no enabled state quantizer"),
+     "linear_attention[0].cfg.decode.replay.factor_qdq: rounds the replay factors in the state codec's format, but "
+     "there is no state codec (module 'layers.0.attn': no enabled state quantizer)"),
 ]
 
 

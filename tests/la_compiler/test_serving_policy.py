@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from la_compiler.kernels.decode.options import DecodeOptions, DecodeOptionsError, decode_options
+from la_compiler.options import DecodeOptions, DecodeOptionsError, decode_options
 from la_compiler.policy import Policy, PolicyError, load_policy
 from la_compiler.policy_schema import ServingCfg
 from la_compiler.spec import RecurrenceSpec
@@ -103,9 +103,9 @@ def test_a_state_quantizer_composes_with_the_cache_dtype():
 
 
 def test_spec_level_serving_options_are_checked():
-    with pytest.raises(DecodeOptionsError, match="x.state_dtype is the serving cache's dtype: it needs x.serving"):
+    with pytest.raises(DecodeOptionsError, match="x.state_dtype: the serving cache's dtype, only with x.serving"):
         DecodeOptions(mode="token", state_dtype="bfloat16")
-    with pytest.raises(DecodeOptionsError, match="x.serving must be one of"):
+    with pytest.raises(DecodeOptionsError, match="x.serving: must be one of"):
         DecodeOptions(mode="token", serving="vllm-0.30")
     with pytest.raises(DecodeOptionsError, match="x.readout=working"):
         DecodeOptions(mode="token", serving="vllm-0.33", readout="stored")

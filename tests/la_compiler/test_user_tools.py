@@ -135,6 +135,8 @@ def test_torch_logs_shows_each_rewrite_and_near_miss_and_the_summary():
     assert "gdn[src=user; layout=bthd; state=kv; chunk=64; solve=exact; phase=none; kernel=" in rewrites[0]
     assert "q.state=fp8_e4m3/tile64] -> kernel " in rewrites[0]
     assert "near miss (torch frontend) at <top>: the region does not compute the GDN/KDA delta rule" in verbose
-    assert "graph 0: 1 recurrence(s) rewritten (gdn at <top>), 0 near miss(es); policy state_fp8 (option)" in verbose
-    assert "graph 1: 0 recurrence(s) rewritten (none), 1 near miss(es); policy exact (default exact)" in verbose
+    assert ("graph 0: 1 recurrence(s) rewritten (gdn at <top>), 0 near miss(es); policy state_fp8 (option); hand-off "
+            "eager (options['compiler'])") in verbose
+    assert ("graph 1: 0 recurrence(s) rewritten (none), 1 near miss(es); policy exact (default exact); hand-off eager "
+            "(options['compiler'])") in verbose
     assert "rewrote" not in summary and "graph 2: 1 recurrence(s) rewritten (gdn at <top>)" in summary, summary

@@ -100,7 +100,7 @@ def test_fla_path_fullgraph_inductor(megatron):
     model = megatron.tiny_gpt(megatron.tiny_config(layers=1))
     data = megatron.batch(1, T, seed=10)
     expected = _eager(model, data)
-    compiled, graphs = _compile(model, fullgraph=True)
+    compiled, graphs = _compile(model, fullgraph=True, options={"compiler": "inductor"})  # the CPU's default: eager
     # No worker pool for Inductor's own kernels. Not ``cpp.vec_isa_ok=False`` here: Inductor caches the valid ISA
     # list per process on its first call, so patched it would leave this pytest worker unable to compile the
     # vectorized kernels that another worker's FX-graph cache entries hold (tests/models' runner may: it is a
@@ -175,7 +175,7 @@ def test_per_layer_state_fp8_by_megatron_module_name(megatron):
 
 def _decode_reference(spec, prefill, valid):
     """laqat's fp64 decode-phase reference as a Megatron recurrence (kernels/reference/decode.py)."""
-    from la_compiler.kernels.decode.options import decode_options
+    from la_compiler.options import decode_options
     from la_compiler.kernels.reference.decode import delta_rule_decode_reference
     from la_compiler.spec import RecurrenceSpec
 

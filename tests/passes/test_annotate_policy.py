@@ -94,7 +94,7 @@ def specs_by_module(report):
 
 def oracle(inputs, layer_specs):
     """fp64, token by token, with the state rounded by this test's own hook: on load, after
-    every chunk of the layer's chunk size and after the last token (NUMERICS.md, "sites")."""
+    every chunk of the layer's chunk size and after the last token (docs/numerics.md, "Where the rounding happens")."""
     q, k, v, g_gdn, g_kda, beta, h0 = inputs
     length = q.shape[1]
     outs = []

@@ -594,8 +594,8 @@ def test_gdn_and_kda_layers_eval_fused_recurrent_mode():
 
 @pytest.mark.parametrize("family,compiler", [("gdn", "eager"), ("kda", "inductor")])
 def test_fla_causal_lm_compiles_fullgraph(family, compiler):
-    """FLA's own models (pre-norm residual RMSNorm, fused SwiGLU MLP, wrapped forward), fullgraph; once
-    with the plain user call (default Inductor compiler)."""
+    """FLA's own models (pre-norm residual RMSNorm, fused SwiGLU MLP, wrapped forward), fullgraph, under each
+    hand-off."""
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, KDAConfig, KDAForCausalLM
 
     config, model_class = (GatedDeltaNetConfig, GatedDeltaNetForCausalLM) if family == "gdn" else (
@@ -605,7 +605,7 @@ def test_fla_causal_lm_compiles_fullgraph(family, compiler):
     tokens = torch.randint(0, 64, (1, 6))
     with torch.no_grad():
         # use_cache=False: FLA's Cache object is torch.compiler.disable'd (decode is not a training graph)
-        options = {} if compiler == "inductor" else {"compiler": compiler}
+        options = {"compiler": compiler}
         logits = torch.compile(model, backend="laqat", fullgraph=True, options=options)(tokens, use_cache=False).logits
         with naive_fla():
             logits_ref = model(tokens, use_cache=False).logits

@@ -7,7 +7,8 @@
 Steps (one module each): ``dataflow`` (networkx DiGraph with mutation edges), ``slices`` and
 ``loops`` (chain discovery and step isomorphism of unrolled loops), ``region`` + ``rules``
 (what the IR node replaces, and its inputs), ``allowed_ops`` (every op accounted for), ``steps``
-(every step of a token loop reads its own token: constants and indices included), ``semantics``
+(every step of a token loop reads its own token: constants and indices included), ``scan`` (a
+``torch._higher_order_ops.scan`` unrolled into the loop it stands for, and settled after), ``semantics``
 (role assignment and the algebra check on fp64 probes, near-miss diagnosis), ``replace`` (emit the IR node),
 ``verify_mode`` (the rewrite check: the IR node against the region on random inputs; bounded by default,
 the whole region with ``verify=True``), ``one_step`` (loops unrolled to one step: reported
@@ -42,6 +43,18 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
 
 
 def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> int:
+    from la_compiler.passes.frontends.torch_recurrence.scan import restore_scans, unroll_scans
+
+    unrolled = unroll_scans(gm, record)  # a scan is analysed as the loop it unrolls to
+    try:
+        return _rewrite_loops(gm, record, verify=verify)
+    finally:
+        if unrolled:
+            restore_scans(gm, unrolled)
+            gm.recompile()
+
+
+def _rewrite_loops(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> int:
     from la_compiler.passes.frontends.torch_recurrence.allowed_ops import OpRefused, check_region_ops
     from la_compiler.passes.frontends.torch_recurrence.dataflow import (Dataflow, fold_symbolic_scalars, specialize,
                                                                       tensor_value)
@@ -59,6 +72,8 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     loops = find_loops(flow)
     if loops and any(isinstance(s, torch.SymInt) for n in flow.nodes if tensor_value(n) is not None
                      for s in tensor_value(n).shape):
+        if _refuse_sizes_marked_dynamic(flow, loops, record):
+            return 0
         # a graph with an unrolled loop under dynamic shapes: its sizes and symbolic scalars pinned to their values
         specialize(flow.nodes)
         if fold_symbolic_scalars(gm):
@@ -123,6 +138,36 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
     if accepted:
         gm.recompile()  # the pipeline lints and recompiles again after all passes; a direct caller needs this
     return len(accepted)
+
+
+def _refuse_sizes_marked_dynamic(flow, loops, record: GraphRecord) -> bool:
+    """An unrolled loop is rewritten at fixed sizes (``dataflow.specialize``); a size the user marked dynamic
+    cannot be pinned (Dynamo refuses the compile), so every loop of the graph is left as it is, and says why."""
+    from la_compiler.passes.frontends.torch_recurrence.dataflow import sizes_marked_dynamic, symbols_of, tensor_value
+    from la_compiler.passes.module_names import module_name
+
+    marked = sizes_marked_dynamic(flow.nodes)
+    pinned = {sym for n in flow.nodes if tensor_value(n) is not None for sym in symbols_of(tensor_value(n))}
+    sizes = sorted({marked[sym] for sym in marked.keys() & pinned})
+    if not sizes:
+        return False
+    outer = [lp for lp in loops if not any(_inside(lp, other) for other in loops if other is not lp)]
+    for loop in outer:
+        where = loop.slices[0].node
+        record.near_misses.append(NearMiss(
+            frontend="torch", module=module_name(where), nodes=(where.name,),
+            reason=f"the loop runs on sizes marked dynamic with torch._dynamo.mark_dynamic ({', '.join(sizes)}): an "
+                   f"unrolled loop is rewritten at fixed sizes (one compile per size), and pinning a size marked "
+                   f"dynamic fails the compile; mark it with torch._dynamo.maybe_mark_dynamic, or not at all, to "
+                   f"have the loop rewritten"))
+    return True
+
+
+def _inside(loop, other) -> bool:
+    """Whether ``loop`` lies within the steps of ``other`` (a loop nested in it) and is not ``other`` itself."""
+    a, b = _span(loop)
+    c, d = _span(other)
+    return c <= a and b <= d and (a, b) != (c, d)
 
 
 def _span(loop) -> tuple[int, int]:

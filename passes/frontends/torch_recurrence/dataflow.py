@@ -34,26 +34,26 @@ def static_int(size):
     if isinstance(size, int):
         return size
     if isinstance(size, torch.SymInt):
-        node = size.node
-        expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+        expr = resolved_expr(size)
         if getattr(expr, "is_Integer", False):
             return int(expr)
-        if node.has_hint():
-            return int(node.hint)
+        if size.node.has_hint():
+            return int(size.node.hint)
     return None
 
 
 def fold_symbolic_scalars(gm: torch.fx.GraphModule) -> int:
-    """Every node computing a symbolic scalar (``q.size(3) ** -0.5`` under ``dynamic=True``: Dynamo emits it once,
-    in the first step that needs it) replaced in its readers by its example value, pinned by a guard: the steps
-    of an unrolled loop then read the same literal, as they do with static shapes. Returns how many."""
+    """Every symbolic scalar (``q.size(3) ** -0.5`` under ``dynamic=True``: Dynamo emits it once, in the first step
+    that needs it; a size Dynamo passes as a graph input, read by ``torch.zeros(s0, s1, ...)`` or ``F.pad``) replaced
+    in its readers by its example value, pinned by a guard: the steps of an unrolled loop then read the same
+    literal, and the region reads tensors only, as with static shapes. Returns how many."""
     from torch.fx.experimental.symbolic_shapes import guard_bool, guard_float, guard_int
 
     pin = {torch.SymInt: guard_int, torch.SymFloat: guard_float, torch.SymBool: guard_bool}
     done = 0
     for n in list(gm.graph.nodes):
         v = value(n)
-        if n.op == "placeholder" or type(v) not in pin or not n.users or not v.node.has_hint():
+        if type(v) not in pin or not n.users or not v.node.has_hint():
             continue
         constant = pin[type(v)](v)
         for user in list(n.users):
@@ -89,6 +89,46 @@ def specialize(nodes) -> None:
                                          requires_grad=v.requires_grad)
         key = "example_value" if "example_value" in n.meta else "val"
         n.meta[key] = static
+
+
+def sizes_marked_dynamic(nodes) -> dict:
+    """The sizes the user marked dynamic with ``torch._dynamo.mark_dynamic`` that are still symbolic: their sympy
+    symbol -> where they come from (``L['q'].size()[0]``). Dynamo refuses a compile that pins one of them
+    (ConstraintViolationError), so ``specialize`` must not."""
+    marked = {}
+    for n in nodes:
+        arg = n.meta.get("grapharg") if n.op == "placeholder" else None
+        fake, example = tensor_value(n), _graph_arg_example(arg)
+        if fake is None or example is None:
+            continue
+        for d in sorted(getattr(example, "_dynamo_dynamic_indices", ())):
+            size = fake.shape[d] if d < fake.dim() else None
+            if isinstance(size, torch.SymInt) and not getattr(resolved_expr(size), "is_Integer", False):
+                for symbol in resolved_expr(size).free_symbols:
+                    marked.setdefault(symbol, f"{arg.source.name}.size()[{d}]")
+    return marked
+
+
+def symbols_of(value) -> set:
+    """The sympy symbols of a tensor's symbolic sizes and strides."""
+    return {sym for x in (*value.shape, *value.stride()) if isinstance(x, torch.SymInt)
+            for sym in resolved_expr(x).free_symbols}
+
+
+def resolved_expr(size: torch.SymInt):
+    """A symbolic size's sympy expression after the replacements its shape environment knows (an Integer where
+    Dynamo has specialized it)."""
+    node = size.node
+    return node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+
+
+def _graph_arg_example(arg):
+    """The real tensor Dynamo lifted into a placeholder (``mark_dynamic`` marks it), or None."""
+    try:
+        example = arg.example if arg is not None else None
+    except Exception:  # a graph argument whose example tensor is gone
+        return None
+    return example if isinstance(example, torch.Tensor) else None
 
 
 def is_inplace_write(node: torch.fx.Node) -> bool:

@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 from la_compiler.error_base import LaqatError
-from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, static_int, tensor_value
 from la_compiler.passes.frontends.torch_recurrence.slices import TimeSlice, time_slices
 
 
@@ -488,7 +488,7 @@ def time_slices_of_index(buf: torch.fx.Node, index) -> list[tuple[int, int]]:
     for p, d in _index_dims(index, bv.dim()):
         item = index[p]
         if d is not None and isinstance(item, int) and not isinstance(item, bool):
-            out.append((d, item % bv.shape[d]))
+            out.append((d, item % static_int(bv.shape[d])))
         elif d is not None and isinstance(item, slice) and isinstance(item.start, int) and item.stop == item.start + 1:
             out.append((d, item.start))
     return out

@@ -1,8 +1,9 @@
 """Replacement: the region becomes one ``laqat.delta_rule`` node.
 
 Emitted in front of the IR node, as ordinary torch ops: the permutes of the inputs to
-[B, T, H, D], casts to the dtype the region computed in, and ``log`` of a pre-exponentiated
-decay (``laqat::log_decay`` where the decay is not provably positive: it checks it at run time).
+[B, T, H, D], casts to the dtype the region computed in, ``neg`` of a negated query (a negative fitted
+scale: the IR node's scale is positive), and ``log`` of a pre-exponentiated decay (``laqat::log_decay`` where
+the decay is not provably positive: it checks it at run time).
 Behind it: ``getitem`` 0/1, the permute of o back to the region's output layout and
 casts to the dtypes the region produced. Every new node gets ``example_value`` (computed by
 running the op on the graph's fake tensors) and the module metadata of the region.
@@ -96,6 +97,8 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     # each input: to [B, T, H, D], its entry chain's casts and scalars replayed (entry.py), the compute dtype
     q, k, v, g, beta = (em.cast(replay(em.emit, em.permute(new(lay.node), lay.perm), a.chain(role)), compute)
                         for role, lay in (("q", a.q), ("k", a.k), ("v", a.v), ("g", a.g), ("beta", a.beta)))
+    if a.query_sign < 0:
+        q = em.emit("call_function", torch.neg, [q])
     if a.decay_form == "exp":  # the log of a pre-exponentiated decay; checked positive at run time where not proven
         g = em.emit("call_function", torch.log, [g]) if decay_is_positive(a) else \
             em.emit("call_function", LOG_DECAY, [g, decay_where(flow, region, a)])
@@ -103,7 +106,7 @@ def replace_region(gm: torch.fx.GraphModule, flow: Dataflow, region: Region, a: 
     B, HV = tensor_value(v).shape[0], tensor_value(v).shape[2]
     if h0 is not None and tensor_value(h0).dim() == 3:  # a flattened [B*HV, K, V] state
         h0 = em.emit("call_method", "reshape", [h0, B, HV, *tensor_value(h0).shape[-2:]])
-    ir = em.emit("call_function", DELTA_RULE, [q, k, v, g, beta, h0, None, float(a.scale), spec.to_string()])
+    ir = em.emit("call_function", DELTA_RULE, [q, k, v, g, beta, h0, None, abs(float(a.scale)), spec.to_string()])
     ir.meta["laqat"] = LaqatMeta(spec=spec, frontend="torch", module=module_name(meta_from),
                                  region=[n.name for n in sorted(region.nodes, key=flow.pos.__getitem__)])
     o = em.emit("call_function", operator.getitem, [ir, 0])

@@ -4,7 +4,8 @@ The region's frontier tensors are assigned roles (q, k, v, g, beta, initial stat
 layouts ([B, T, H, D] or [B, H, T, D], found from the sequence dim; D last). For each
 assignment the region runs on random float64 probe inputs (``probe.py``) and is compared
 with the fp64 delta rule (``reference.py``); the only free parameter, the query scale, is
-fitted by least squares and must be positive. A match below ``TOL`` relative L2 on
+fitted by least squares and must be nonzero (a negative one is a readout of the negated query, ``S^T (-q)``:
+the IR node reads ``-q``). A match below ``TOL`` relative L2 on
 independent random inputs is a randomized identity test of the algebra (the region is a
 fixed composition of polynomial, exp and masking ops; a wrong einsum string, time index,
 sign or mask changes the values at random points with probability one).
@@ -90,6 +91,12 @@ class Assignment:
         """The role's value in [B, T, H, D] on float64 probes, after its entry chain."""
         x = self.chain(role).apply64(env[self.h0 if role == "h0" else getattr(self, role).node])
         return x if role == "h0" else getattr(self, role).to_ir(x)
+
+    @property
+    def query_sign(self) -> float:
+        """-1 for a readout of the negated query (``S^T (-q)``): the IR node reads ``-q`` with the scale ``|scale|``
+        (its scale is positive)."""
+        return -1.0 if self.scale < 0 else 1.0
 
     def describe(self) -> str:
         return (f"{self.kind}: q={self.q.node.name} k={self.k.node.name} v={self.v.node.name} "
@@ -338,7 +345,7 @@ def _compare(a: Assignment, env, got, steps, variant: Variant, token: bool):
     if denom == 0:
         return math.inf, 0.0
     c = (o_got * o_ref).sum().item() / denom
-    err = rel_err(o_got, c * o_ref) if c > 0 else math.inf
+    err = rel_err(o_got, c * o_ref) if c != 0 else math.inf  # c < 0: a negated query (``S^T (-q)``)
     if s_got is not None:
         if token:
             _, s_ref = _reference(a, env, 1, variant)
@@ -442,8 +449,8 @@ def _feeds_exp(region: Region, node, depth: int = 6) -> bool:
 
 def _snap_scale(c: float, head_k: int) -> float:
     for nice in (head_k ** -0.5, 1.0):
-        if abs(c - nice) <= 1e-9 * nice:
-            return nice
+        if abs(abs(c) - nice) <= 1e-9 * nice:
+            return math.copysign(nice, c)
     return c
 
 

@@ -65,7 +65,10 @@ def time_slices(node: torch.fx.Node) -> list[TimeSlice]:
             if sv is None:
                 return []
             d = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else 0) % sv.dim()
-            return [TimeSlice(node, src.args[0], d, index % sv.shape[d], False, (src.args[0], d, False, "unbind"))]
+            size = static_int(sv.shape[d])
+            if size is None:
+                return []
+            return [TimeSlice(node, src.args[0], d, index % size, False, (src.args[0], d, False, "unbind"))]
         sv = tensor_value(src)
         if sv is None:
             return []
@@ -97,5 +100,8 @@ def time_slices(node: torch.fx.Node) -> list[TimeSlice]:
         if sv is None or len(node.args) < 3 or not isinstance(node.args[2], int):
             return []
         d = node.args[1] % sv.dim()
-        return [TimeSlice(node, src, d, node.args[2] % sv.shape[d], False, (src, d, False, "select"))]
+        size = static_int(sv.shape[d])
+        if size is None:
+            return []
+        return [TimeSlice(node, src, d, node.args[2] % size, False, (src, d, False, "select"))]
     return []

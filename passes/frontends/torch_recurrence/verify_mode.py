@@ -101,9 +101,11 @@ class _Check:
 
     # ---- the IR side ----------------------------------------------------------------------------
     def ir_inputs(self, env):
-        """q, k, v, g, beta in [B, T, H, D] as the replacement feeds them (entry chains, log of a decay)."""
+        """q, k, v, g, beta in [B, T, H, D] as the replacement feeds them (entry chains, a negated query, log of a
+        decay)."""
         a = self.a
         q, k, v, g, beta = (a.ir_input64(role, env) for role in ("q", "k", "v", "g", "beta"))
+        q = q * a.query_sign
         if a.decay_form == "exp":
             g = g.log()
         return q, k, v, g, beta
@@ -119,7 +121,8 @@ class _Check:
         """The IR node on tokens start .. stop - 1 of the first ``nb`` batch elements from state h0:
         (o [nb, L, HV, V], final state)."""
         q, k, v, g, beta = (x[:self.nb, start:stop].contiguous() for x in inputs)
-        return torch.ops.laqat.delta_rule(q, k, v, g, beta, self.ir_state(h0), None, float(self.a.scale), self.spec)
+        scale = abs(float(self.a.scale))  # a negated query is negated in ir_inputs
+        return torch.ops.laqat.delta_rule(q, k, v, g, beta, self.ir_state(h0), None, scale, self.spec)
 
     def region_part(self, node, x):
         """A frontier tensor (or its gradient) of the region, in the IR's layout, first ``nb`` batch elements;

@@ -1,0 +1,53 @@
+"""Which compiler runs a rewritten graph (the hand-off), and why (docs/options.md, "Hand-off").
+
+``options["compiler"]``, where the user gives it, is used as given. Unset, the graph's devices decide: Inductor
+where a tensor of the graph lives on an accelerator (CUDA, XPU, ...), eager where every tensor is on the CPU:
+there Inductor's C++ build costs a minute or more of the first step and its later steps were no faster
+(measured: docs/options.md, "Hand-off").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
+
+
+@dataclasses.dataclass(frozen=True)
+class HandOff:
+    compiler: str  # "inductor" | "eager"
+    reason: str  # why: the option, or the devices the default was chosen by
+
+
+def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
+    """The device types of the graph's inputs and of every value it computes (Dynamo's example values), so that a
+    graph that creates its tensors on a GPU from CPU inputs counts as a GPU graph."""
+    values = list(example_inputs) + [node.meta.get("example_value") for node in gm.graph.nodes]
+    return {leaf.device.type for leaf in tree_leaves(values) if isinstance(leaf, torch.Tensor)}
+
+
+def choose_hand_off(option: str | None, gm: torch.fx.GraphModule, example_inputs) -> HandOff:
+    if option is not None:
+        return HandOff(option, "options['compiler']")
+    accelerators = sorted(graph_devices(gm, example_inputs) - {"cpu", "meta"})
+    if accelerators:
+        return HandOff(DEVICE_HAND_OFF, f"default: the graph's tensors are on {', '.join(accelerators)}")
+    return HandOff(CPU_HAND_OFF, "default: every tensor of the graph is on the CPU")
+
+
+def compile_rewritten(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> Callable:
+    """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler."""
+    if choice.compiler == "eager":
+        return graph.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    # AOTAutograd rebuilds an output that aliases an intermediate (FLA's logits view) by replaying the
+    # view's recorded ViewMeta sequence; on torch 2.11 + CUDA that replay read garbage sizes
+    # ("shape '[140323329983992, 8766216997877507016, 32000]' is invalid", GatedDeltaNetForCausalLM at
+    # T=4096). Without replay it rebuilds the alias with as_strided from the output's own size, stride and
+    # offset: the same view of the same storage.
+    with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
+        return compile_fx(graph, inputs)

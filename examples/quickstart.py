@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import la_compiler  # noqa: E402
 from la_compiler.backend import last_record  # noqa: E402
-from la_compiler.policy_attach import POLICY_KEY  # noqa: E402
+from la_compiler.policy.attach import POLICY_KEY  # noqa: E402
 from la_compiler.tiny_models import TinyConfig, TinyHybridLM  # noqa: E402
 
 QAT_STEPS = 3

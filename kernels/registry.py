@@ -22,7 +22,7 @@ names); a spec that sets another (``n.<name>``) is refused for it before its ``s
 A variant that keeps work for its backward also gives ``residual_size(spec, q, v, cu_seqlens) -> int`` (elements
 of an fp32 buffer; 0 where a spec keeps nothing); its forward then takes ``save_to=`` (the buffer to
 fill) and its backward ``saved=`` (the filled buffer). Training graphs call it through
-``laqat::delta_rule_train`` (``ir.py``).
+``laqat::delta_rule_train`` (``la_compiler/ir/delta_rule.py``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.ir.spec import RecurrenceSpec
 
 IMPLEMENTATIONS = ("triton", "torch")  # what a policy's `implementation:` key selects
 

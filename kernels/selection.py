@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from la_compiler.error_base import LaqatError
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.registry import SelectionContext, get_variant, registered
-from la_compiler.spec import RecurrenceSpec
 
 
 class KernelSelectionError(LaqatError, RuntimeError):

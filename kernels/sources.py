@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.kernels.registry import get_variant, spec_of, variant_names
-from la_compiler.spec import RecurrenceSpec
 
 
 def kernel_modules_for_spec(spec: RecurrenceSpec | str) -> dict[str, ModuleType]:

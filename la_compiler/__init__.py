@@ -4,7 +4,7 @@
     print(la_compiler.explain(model, batch))
 
 The public names are imported lazily, so that ``la_compiler.kernels`` and
-``la_compiler.passes`` can import the floor modules (spec, ir) without a circle.
+``la_compiler.passes`` can import the floor modules (ir.spec, ir.delta_rule) without a circle.
 """
 from __future__ import annotations
 
@@ -15,24 +15,24 @@ __version__ = "0.1.0"
 _LAZY = {
     "explain": "la_compiler.explainer",
     "ExplainReport": "la_compiler.explainer",
-    "Policy": "la_compiler.policy",
-    "attach_policy": "la_compiler.policy_attach",
-    "policy_of": "la_compiler.policy_attach",
-    "load_state_dict": "la_compiler.policy_attach",
+    "Policy": "la_compiler.policy.resolution",
+    "attach_policy": "la_compiler.policy.attach",
+    "policy_of": "la_compiler.policy.attach",
+    "load_state_dict": "la_compiler.policy.attach",
     "phase": "la_compiler.phase",
-    "PolicyError": "la_compiler.policy",
-    "load_policy": "la_compiler.policy",
+    "PolicyError": "la_compiler.policy.file_format",
+    "load_policy": "la_compiler.policy.resolution",
     "NumericsOptions": "la_compiler.options",
     "OptionsError": "la_compiler.options",
     "TuningOptions": "la_compiler.options",
-    "RecurrenceSpec": "la_compiler.spec",
-    "RecurrenceSplitError": "la_compiler.ddp_buckets",
+    "RecurrenceSpec": "la_compiler.ir.spec",
+    "RecurrenceSplitError": "la_compiler.hand_off.ddp_buckets",
     "laqat_backend": "la_compiler.backend",
     "SlowKernelWarning": "la_compiler.errors",
     "LaqatError": "la_compiler.error_base",
-    "PolicyWarning": "la_compiler.policy_schema",
-    "UnmatchedPolicyRuleWarning": "la_compiler.policy_schema",
-    "NothingQuantizedWarning": "la_compiler.policy_schema",
+    "PolicyWarning": "la_compiler.policy.file_format",
+    "UnmatchedPolicyRuleWarning": "la_compiler.policy.file_format",
+    "NothingQuantizedWarning": "la_compiler.policy.file_format",
     "NoFastKernelError": "la_compiler.kernels.selection",
     "KernelSelectionError": "la_compiler.kernels.selection",
 }

@@ -8,7 +8,7 @@ Without a ``policy`` option (or with None) a graph gets the policy attached to t
 numerics. ``tuning`` (``la_compiler.options.TuningOptions`` fields: how the chunk kernels launch and what they
 keep for the backward) goes into every node's spec (docs/options.md). ``compiler`` is what runs the rewritten graph
 (the hand-off): as given, else Inductor for a graph with tensors on a GPU and eager for a CPU-only graph
-(``la_compiler.hand_off``; docs/options.md, "Hand-off").
+(``la_compiler.hand_off.compiler_choice``; docs/options.md, "Hand-off").
 
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
@@ -27,18 +27,18 @@ from typing import Any, Callable
 
 import torch
 
-from la_compiler.ddp_buckets import check_pieces
-import la_compiler.ir_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
+from la_compiler.hand_off.ddp_buckets import check_pieces
+import la_compiler.ir.log_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
 from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
-from la_compiler.hand_off import choose_hand_off, compile_rewritten
-from la_compiler.module_specialize import ModuleSpecializedGraph
+from la_compiler.hand_off.compiler_choice import choose_hand_off, compile_rewritten
+from la_compiler.hand_off.module_specialized_graph import ModuleSpecializedGraph
 from la_compiler.options import DEFAULT_TUNING, HAND_OFFS, OptionsError, TuningOptions
 from la_compiler.passes.frontends import install_trace_frontends
 from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
-from la_compiler.policy import Policy, load_policy
-from la_compiler.policy_attach import attached_policy_source
-from la_compiler.policy_guard import PolicyGuardedGraph
+from la_compiler.policy.resolution import Policy, load_policy
+from la_compiler.policy.attach import attached_policy_source
+from la_compiler.policy.guard import PolicyGuardedGraph
 from la_compiler.record import CompileRecord
 
 COMPILERS = tuple(HAND_OFFS)
@@ -53,7 +53,7 @@ class BackendOptionsError(LaqatError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
     policy: Policy | None  # None: not given (the attached policy, else exact numerics)
-    compiler: str | None = None  # what runs the rewritten graph; None: chosen by device (la_compiler.hand_off)
+    compiler: str | None = None  # what runs the rewritten graph; None: chosen by device (la_compiler.hand_off.compiler_choice)
     verify: bool = False  # the thorough rewrite check (the whole region); a bounded one runs on every compile
     tuning: TuningOptions = DEFAULT_TUNING  # the chunk kernels' launches (docs/options.md)
 

@@ -40,7 +40,8 @@ def _fail(command: str, message) -> int:
 # ---- laqat recipes ----------------------------------------------------------------------------
 
 def _cmd_recipes(args) -> int:
-    from la_compiler.policy import PolicyError, load_recipe
+    from la_compiler.policy.file_format import PolicyError
+    from la_compiler.policy.resolution import load_recipe
     from la_compiler.recipes import SERVES, recipe_names, recipe_path
 
     if args.name is not None:
@@ -64,14 +65,15 @@ def _cmd_recipes(args) -> int:
 # ---- laqat policy check / schema -------------------------------------------------------------
 
 def _cmd_policy_schema(args) -> int:
-    from la_compiler.policy_json_schema import SCHEMA_PATH
+    from la_compiler.policy.json_schema import SCHEMA_PATH
 
     print(SCHEMA_PATH.read_text(), end="")
     return 0
 
 
 def _cmd_policy_check(args) -> int:
-    from la_compiler.policy import PolicyError, load_policy
+    from la_compiler.policy.file_format import PolicyError
+    from la_compiler.policy.resolution import load_policy
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -140,7 +142,8 @@ def _check_on_layers(policy, layers) -> int:
     many layers it cannot resolve."""
     import fnmatch
 
-    from la_compiler.policy import PolicyError, quantizer_name, quantizer_sites
+    from la_compiler.policy.file_format import PolicyError
+    from la_compiler.policy.quantizer_names import quantizer_name, quantizer_sites
 
     print("rules:")
     for i, rule in enumerate(policy.quant_cfg):
@@ -234,7 +237,7 @@ _SPEC_FIELDS = {"kind": "gdn or kda", "src": "the frontend that produced the nod
 def _cmd_spec(args) -> int:
     from la_compiler.quant import QuantConfig
     from la_compiler.quant.config import QuantConfigError
-    from la_compiler.spec import RecurrenceSpec, SpecError
+    from la_compiler.ir.spec import RecurrenceSpec, SpecError
 
     try:
         spec = RecurrenceSpec.parse(args.spec)
@@ -301,7 +304,7 @@ def _cmd_source(args) -> int:
     from la_compiler.kernels.common.errors import KernelParamsError
     from la_compiler.kernels.selection import KernelSelectionError
     from la_compiler.kernels.sources import constexprs_of_spec, kernel_modules_for_spec
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.ir.spec import RecurrenceSpec
 
     chosen = None
     try:

@@ -12,7 +12,7 @@ the environment it reads.
   rule's ``decode`` and ``serving`` keys and the state quantizer and writes them into the spec (``phase``,
   ``q.state``, ``x.<key>=<value>``); the decode kernels and the fp64 reference read them with ``decode_options``.
 * ``HAND_OFFS``: the values of ``options={"compiler": ...}`` (what runs a rewritten graph) and the default's choice
-  by device (``la_compiler.hand_off``).
+  by device (``la_compiler.hand_off.compiler_choice``).
 * ``ENVIRONMENT`` lists every ``LAQAT_*`` variable; the only one laqat itself reads is ``LAQAT_CACHE_DIR``, here.
 
 The option classes are frozen dataclasses validated in ``__post_init__``; a bad value is an ``OptionsError``
@@ -34,7 +34,7 @@ from la_compiler.quant.config import QuantConfig, QuantConfigError
 from la_compiler.suggest import did_you_mean
 
 if TYPE_CHECKING:
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.ir.spec import RecurrenceSpec
 
 
 class OptionsError(LaqatError, ValueError):
@@ -121,7 +121,7 @@ KEY_BLOCKS = (None, 16, 32, 64, 128)
 @dataclasses.dataclass(frozen=True)
 class NumericsOptions(_Options):
     """How the chunk kernels multiply, where that changes result bits. The defaults are laqat's numerics as
-    measured (docs/kernels-chunk.md); every other value is a documented alternative of the same contract."""
+    measured (docs/kernels-chunk-measurements.md); every other value is a documented alternative of the same contract."""
 
     SPEC_PREFIX = "n."
 
@@ -177,7 +177,7 @@ DEFAULT_NUMERICS = NumericsOptions()
 DEFAULT_TUNING = TuningOptions()
 
 
-# ---- the hand-off: what runs a rewritten graph (``options={"compiler": ...}``; la_compiler/hand_off.py) ----------
+# ---- the hand-off: what runs a rewritten graph (``options={"compiler": ...}``; la_compiler/hand_off/compiler_choice.py) ----------
 
 HAND_OFFS = {
     "inductor": "Inductor compiles the graph around laqat's ops: AOTAutograd traces the forward and the backward, "
@@ -198,6 +198,40 @@ TILE_CODECS = ("fp8_e4m3", "int8", "int8_h32")  # decode state codecs with one s
 BLOCK_CODECS = ("fp8_e4m3", "int8")  # decode state codecs with one scale per key row and N values (block<N>)
 SERVING_PROFILES = ("vllm-0.33",)  # <engine>-<release>: the servers whose decode laqat reproduces
 SERVING_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # vLLM's --mamba-ssm-cache-dtype
+SERVING_RELEASES = {"vllm-0.33": "0.33.0"}  # the release each profile reproduces (the parity tests' wheel)
+# The prefill kernels a server can run: laqat reproduces the first (vLLM's Triton copy of FLA); the others are
+# compiled CUDA kernels, refused by the policy (docs/serving.md).
+SERVING_PREFILL_BACKENDS = ("triton", "flashinfer", "flashkda")
+# Which kernels compute a serving profile's forward: the server's own (its package importable), laqat's
+# reproduction, or auto (the server's where they are importable at the profile's release, else laqat's).
+SERVING_FORWARDS = ("auto", "server", "laqat")
+# The server's settings whose numerics each profile reproduces, per recurrence kind (besides the cache dtype,
+# --mamba-ssm-cache-dtype, which the profile's state_dtype names).
+SERVING_PINS = {
+    ("vllm-0.33", "gdn"): (
+        "--gdn-prefill-backend triton (vLLM's default on Hopper is flashinfer)",
+        "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=1 (the default: the packed Triton decode)",
+        "VLLM_TRITON_FORCE_FIRST_CONFIG=1 (autotuned kernels run their first config)",
+        "no speculative decoding"),
+    ("vllm-0.33", "kda"): (
+        "--kda-prefill-backend triton (Kimi-K3's default on NVIDIA is flashkda)",
+        "--kda-decode-backend triton",
+        "no gate_lower_bound",
+        "VLLM_TRITON_FORCE_FIRST_CONFIG=1 (autotuned kernels run their first config)",
+        "no speculative decoding"),
+}
+
+
+def serving_summary(profile: str, kind: str, state_dtype: str, forward: str) -> str:
+    """What a serving profile reproduces, in words (``la_compiler.explain``'s policy lines): the server's release,
+    its kernels, the settings that change its numerics, and which kernels run the forward."""
+    engine = profile.partition("-")[0]
+    release = SERVING_RELEASES[profile]
+    cache = {"auto": "auto (GDN: the model's dtype; KDA: float32)"}.get(state_dtype, state_dtype)
+    kernels = ("prefill: Triton chunk_gated_delta_rule, decode: Triton fused_recurrent packed decode" if kind == "gdn"
+               else "prefill: Triton chunk_kda, decode: Triton fused_recurrent_kda")
+    return (f"{engine} {release} {kind.upper()} ({kernels}); --mamba-ssm-cache-dtype {cache}; "
+            f"{'; '.join(SERVING_PINS[profile, kind])}; forward: {forward}")
 
 
 class DecodeOptionsError(OptionsError):
@@ -255,6 +289,11 @@ class DecodeOptions:
         "with `serving` only (the policy's default there: `auto`): the server's state-cache dtype, the state "
         "rounded to it (nearest even) on load, at the handoff and at every decode write, after the codec; `auto` is "
         "vLLM's rule (GDN: the dtype of v; KDA: float32); `float32` rounds nothing"))
+    forward: str = decode_option("laqat", spec="x.forward", policy="serving.forward", choices=("laqat", "server"),
+                                 doc=(
+        "with `serving` only: which kernels compute the forward, `laqat`'s reproduction or the `server`'s own "
+        "(vLLM's Triton kernels, imported from its package; no state codec); the backward is laqat's either way. "
+        "The policy's `auto` (its default) resolves to one of them; the spec writes `x.forward` only for `server`"))
 
     def __post_init__(self):
         if isinstance(self.state_codec, str):
@@ -283,6 +322,11 @@ class DecodeOptions:
                                      "state codec", "factor_qdq")
         if self.serving is None and self.state_dtype != "float32":
             raise DecodeOptionsError("the serving cache's dtype, only with x.serving", "state_dtype")
+        if self.forward == "server" and self.serving is None:
+            raise DecodeOptionsError("the server's own forward kernels, only with x.serving", "forward")
+        if self.forward == "server" and self.state_codec is not None:
+            raise DecodeOptionsError(f"the server's kernels round the state to its cache dtype only; a state codec "
+                                     f"({self.state_codec.to_string()}) needs laqat's forward", "forward")
         unserved = unserved_decode(self.mode, self.readout, self.decay_log_step, self.codec)
         if self.serving is not None and unserved:
             raise DecodeOptionsError(f"{self.serving} decodes as that server does: it needs "
@@ -356,6 +400,8 @@ class DecodeOptions:
         extra = {"readout": self.readout}
         if self.serving is not None:
             extra.update(serving=self.serving, state_dtype=self.state_dtype)
+        if self.forward == "server":
+            extra["forward"] = "server"
         if self.decay_log_step is not None:
             extra["decay_log_step"] = repr(self.decay_log_step)
         if self.mode == "replay":

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from la_compiler.hand_off_doc import hand_off_section
+from la_compiler.hand_off.options_doc_section import hand_off_section
 from la_compiler.options import ENVIRONMENT, DecodeOptions, NumericsOptions, TuningOptions, spelling
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "options.md"

@@ -17,11 +17,11 @@ import logging
 import torch
 
 from la_compiler.errors import warn_at_caller
-from la_compiler.ir import is_delta_rule
+from la_compiler.ir.delta_rule import is_delta_rule
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.options import DEFAULT_TUNING, TuningOptions
-from la_compiler.policy import Policy, PolicyError
-from la_compiler.policy_schema import NothingQuantizedWarning, UnmatchedPolicyRuleWarning
+from la_compiler.policy.file_format import NothingQuantizedWarning, PolicyError, UnmatchedPolicyRuleWarning
+from la_compiler.policy.resolution import Policy
 from la_compiler.record import GraphRecord
 
 __all__ = ["annotate", "NothingQuantizedWarning", "UnmatchedPolicyRuleWarning"]
@@ -46,12 +46,13 @@ def annotate(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, *, p
             res = policy.resolve(meta.module, meta.kind)
             chunk, kept = _chunk(meta, res, where)
             spec = meta.spec.replace(quant=res.quant, acc=res.acc, solve=res.solve, degree=res.degree,
-                                     chunk=chunk, phase=res.phase, extra=res.extra, numerics=res.numerics)
+                                     chunk=chunk, chunk_passed=False, phase=res.phase, extra=res.extra,
+                                     numerics=res.numerics)
         except PolicyError as e:
             raise PolicyError(f"{where}: {e}") from None
         if res.backend is not None or res.implementation is not None:
             _check_requested_kernel(node, spec, res, where)
-        if spec != meta.spec.replace(tuning=()):
+        if spec != meta.spec.replace(tuning=(), chunk_passed=False):
             changed += 1
         spec = spec.replace(tuning=tuning)
         meta.spec = spec
@@ -107,16 +108,16 @@ def _check_recompile(count: int, policy: Policy, record: GraphRecord) -> None:
         warn_at_caller(note, NothingQuantizedWarning)
 
 
-DEFAULT_CHUNK = 64  # FLA's chunk_size default, and a policy's chunk_size default
+DEFAULT_CHUNK = 64  # a policy's chunk_size default
 
 
 def _chunk(meta, res, where: str) -> tuple[int, list[str]]:
-    """The chunk size a node runs with: what the program passed is never replaced. An FLA call's ``chunk_size``
-    (its spec's chunk, off FLA's default 64) is kept where the policy leaves chunk_size at its default; a policy
-    that sets another one is an error naming both (under a quantizing policy the state rounds at every chunk
-    boundary: other chunks are other numerics). Else the policy's chunk size."""
+    """The chunk size a node runs with: what the program passed is never replaced. A chunk size the call passed
+    (the spec's ``chunk=N:passed``: an FLA call's ``chunk_size=N``, 64 included) is kept where the policy leaves
+    chunk_size at its default; a policy that sets another one is an error naming both (under a quantizing policy
+    the state rounds at every chunk boundary: other chunks are other numerics). Else the policy's chunk size."""
     call = meta.spec.chunk
-    if meta.frontend != "fla" or call == DEFAULT_CHUNK or call == res.chunk:
+    if not meta.spec.chunk_passed or call == res.chunk:
         return res.chunk, []
     if res.chunk == DEFAULT_CHUNK:
         return call, [f"chunk_size={call} from the FLA call kept (the policy leaves chunk_size at {DEFAULT_CHUNK})"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from la_compiler.ir import LaqatMeta, is_delta_rule, node_spec
+from la_compiler.ir.delta_rule import LaqatMeta, is_delta_rule, node_spec
 from la_compiler.passes.module_names import module_name
 
 

@@ -18,15 +18,15 @@ import math
 import torch
 
 from la_compiler.errors import SlowKernelWarning, warn_at_caller
-from la_compiler.ir import is_delta_rule
+from la_compiler.ir.delta_rule import is_delta_rule
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.recurrent.variant import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA
 from la_compiler.kernels.registry import get_variant
 from la_compiler.kernels.selection import (TOKEN_BY_TOKEN, KernelSelectionError, NoFastKernelError, Selection,
                                            select_kernel)
 from la_compiler.passes.annotate import _set_spec_arg
-from la_compiler.policy import quantizer_sites
+from la_compiler.policy.quantizer_names import quantizer_sites
 from la_compiler.record import GraphRecord
-from la_compiler.spec import RecurrenceSpec
 
 
 def static_int(size) -> int | None:

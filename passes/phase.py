@@ -5,7 +5,7 @@ Every ``laqat::delta_rule`` node whose spec has ``phase=token|replay`` becomes
     lengths = laqat.phase_lengths(q, cu_seqlens)
     out     = laqat.delta_rule_phased(q, k, v, g, beta, h0, cu_seqlens, lengths[0], lengths[1], scale, spec)
 
-(la_compiler/ir_phase.py says why). Runs after ``lower``, so the spec already names its
+(la_compiler/ir/delta_rule_phased.py says why). Runs after ``lower``, so the spec already names its
 kernel variant; ``node.meta["laqat"]`` moves to the new node.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import operator
 
 import torch
 
-from la_compiler.ir import is_delta_rule, node_spec
-from la_compiler.ir_phase import DELTA_RULE_PHASED, PHASE_LENGTHS
+from la_compiler.ir.delta_rule import is_delta_rule, node_spec
+from la_compiler.ir.delta_rule_phased import DELTA_RULE_PHASED, PHASE_LENGTHS
 
 
 def _arg(node: torch.fx.Node, i: int, name: str):

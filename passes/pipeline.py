@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from la_compiler.ir import is_delta_rule
-from la_compiler.ir_phase import is_delta_rule_phased
+from la_compiler.ir.delta_rule import is_delta_rule
+from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
 from la_compiler.options import DEFAULT_TUNING, TuningOptions
 from la_compiler.passes.annotate import annotate
 from la_compiler.passes.attach_meta import attach_meta
@@ -15,7 +15,7 @@ from la_compiler.passes.lower import lower
 from la_compiler.passes.module_names import graph_module_names
 from la_compiler.passes.phase import split_phases
 from la_compiler.passes.verify import verify_ir
-from la_compiler.policy import Policy
+from la_compiler.policy.resolution import Policy
 from la_compiler.record import GraphRecord, Match
 
 

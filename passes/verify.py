@@ -6,8 +6,8 @@ import operator
 import torch
 
 from la_compiler.errors import LaqatError
-from la_compiler.ir import LaqatMeta, is_delta_rule, node_spec
-from la_compiler.ir_checks import check_tensors
+from la_compiler.ir.checks import check_tensors
+from la_compiler.ir.delta_rule import LaqatMeta, is_delta_rule, node_spec
 
 
 class IRVerificationError(LaqatError, RuntimeError):

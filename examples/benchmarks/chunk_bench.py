@@ -42,14 +42,14 @@ ensure_la_compiler()
 
 from triton.testing import do_bench  # noqa: E402
 
-import la_compiler.ir  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
-from la_compiler.options import NumericsOptions, TuningOptions  # noqa: E402
+import la_compiler.ir.delta_rule  # noqa: E402,F401  (registers torch.ops.laqat.delta_rule)
+from la_compiler.ir.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.chunk.bwd import chunk_bwd  # noqa: E402
-from la_compiler.kernels.chunk.params import ChunkParams, unsupported  # noqa: E402
 from la_compiler.kernels.chunk.fwd import chunk_fwd  # noqa: E402
+from la_compiler.kernels.chunk.params import ChunkParams, unsupported  # noqa: E402
 from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference  # noqa: E402
-from la_compiler.spec import GEMM_SITES, RecurrenceSpec  # noqa: E402
+from la_compiler.options import NumericsOptions, TuningOptions  # noqa: E402
 
 SHAPES = [(1, 1024, 4, 64), (1, 4096, 16, 128), (8, 4096, 16, 128)]
 OPERANDS = [f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs") if (s, side) != ("state_read", "lhs")]

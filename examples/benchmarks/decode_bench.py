@@ -46,15 +46,15 @@ ensure_la_compiler()
 
 from triton.testing import do_bench  # noqa: E402
 
-import la_compiler.ir  # noqa: E402,F401  (registers laqat::delta_rule)
-import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
+import la_compiler.ir.delta_rule  # noqa: E402,F401  (registers laqat::delta_rule)
+import la_compiler.ir.delta_rule_phased  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401  (registers the kernel variants)
+from la_compiler.ir.spec import RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.decode import fused as decode_fused  # noqa: E402
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference  # noqa: E402
 from la_compiler.kernels.selection import select_kernel  # noqa: E402
 from la_compiler.options import decode_options  # noqa: E402
-from la_compiler.policy import load_policy  # noqa: E402
-from la_compiler.spec import RecurrenceSpec  # noqa: E402
+from la_compiler.policy.resolution import load_policy  # noqa: E402
 
 POLICIES = {
     # name: spec (state FP8 E4M3 per [K x 64] tile, as the seeds' decode study)

@@ -32,7 +32,7 @@ ensure_la_compiler()
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
+import la_compiler.ir.delta_rule_phased  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401  (registers the kernel variants)
 from decode_bench import compare_spec, parse_shape  # noqa: E402
 from la_compiler.kernels.decode import kernels, suffix  # noqa: E402

@@ -27,8 +27,8 @@ import torch
 
 import la_compiler
 import la_compiler.backend  # noqa: F401  (installs the FLA substitutions)
-from la_compiler.passes.frontends.fla_conv_op import causal_conv1d_reference
-from la_compiler.passes.frontends.fla_norm_op import layer_norm_gated_reference
+from la_compiler.kernels.fla.conv_op import causal_conv1d_reference
+from la_compiler.kernels.fla.norm_op import layer_norm_gated_reference
 
 ROWS: list[dict] = []
 

@@ -16,7 +16,7 @@ twice, with the forward's residual and without it (``*_recomputed``: the path th
 A case the variant refuses is recorded with its error (two cases are refusals on purpose: the refusal is
 part of what is compared).
 
-Only the stable entry points are used (``la_compiler.kernels.registry.get_variant``, ``la_compiler.spec``),
+Only the stable entry points are used (``la_compiler.kernels.registry.get_variant``, ``la_compiler.ir.spec``),
 never a kernels submodule, so the same script fingerprints a tree before and after its kernels move.
 
 The JSON: ``{case: {tensor: sha256, ..., "_max_abs": {tensor: float}, "_nonfinite": {tensor: count},
@@ -156,7 +156,7 @@ OUTPUT_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 def build_cases(shapes: str) -> dict[str, dict]:
     """case name -> what to run (variant, spec string, kind, layout, shape, dtype, decode lengths)."""
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.ir.spec import RecurrenceSpec
 
     gpu = shapes == "gpu"
     cases = {}

@@ -66,8 +66,8 @@ ensure_la_compiler()
 
 import la_compiler  # noqa: E402
 import la_compiler.backend  # noqa: E402
-from la_compiler.policy import load_policy  # noqa: E402
-from la_compiler.policy_schema import PolicyError  # noqa: E402
+from la_compiler.policy.file_format import PolicyError  # noqa: E402
+from la_compiler.policy.resolution import load_policy  # noqa: E402
 from la_compiler.recipes import recipe_names  # noqa: E402
 
 MODULE = "model.layers.0.attn"  # how FLA's causal LMs name a layer's attention (policies match it)
@@ -111,7 +111,7 @@ def plan(name: str, family: str):
 def expected_kernel(policy, family: str, args) -> str:
     """The variant the selection table gives the row's spec on CUDA in bf16 (FLA's own GPU guards not evaluated)."""
     from la_compiler.kernels.selection import select_kernel
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.ir.spec import RecurrenceSpec
 
     res = load_policy(policy).resolve(MODULE, family)
     spec = RecurrenceSpec(family, src="fla", quant=res.quant, acc=res.acc, solve=res.solve, degree=res.degree,

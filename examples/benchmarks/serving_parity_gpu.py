@@ -9,7 +9,10 @@
    laqat runs the profile's spec (decode_serving) once. GDN (bf16 / fp16 / fp32 cache) and KDA (bf16 / fp32).
    Per case: suffix outputs and final states equal bit for bit or not (how many differ, by how many units
    in the last place), prefix outputs (units of the token's largest output, relative L2); then the same with
-   the decode kernels at 4 warps instead of vLLM's own count (whether Triton's sums depend on it).
+   the decode kernels at 4 warps instead of vLLM's own count (whether Triton's sums depend on it); then the
+   profile with ``serving.forward: server`` (kernels/decode/server_forward.py: vLLM's kernels compute the forward,
+   laqat's reproduction the backward): its outputs and final state against ``serve``'s (bit for bit), its input
+   gradients against ``serving.forward: laqat``'s.
 2. fwd+bwd timing through ``laqat::delta_rule_phased`` per profile (the recipes vllm_gdn_state_bf16,
    vllm_kda_state_bf16, ``precision: vllm`` / ``vllm_kimi_k3``) at that shape and at decode_bench.py's KDA
    [1, 257, 4, 128] prefix 64, against FLA's exact chunk kernels (fwd+bwd). Target: <= 2x FLA.
@@ -34,12 +37,12 @@ sys.path.insert(0, str(REPO))  # tests/serving: the oracle and vLLM's serving lo
 
 from triton.testing import do_bench  # noqa: E402
 
-import la_compiler.ir_phase  # noqa: E402,F401  (registers laqat::delta_rule_phased)
+import la_compiler.ir.delta_rule_phased  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401
+from la_compiler.ir.spec import RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.decode import suffix as decode_suffix  # noqa: E402
 from la_compiler.kernels.registry import get_variant  # noqa: E402
-from la_compiler.policy import Policy, load_policy  # noqa: E402
-from la_compiler.spec import RecurrenceSpec  # noqa: E402
+from la_compiler.policy.resolution import Policy, load_policy  # noqa: E402
 from tests.serving import vllm_oracle  # noqa: E402
 from tests.serving.vllm_serving import serve  # noqa: E402
 
@@ -69,8 +72,13 @@ def _inputs(kind, B, T, H, D, device="cuda"):
     return q, k, v, g, beta
 
 
-def _spec(kind, policy) -> RecurrenceSpec:
-    res = load_policy(policy).resolve("model.layers.0.attn", kind)
+def _spec(kind, policy, forward="laqat") -> RecurrenceSpec:
+    """The profile's spec with ``serving.forward`` set (``auto`` would pick vLLM's kernels once the oracle is
+    loaded)."""
+    policy = load_policy(policy).to_dict()
+    for rule in policy["linear_attention"]:
+        rule["cfg"]["serving"]["forward"] = forward
+    res = Policy.from_dict(policy).resolve("model.layers.0.attn", kind)
     return RecurrenceSpec(kind, state="vk", phase=res.phase, quant=res.quant, extra=res.extra,
                           kernel="decode_serving")
 
@@ -108,7 +116,54 @@ def parity(vllm, kind, cfg, cache, T=4096, H=16, D=128, prefix=2048, device="cud
             "state_ulps": _units(ht, h_ref, mantissa, False), "state_rel_l2": rel_l2(ht, h_ref),
             "prefix_equal": bool(torch.equal(pre, pre_ref)), "prefix_row_ulps": _units(pre, pre_ref, 7, True),
             "prefix_rel_l2": rel_l2(pre, pre_ref)}
+    row["server_forward"] = server_forward_check(kind, policy, q, k, v, g, beta, o_ref, h_ref, prefix, device)
+    try:
+        row["decode_only"] = decode_only(vllm, kind, spec, cache, H=H, D=D, device=device)
+    except Exception as e:  # noqa: BLE001 (reported in the table)
+        traceback.print_exc()
+        row["decode_only"] = {"error": repr(e)}
     return row
+
+
+def decode_only(vllm, kind, spec, cache, T=256, H=16, D=128, device="cuda") -> dict:
+    """The decode kernels alone: no prefix, the same initial state (stored in the cache dtype by both), T decode
+    steps; whether laqat's suffix equals vLLM's step by step without a prefix's difference carried in."""
+    q, k, v, g, beta = _inputs(kind, 1, T, H, D, device)
+    h0 = 0.1 * torch.randn(1, H, D, D, device=device)
+    o_ref, h_ref = serve(vllm, kind, q, k, v, g, beta, prefill_lengths=[0], valid_lengths=[T], cache_dtype=cache,
+                         initial_state=h0)
+    o, ht = get_variant("decode_serving").forward(spec, q, k, v, g, beta, h0.transpose(-1, -2).contiguous(), None,
+                                                  D ** -0.5, prefill_lengths=torch.tensor([0], device=device),
+                                                  valid_lengths=torch.tensor([T], device=device))
+    ht = ht.transpose(-1, -2)
+    return {"steps": T, "outputs_equal": bool(torch.equal(o, o_ref)), "outputs_differ": int((o != o_ref).sum()),
+            "state_equal": bool(torch.equal(ht, h_ref)), "state_differ": int((ht != h_ref).sum()),
+            "outputs_rel_l2": rel_l2(o, o_ref)}
+
+
+def server_forward_check(kind, policy, q, k, v, g, beta, o_ref, h_ref, prefix, device) -> dict:
+    """serving.forward: server (vLLM's kernels forward, laqat's backward) against serve's outputs and state, and its
+    gradients against serving.forward: laqat's, one training forward + backward each."""
+    T, D = q.shape[1], q.shape[-1]
+    lengths = dict(prefill_lengths=torch.tensor([prefix], device=device), valid_lengths=torch.tensor([T], device=device))
+    variant = get_variant("decode_serving")
+    gen = torch.Generator(device=device).manual_seed(0)
+    do = torch.randn(o_ref.shape, device=device, generator=gen).to(o_ref.dtype)
+    dht = torch.randn(h_ref.transpose(-1, -2).shape, device=device, generator=gen)
+    runs = {}
+    for forward in ("server", "laqat"):
+        spec = _spec(kind, policy, forward)
+        saved = torch.empty(variant.residual_numel(spec, q, v, None), dtype=torch.float32, device=device)
+        o, ht = variant.forward(spec, q, k, v, g, beta, None, None, D ** -0.5, save_to=saved, **lengths)
+        grads = variant.backward(spec, q, k, v, g, beta, None, None, D ** -0.5, do, dht, saved=saved, **lengths)
+        runs[forward] = (spec, o, ht.transpose(-1, -2), grads[:5])
+    spec, o, ht, grads = runs["server"]
+    laqat_grads = runs["laqat"][3]
+    return {"spec": spec.to_string(), "outputs_equal": bool(torch.equal(o, o_ref)),
+            "state_equal": bool(torch.equal(ht, h_ref)),
+            "grads_equal": {n: bool(torch.equal(a, b)) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"),
+                                                                             grads, laqat_grads)},
+            "grads_max_diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, laqat_grads))}
 
 
 def _fla_exact(kind):
@@ -170,6 +225,7 @@ def main():
                         help="the oracle's extracted files (python -m tests.serving.vllm_oracle --prepare DIR); "
                              "default: fetch the wheel (needs the package index)")
     parser.add_argument("--quick", action="store_true", help="timing only")
+    parser.add_argument("--no-timing", action="store_true", help="parity only (no FLA kernels needed)")
     args = parser.parse_args()
     out, result = start_cuda_run("serving_parity_gpu.py", "parity", "timing")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -193,7 +249,26 @@ def main():
                       f"({r['suffix_differ']} differ, {r['suffix_row_ulps']:.1f} row-ulps), state "
                       f"{'==' if r['state_equal'] else '!='} ({r['state_differ']} differ, {r['state_ulps']:.1f} ulps), "
                       f"prefix {r['prefix_row_ulps']:.1f} row-ulps rel {r['prefix_rel_l2']:.1e}", flush=True)
+            d = row.get("decode_only", {})
+            print(f"  {kind} cache {row['cache']:<8} decode only ({d.get('steps')} steps from one state): "
+                  + (f"outputs {'==' if d['outputs_equal'] else '!='} ({d['outputs_differ']} differ), state "
+                     f"{'==' if d['state_equal'] else '!='} ({d['state_differ']} differ)" if "error" not in d
+                     else d["error"]), flush=True)
+            s = row.get("server_forward")
+            if s is not None:
+                print(f"  {kind} cache {row['cache']:<8} forward: server  outputs "
+                      f"{'==' if s['outputs_equal'] else '!='} vLLM, state {'==' if s['state_equal'] else '!='} vLLM, "
+                      f"gradients {'==' if all(s['grads_equal'].values()) else '!='} forward: laqat's "
+                      f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
 
+    if not args.no_timing:
+        timing_table(result)
+    path = out / "serving_parity_gpu.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
+
+
+def timing_table(result: dict) -> None:
     print("\nfwd+bwd through laqat::delta_rule_phased (median ms; x = / FLA exact chunk fwd+bwd)")
     for shape in ((1, 4096, 16, 128, 2048), (1, 257, 4, 128, 64)):
         B, T, H, D, prefix = shape
@@ -220,10 +295,6 @@ def main():
             print(f"  {shape} {name:<40} " + (f"{row['ms']:.3f} ms" + (f"  x{row['x_fla']:.2f}" if "x_fla" in row
                                                                      else "") if "ms" in row else row["error"]),
                   flush=True)
-
-    path = out / "serving_parity_gpu.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ launch's own constants, warps and pipeline stages, then read back with ``cuobjdu
 
 This is the machine-independent half of "where the time goes": a stage at 255 registers with spills runs one
 program per SM and waits on local memory. A register count is a guide, not a timing (docs/kernels-chunk.md,
-"Launch configurations and where the time goes"). Must run without TRITON_INTERPRET (the interpreter's kernels
-cannot be compiled); the launches are those of a GPU (16-bit GEMMs for bf16 inputs).
+"Launch configurations"; the builds beside the timings: docs/kernels-chunk-measurements.md). Must run without
+TRITON_INTERPRET (the interpreter's kernels cannot be compiled); the launches are those of a GPU (16-bit GEMMs
+for bf16 inputs).
 """
 from __future__ import annotations
 
@@ -38,15 +39,15 @@ from bench_common import ensure_la_compiler  # noqa: E402
 
 ensure_la_compiler()
 
+from la_compiler.ir.spec import RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.chunk import bwd as chunk_bwd_module  # noqa: E402
 from la_compiler.kernels.chunk import fwd as chunk_fwd_module  # noqa: E402
 from la_compiler.kernels.chunk import stages as chunk_stages  # noqa: E402
-from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs  # noqa: E402
-from la_compiler.kernels.chunk.params import ChunkParams  # noqa: E402
 from la_compiler.kernels.chunk.launch import StageLaunch  # noqa: E402
+from la_compiler.kernels.chunk.params import ChunkParams  # noqa: E402
 from la_compiler.kernels.chunk.residual import residual_size  # noqa: E402
-from la_compiler.spec import RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.common import qdq  # noqa: E402
+from la_compiler.kernels.common.canonical_inputs import check_canonical_inputs  # noqa: E402
 
 # as on an sm_90 GPU (qdq.hardware_fp8_cast): E4M3 through the conversion instruction; set before any kernel
 # compiles, since the QDQ device functions read it as a constant

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import la_compiler
-from la_compiler.policy_attach import POLICY_KEY
+from la_compiler.policy.attach import POLICY_KEY
 
 FORMAT = "laqat-qat-checkpoint/1"
 

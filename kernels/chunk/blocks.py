@@ -14,8 +14,8 @@ from la_compiler.kernels.chunk.params import ChunkParams
 def needs_int64_index(B: int, T: int, C: int, heads: int, K: int, V: int, chunks: int, HV: int) -> bool:
     """Whether an element offset of the chunk kernels may pass 2^31 (their ``INDEX_64``): rows of [B, T, heads, ..]
     buffers up to 2C wide (the backward's pair gradients) with every sequence's last chunk padded, or the chunk
-    states [chunks, HV, K, V]. int32 offsets take half the registers of the address tiles (KDA's forward pairs
-    kernel: 0.59 ms against 0.71 at [8, 4096, 16, 128] on the H200)."""
+    states [chunks, HV, K, V]. int32 offsets take half the registers of the address tiles (measured:
+    docs/kernels-chunk-measurements.md, "Element offsets")."""
     return max(B * (T + C) * heads * max(K, V, 2 * C), chunks * HV * K * V) >= 2 ** 31
 
 
@@ -49,15 +49,15 @@ def value_block(V: int) -> int:
 
 def output_value_block(V: int, rounds_operands: bool) -> int:
     """Value columns per program of the output stage. Exact GEMM operands: up to 128, so that one program
-    computes Q ⊙ exp(G) and reads Q, G, A_qk once for a whole V = 128 head (H200, [8, 4096, 16, 128] bf16, per
-    call: KDA 0.34 -> 0.30 ms, GDN 0.21 -> 0.20; eight warps at 128: 0.46). Rounded operands keep 64 (fp32
-    [K x BV] state tiles; unmeasured wider)."""
+    computes Q ⊙ exp(G) and reads Q, G, A_qk once for a whole V = 128 head (measured:
+    docs/kernels-chunk-measurements.md, "Output value block"). Rounded operands keep 64 (fp32 [K x BV] state
+    tiles)."""
     return min(64 if rounds_operands else 128, max(16, next_power_of_2(V)))
 
 
 def bwd_key_block(p: ChunkParams, intermediates: torch.dtype) -> int:
     """Key columns per step of the key-blocked backward above 64 columns: with 16-bit GEMMs 64 for KDA and
-    128 for GDN (measured), else 32."""
+    128 for GDN, else 32 (measured: docs/kernels-chunk-measurements.md, "Key blocks")."""
     if intermediates == torch.float32:
         return KEY_BLOCK
     return BWD_KEY_BLOCK_16BIT if p.kind == "kda" else GDN_BWD_KEY_BLOCK_16BIT

@@ -18,7 +18,9 @@ import torch
 
 from la_compiler.kernels.chunk.bwd_dg import chunk_bwd_dg
 from la_compiler.kernels.chunk.bwd_dh import chunk_bwd_dh
-from la_compiler.kernels.chunk.bwd_intra import chunk_bwd_intra
+from la_compiler.kernels.chunk.bwd_intra_key_blocks import chunk_bwd_intra_key_blocks
+from la_compiler.kernels.chunk.bwd_intra_rows import chunk_bwd_intra_rows
+from la_compiler.kernels.chunk.bwd_intra_split_pairs import chunk_bwd_intra_split_pairs
 from la_compiler.kernels.chunk.bwd_pairs import chunk_bwd_pairs
 from la_compiler.kernels.chunk.fwd import chunk_fwd, plan_of, scratch
 from la_compiler.kernels.chunk.params import ChunkParams
@@ -60,6 +62,8 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
     if layout.NT:
         t_solved = parts["t_solved"] if parts["t_solved"] is not None else parts["A_qk"]  # unread for Neumann
         split = plan.bwd_pairs is not None
+        inputs = dict(layout=layout, q=q, k=k, v=v, beta=beta, g=g, t_solved=t_solved, h=parts["h"], dh=dh,
+                      v_new=parts["v_new"], dv_new=dv_new, do=do, dv=dv, dbeta=dbeta, scale=scale)
         if split:  # the intra kernel hands dP, dP_qk and the other shares of dq, dk, dG (fp32) to the pairs kernel
             # dq's share goes into W's buffer (same shape), which nothing reads after the dh stage, where it is fp32
             # and not the forward's kept W (a second backward of the same graph reads that again)
@@ -67,12 +71,12 @@ def chunk_bwd(p: ChunkParams, q, k, v, g, beta, scale, do, dht=None, initial_sta
             dq_rest = _fp32_or_new(parts["w"], plan.nan_fill) if own_w else buffer((B, T, HV, K), f32)
             dk_rest, dg_rest = buffer((B, T, HV, K), f32), buffer((B, T, HV, K), f32)
             dpair = buffer((B, T, HV, 2 * C), f32)
-            shares = dict(dq=dq_rest, dk=dk_rest, dg=dg_rest, dpair=dpair, p_pairs=parts["p_pairs"])
+            chunk_bwd_intra_split_pairs(plan, **inputs, p_pairs=parts["p_pairs"], dq=dq_rest, dk=dk_rest, dg=dg_rest,
+                                        dpair=dpair)
+        elif plan.backward_intra_form == "key_blocks":
+            chunk_bwd_intra_key_blocks(plan, **inputs, dq=dq, dk=dk, dg=dg)
         else:
-            shares = dict(dq=dq, dk=dk, dg=dg, dpair=dq, p_pairs=t_solved)  # dpair and p_pairs unread
-        chunk_bwd_intra(plan, layout=layout, q=q, k=k, v=v, beta=beta, g=g, g_cum=parts["g_cum"], t_solved=t_solved,
-                        h=parts["h"], dh=dh, v_new=parts["v_new"], dv_new=dv_new, do=do, dv=dv, dbeta=dbeta,
-                        scale=scale, **shares)
+            chunk_bwd_intra_rows(plan, **inputs, g_cum=parts["g_cum"], dq=dq, dk=dk, dg=dg)
         if split:  # per sub-chunk: dq, dk and the complete dG (into its share's buffer); then dg = its reverse cumsum
             chunk_bwd_pairs(plan, layout=layout, q=q, k=k, g_cum=parts["g_cum"], dpair=dpair, dq_rest=dq_rest,
                             dk_rest=dk_rest, dg_rest=dg_rest, dq=dq, dk=dk, pair_amax=parts["pair_amax"])

@@ -225,10 +225,9 @@ def chunk_bwd_kernel_pairs_rounded(
     operand; dG_i the unrounded one. Column side (the sub-chunk's rows as columns j of every row
     i >= j): d(k_j e^(G_i - G_j)) = dP_ij kl_i + dP_qk,ij ql_i with the rounded lhs rows only, so the
     blocks after this one can be products (tensor cores) through its last real row, like the exact kernel,
-    unless an lhs row is NVFP4-rounded (COLUMN_SIDE_BY_PRODUCTS: its [BC x K] block QDQ made the kernel slower
-    on the H200, KDA [8,4096,16,128], f+b ms of the backward pairs kernel: FP8 all sites 11.9 by products
-    against 13.4 row by row; NVFP4 32.2 against 24.8); then every row i >= the sub-chunk's first goes one by
-    one."""
+    unless an lhs row is NVFP4-rounded (COLUMN_SIDE_BY_PRODUCTS: its [BC x K] block QDQ makes the kernel slower;
+    measured: docs/kernels-chunk-measurements.md, "Rounded pair products"); then every row i >= the sub-chunk's
+    first goes one by one."""
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_s = i_cs // (C // BC), i_cs % (C // BC)
     i_b, i_hv = i_bh // HV, i_bh % HV

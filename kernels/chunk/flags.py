@@ -24,10 +24,10 @@ import inspect
 
 import triton.language as tl
 
+from la_compiler.ir.spec import GEMM_SITES
 from la_compiler.kernels.chunk import forms
 from la_compiler.kernels.chunk.formats import Accumulator
 from la_compiler.kernels.chunk.params import OPERAND_SITES, ChunkParams
-from la_compiler.spec import GEMM_SITES
 
 _NO_ACCUMULATOR = Accumulator("", 1)
 

@@ -83,6 +83,12 @@ def kda_pairs_kernel(p: ChunkParams) -> bool:
     return p.kind == "kda"
 
 
+def fwd_intra_form(p: ChunkParams) -> str:
+    """The forward intra stage's kernel: "kda" (its pair products from the pairs kernel, ``kda_pairs_kernel``) or
+    "gdn" (G and the pair products in the kernel)."""
+    return "kda" if kda_pairs_kernel(p) else "gdn"
+
+
 def kda_pairs_nvfp4(p: ChunkParams) -> bool:
     """NVFP4 at a pairwise site: its global amax spans the chunk (chunk_fwd_kernel_pair_amax first)."""
     return any(nvfp4_site(p, f"{site}.{side}") for site in PAIRWISE_SITES for side in ("lhs", "rhs"))
@@ -128,6 +134,14 @@ def bwd_intra_by_key_blocks(p: ChunkParams) -> bool:
     return separable and not any(site in KEY_SIDE_OPERAND_SITES for site, _ in p.operands)
 
 
+def bwd_intra_form(p: ChunkParams) -> str:
+    """The backward intra stage's kernel: "split_pairs" (KDA, ``kda_splits_pair_grads``), "key_blocks" (GDN,
+    ``bwd_intra_by_key_blocks``) or "rows" (whole key rows, the pair products' gradients in the kernel)."""
+    if kda_splits_pair_grads(p):
+        return "split_pairs"
+    return "key_blocks" if bwd_intra_by_key_blocks(p) else "rows"
+
+
 def max_head_k(p: ChunkParams) -> tuple[int, str]:
     """The largest head_k the chunk kernels take for ``p``, and why not more."""
     if bwd_intra_by_key_blocks(p):
@@ -156,7 +170,5 @@ def stage_forms(p: ChunkParams) -> dict:
         "PAIRS_NVFP4": kda_pairs_nvfp4(p),
         "COLUMN_SIDE_BY_PRODUCTS": column_side_by_products(p),
         "SHARES_PAIR_RHS": shares_pair_rhs(p),
-        "SPLIT_PAIR_GRADS": kda_splits_pair_grads(p),
-        "GDN_KEY_BLOCKS": bwd_intra_by_key_blocks(p) and p.kind == "gdn",
         "H_FULL_V": p.h_full_v,
     }

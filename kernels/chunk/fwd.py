@@ -19,7 +19,9 @@ import torch
 
 from la_compiler.kernels.chunk.forms import max_head_k
 from la_compiler.kernels.chunk.fwd_h import chunk_fwd_h
-from la_compiler.kernels.chunk.fwd_intra import chunk_fwd_intra, chunk_fwd_wu
+from la_compiler.kernels.chunk.fwd_intra import chunk_fwd_wu
+from la_compiler.kernels.chunk.fwd_intra_gdn import chunk_fwd_intra_gdn
+from la_compiler.kernels.chunk.fwd_intra_kda import chunk_fwd_intra_kda
 from la_compiler.kernels.chunk.fwd_o import chunk_fwd_o
 from la_compiler.kernels.chunk.fwd_pairs import chunk_fwd_cumsum, chunk_fwd_pair_amax, chunk_fwd_pairs
 from la_compiler.kernels.chunk.layout import ChunkLayout, chunk_layout
@@ -117,9 +119,12 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     if layout.NT and rerun and saved is not None:  # T, A_qk (GDN: and G) from the training forward: W and U alone
         chunk_fwd_wu(plan, layout=layout, q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk,
                      t_solved=t_solved, p_pairs=p_pairs, scale=scale)
+    elif layout.NT and rerun and plan.forward_intra_form == "kda":
+        chunk_fwd_intra_kda(plan, layout=layout, k=k, v=v, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk,
+                            t_out=t_solved, p_pairs=p_pairs, scale=scale)
     elif layout.NT and rerun:
-        chunk_fwd_intra(plan, layout=layout, q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk,
-                        t_out=t_solved, p_pairs=p_pairs, scale=scale)
+        chunk_fwd_intra_gdn(plan, layout=layout, q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, A_qk=A_qk,
+                            t_out=t_solved, scale=scale)
     if rerun:
         chunk_fwd_h(plan, layout=layout, k=k, kd=kd, w=w, u=u, g_cum=g_cum, h=h, v_new=v_new, h0=initial_state, ht=ht)
     if layout.NT and need_output:

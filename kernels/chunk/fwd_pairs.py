@@ -284,8 +284,8 @@ def pair_column(k, g_cum, b_G, j, r_b, x_c, n_real, i_h, i_hv, o_k, m_k, H: tl.c
                 K: tl.constexpr):
     """Column j's key row k_j and e^(G_i - G_j) for the sub-chunk's rows, from the prefix difference masked to
     j <= i. (Through the sub-chunk's first real row for the columns before it, like the exact kernel, saves an exp
-    per element but needs a second copy of the loop body: slower on the H200, 14.4 against 11.7 ms per f+b at KDA
-    [8,4096,16,128].)"""
+    per element but needs a second copy of the loop body, and is slower; measured:
+    docs/kernels-chunk-measurements.md, "Rounded pair products".)"""
     m_jk = m_k & (j + 0 * o_k < n_real)  # a [BK] mask: the interpreter refuses a scalar one in &
     b_kj = tl.load(k + ((x_c + j) * H + i_h) * K + o_k, mask=m_jk, other=0).to(tl.float32)
     b_gj = tl.load(g_cum + ((x_c + tl.minimum(j, n_real - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)

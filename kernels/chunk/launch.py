@@ -1,15 +1,10 @@
 """Launch configurations of the chunk kernels, and a launch that survives a shared-memory refusal.
 
 The configurations come from compiling every stage for sm_90 (Triton's ptxas, on a CPU machine:
-``cuobjdump -res-usage`` of the cubins) at K = 64 and 128, bf16 and fp32, warps 4/8, stages 1-3
-(docs/kernels-chunk.md, "Launch configurations"):
-
-* at BK >= 128, four warps spill 0.5-3.5 KB of registers per thread in every stage; eight warps
-  remove the spills of the h and o stages and shrink those of dh; pipelining (stages > 1) adds
-  shared memory (the h stage: 56 KB at one stage, 153 KB at three) and brings spills back;
-* at BK = 64 (three stages), four warps spill 360 B (h), 160 B (o), 896 B (dh); eight warps: none, none,
-  224 B;
-* at BK = 64 with fp32 inputs, the dh stage asked for 262 KB at three stages (H200: 227 KB).
+``cuobjdump -res-usage`` of the cubins) at K = 64 and 128, bf16 and fp32, warps 4/8, stages 1-3, and from timings
+on the H200 (docs/kernels-chunk.md, "Launch configurations"; the figures: docs/kernels-chunk-measurements.md,
+"Launch configurations"): eight warps spill less than four; pipelining (stages > 1) adds shared memory and brings
+spills back; fp32 inputs at BK = 64 ask for more shared memory than sm_90 has at three stages.
 
 The tuning option ``t.autotune=true`` replaces the table's choice by the fastest of a few around it
 (chunk/autotune.py); ``t.serial_stages`` sets the depth of the serial h / dh loops.
@@ -44,64 +39,53 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
     ``rounds_operands`` (the pair stages): the pair products are rounded (chunk.forms.kda_rounds_pairs);
     ``nvfp4_operands`` (the h, o and dh stages): a GEMM operand site rounds to NVFP4 (its blocks of 16 add live
     tiles; the h stage holds all of V); ``serial_stages`` (the tuning option t.serial_stages): the pipeline depth
-    of the h and dh stages instead of the table's. At K = 128 two stages prefetch the next chunk's W, U, K at
-    112 KB (h) / 177 KB (dh) of shared memory with 80 / 584 B of spills against none / 936 B at one stage (sm_90;
-    not timed on a GPU: docs/performance.md)."""
+    of the h and dh stages instead of the table's (at K = 128 two stages prefetch the next chunk's W, U, K; sm_90
+    builds: docs/kernels-chunk-measurements.md, "Launch configurations")."""
     if stage not in ("fwd_cumsum", "fwd_pair_amax", "fwd_pairs", "fwd_intra", "fwd_h", "fwd_o", "bwd_dh", "bwd_intra",
                      "bwd_pairs", "bwd_dg"):
         raise ValueError(f"launch_config: unknown stage {stage!r}")
     if stage in ("fwd_pairs", "bwd_pairs") and BK >= 128:
-        # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps take 233 (forward) and 255
-        # registers + 440 B of spills (backward); eight take 128-144 and 207, no spills
+        # rounded pair products hold whole key rows: on sm_90 at K = 128 four warps spill (backward), eight do not
+        # (docs/kernels-chunk-measurements.md, "Rounded pair products")
         return LaunchConfig(8, 1)
     if stage == "fwd_pairs" and BK >= 64 and not rounds_operands:
-        # the exact forward's row-block products ([C x BK] tiles): the autotuner on the H200 (KDA [8,4096,16,128])
-        # chose four warps, one stage (1.44 ms for both calls; eight warps, one stage: 1.81; comparisons.jsonl,
-        # topic kda-row-block-pairs). sm_90: 228 registers, no spills (three stages: 200 B of spills)
+        # the exact forward's row-block products ([C x BK] tiles): the autotuner's choice on the H200, no spills
+        # on sm_90 at one stage (measured: docs/kernels-chunk-measurements.md, "KDA pair products")
         return LaunchConfig(4, 1)
     if stage in ("fwd_cumsum", "fwd_pairs", "bwd_pairs", "bwd_dg"):  # [BC x BK] / [C x BK] tiles: small programs
         return LaunchConfig(4, 3)
     warps = 8 if BK >= 64 or C * BK >= 4096 else 4  # [C, BK] / [BK, BV] fp32 tiles: spread over 8 warps
     stages = 1 if BK >= 128 else 3  # 3: Triton's default
     if BK == 128 and stage in ("fwd_h", "fwd_o", "bwd_dh") and not nvfp4_operands:
-        # the autotuner on the H200 (KDA [8, 4096, 16, 128]): four warps beat eight in the h, o and dh
-        # stages (two programs per SM hide the serial loops' latency better than eight warps avoid spills;
-        # examples/benchmarks/results/comparisons.jsonl, topic autotune-launch-table).
-        # With rounded operands too, although four warps spill there on sm_90 (all FP8 sites: 632 B (h), 336 B
-        # (o), 3.5 KB (dh)): on the H200 at [8, 4096, 16, 128] bf16 the h stage takes 1.50 ms per call at four
-        # warps against 2.09 at eight (GDN; KDA 1.33 / 1.98), dh 1.79 / 2.09 (KDA 2.06 / 2.27), o 0.96 / 1.02
-        # (topic launch-probe). Not at K = 256 (unmeasured there): four warps spill 1.9 KB (h) and 4.6 KB (dh)
-        # per thread on sm_90; nor with NVFP4 operands (KDA, all NVFP4 sites, H200: dh 3.66 ms at eight warps
-        # against 5.10 at four, o 3.56 / 3.66; their h stage holds all of V)
+        # four warps beat eight in the h, o and dh stages on the H200, with rounded operands too although four
+        # warps spill there: two programs per SM hide the serial loops' latency better than eight warps avoid
+        # spills. Not at K = 256 (four warps spill more there; no timing), nor with NVFP4 operands (eight are
+        # faster; their h stage holds all of V). Measured: docs/kernels-chunk-measurements.md, "Warps on the H200"
         warps, stages = 4, 2 if stage == "fwd_o" else 1
     if stage == "bwd_intra" and C * BK >= 2048:
-        warps = 8  # KDA's key blocks of 32: 3.32 ms at eight warps against 4.37 at four (topic autotune-launch-table)
+        warps = 8  # faster than four (docs/kernels-chunk-measurements.md, "Warps on the H200")
     if stage in ("fwd_h", "bwd_dh") and serial_stages is not None:
         stages = serial_stages
     return LaunchConfig(warps, stages)
 
 
 # Key columns per step of the key-blocked stages (forward intra; KDA's split backward intra and pairs):
-# whole rows up to 64 columns, blocks of 32 above. On the H200 at KDA [8, 4096, 16, 128] blocks of 32
-# beat 64 and 16 in both directions with fp32 GEMM operands (fwd+bwd 30.63 ms vs 33.88 at 64 / 64;
-# examples/benchmarks/results/comparisons.jsonl, topic kda-key-blocks).
+# whole rows up to 64 columns, blocks of 32 above: the fastest with fp32 GEMM operands (measured:
+# docs/kernels-chunk-measurements.md, "Key blocks").
 WHOLE_ROWS_UP_TO = 64
 KEY_BLOCK = 32
 PAIRS_KEY_BLOCK = 64  # key columns per step of KDA's forward pairs kernel and its cumsum ([BC x 64] tiles)
 
 
-# KDA's split backward (intra and pairs stages) with 16-bit GEMMs: blocks of 64 beat 32 on the H200 at
-# [8, 4096, 16, 128] bf16 (f+b 10.95 ms against 11.96; backward intra 1.99 / 2.50, pairs 1.75 / 2.24;
-# comparisons.jsonl, topic kda-key-blocks). With fp32 GEMM operands 32 stays (the same topic); GDN is unmeasured.
+# KDA's split backward (intra and pairs stages) with 16-bit GEMMs: blocks of 64, faster than 32 (measured:
+# docs/kernels-chunk-measurements.md, "Key blocks"). With fp32 GEMM operands 32 stays.
 BWD_KEY_BLOCK_16BIT = 64
-# GDN's backward intra stage with 16-bit GEMMs (dT, hence dA, complete before its key loop): whole rows of 128
-# beat blocks of 64 and 32 on the H200 at [8, 4096, 16, 128] bf16 (2.39 / 2.54 / 2.94 ms; comparisons.jsonl,
-# topic gdn-bwd-intra-key-block).
+# GDN's backward intra stage with 16-bit GEMMs (dT, hence dA, complete before its key loop): whole rows of 128,
+# faster than blocks of 64 and 32 (measured: docs/kernels-chunk-measurements.md, "Key blocks").
 GDN_BWD_KEY_BLOCK_16BIT = 128
 # GDN's backward intra stage over whole key rows (a rounded pair product or key-side operand: one key block)
-# steps through V in blocks of 32: 8.42 ms against 8.74 at 64 on the H200 (all FP8 sites, [8, 4096, 16, 128]
-# bf16; comparisons.jsonl, topic launch-probe). The key-blocked form keeps 64 (2.11 ms against 2.40 at 32 there,
-# exact), and so does KDA's (7.03 against 7.18 at 32, all FP8 sites).
+# steps through V in blocks of 32; the key-blocked form and KDA's keep 64: the faster in each case (measured:
+# docs/kernels-chunk-measurements.md, "GDN's backward intra value block").
 GDN_WHOLE_ROW_BWD_VALUE_BLOCK = 32
 
 
@@ -115,7 +99,8 @@ def key_block(BK: int, chosen: int | None, block: int = KEY_BLOCK) -> int:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the launchers' host arithmetic: triton.cdiv and triton.next_power_of_2 are
-    ConstexprFunctions in Triton 3.9 (about 3 us a call on the CPU VM, a tenth of chunk_fwd's host time)."""
+    ConstexprFunctions in Triton 3.9, slow to call from the host (docs/kernels-chunk-measurements.md, "Host
+    time")."""
     return -(-a // b)
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from la_compiler.ir.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 from la_compiler.kernels.chunk.formats import Accumulator, ChunkFormats
 from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.options import NumericsOptions
 from la_compiler.quant.config import QuantConfig
-from la_compiler.spec import GEMM_SITES, KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 STATE_FORMATS = ("fp8_e4m3", "int8", "int8_h32")  # with group tile<BV>
 STATE_BLOCK_FORMATS = ("fp8_e4m3", "int8")  # with group block<N>: one scale per key row x N values along V

@@ -47,6 +47,8 @@ class ChunkPlan:
     chunks_per_row: int  # the grids' chunk axis: every chunk (varlen), else those of one sequence
     heads: int  # the grids' head axis: value heads, times the batch unless varlen
     pairs_rounded: bool  # KDA's pair products (and their gradients) rounded: the column-by-column kernels
+    forward_intra_form: str  # the forward intra stage's kernel: "gdn" or "kda" (chunk/forms.py)
+    backward_intra_form: str  # the backward intra stage's kernel: "split_pairs", "key_blocks" or "rows"
     # the forward; KDA's pair kernels only for KDA (pair_amax: NVFP4 at a pairwise site)
     fwd_cumsum: StageLaunch | None
     fwd_pair_amax: StageLaunch | None
@@ -113,6 +115,7 @@ def _plan(p: ChunkParams, shape: ChunkShape, dtype: torch.dtype, tuning: TuningO
             fwd_pair_amax = stage("fwd", "pair_amax", (chunks_per_row, heads), launch_config("fwd_pair_amax", BKP, C),
                                   **layout, BK=BKP, INDEX_64=index_64)
         fwd_pairs = pairs_stage("fwd", (sub_chunks, heads), launch_config("fwd_pairs", BKP, C, pairs_rounded), BK=BKP)
+    fwd_intra_form = forms.fwd_intra_form(p)
     BK_intra = blocks.intra_key_block(p, BK, w_block)
     intra = dict(common, BK=BK_intra, BV=blocks.value_block(s.V), INDEX_64=index_64)
     intra_config = launch_config("fwd_intra", BK_intra, C)
@@ -125,6 +128,7 @@ def _plan(p: ChunkParams, shape: ChunkShape, dtype: torch.dtype, tuning: TuningO
     common_b = dict(common, BK=BK_b, BV=BV_b)
     BK_blocked = key_block(BK_b, p.numerics.bwd_key_block, blocks.bwd_key_block(p, mid))
     by_key_blocks = forms.bwd_intra_by_key_blocks(p)
+    bwd_intra_form = forms.bwd_intra_form(p)
     BK_bwd_intra = BK_blocked if by_key_blocks else BK_b
     bwd_intra_config = launch_config("bwd_intra", BK_bwd_intra, C)
     if p.kind == "gdn" and by_key_blocks:
@@ -142,9 +146,10 @@ def _plan(p: ChunkParams, shape: ChunkShape, dtype: torch.dtype, tuning: TuningO
 
     return ChunkPlan(
         params=p, shape=s, intermediate_dtype=mid, nan_fill=nan_fill(tuning), chunks_per_row=chunks_per_row,
-        heads=heads, pairs_rounded=pairs_rounded,
+        heads=heads, pairs_rounded=pairs_rounded, forward_intra_form=fwd_intra_form,
+        backward_intra_form=bwd_intra_form,
         fwd_cumsum=fwd_cumsum, fwd_pair_amax=fwd_pair_amax, fwd_pairs=fwd_pairs,
-        fwd_intra=stage("fwd", "intra", (chunks_per_row, heads), intra_config, **intra),
+        fwd_intra=stage("fwd", f"intra_{fwd_intra_form}", (chunks_per_row, heads), intra_config, **intra),
         fwd_wu=stage("fwd", "wu", (chunks_per_row, heads), intra_config, **intra),
         fwd_h=stage("fwd", "h", (cdiv(s.V, BV_h), s.N * s.HV),
                     launch_config("fwd_h", BK, C, nvfp4_operands=nvfp4, serial_stages=tuning.serial_stages),
@@ -154,7 +159,7 @@ def _plan(p: ChunkParams, shape: ChunkShape, dtype: torch.dtype, tuning: TuningO
         bwd_dh=stage("bwd", "dh", (cdiv(s.V, BV_b), s.N * s.HV),
                      launch_config("bwd_dh", BK_b, C, nvfp4_operands=nvfp4, serial_stages=tuning.serial_stages),
                      **common_b),
-        bwd_intra=stage("bwd", "intra", (chunks_per_row, heads), bwd_intra_config,
+        bwd_intra=stage("bwd", f"intra_{bwd_intra_form}", (chunks_per_row, heads), bwd_intra_config,
                         **dict(common_b, BK=BK_bwd_intra, BV=BV_bwd_intra), INDEX_64=index_64),
         bwd_pairs=bwd_pairs, bwd_dg=bwd_dg,
     )

@@ -9,23 +9,28 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from la_compiler.kernels.chunk import (bwd_dg, bwd_dh, bwd_intra, bwd_pairs, forms, fwd_h, fwd_intra, fwd_o,
+from la_compiler.kernels.chunk import (bwd_dg, bwd_dh, bwd_intra_key_blocks, bwd_intra_rows, bwd_intra_split_pairs,
+                                       bwd_pairs, forms, fwd_h, fwd_intra, fwd_intra_gdn, fwd_intra_kda, fwd_o,
                                        fwd_pairs)
 from la_compiler.kernels.chunk.flags import kernel_spec_constexprs
 from la_compiler.kernels.chunk.params import ChunkParams
 
-# pairs_rounded: KDA's pair products (or their gradients) with rounding, column by column (forms.kda_rounds_pairs)
+# pairs_rounded: KDA's pair products (or their gradients) with rounding, column by column (forms.kda_rounds_pairs);
+# intra_<form>: the intra stage's kernel of each form (forms.fwd_intra_form, forms.bwd_intra_form)
 STAGES: dict[tuple[str, str], ModuleType] = {
     ("fwd", "cumsum"): fwd_pairs,
     ("fwd", "pair_amax"): fwd_pairs,
     ("fwd", "pairs"): fwd_pairs,
     ("fwd", "pairs_rounded"): fwd_pairs,
-    ("fwd", "intra"): fwd_intra,
+    ("fwd", "intra_gdn"): fwd_intra_gdn,
+    ("fwd", "intra_kda"): fwd_intra_kda,
     ("fwd", "wu"): fwd_intra,
     ("fwd", "h"): fwd_h,
     ("fwd", "o"): fwd_o,
     ("bwd", "dh"): bwd_dh,
-    ("bwd", "intra"): bwd_intra,
+    ("bwd", "intra_split_pairs"): bwd_intra_split_pairs,
+    ("bwd", "intra_key_blocks"): bwd_intra_key_blocks,
+    ("bwd", "intra_rows"): bwd_intra_rows,
     ("bwd", "pairs"): bwd_pairs,
     ("bwd", "pairs_rounded"): bwd_pairs,
     ("bwd", "dg"): bwd_dg,
@@ -44,8 +49,8 @@ def stages_of(p: ChunkParams) -> list[tuple[str, str]]:
     forward = []
     if forms.kda_pairs_kernel(p):
         forward += ["cumsum"] + (["pair_amax"] if forms.kda_pairs_nvfp4(p) else []) + [pairs]
-    forward += ["intra", "wu", "h", "o"]
-    backward = ["dh", "intra"] + ([pairs, "dg"] if forms.kda_splits_pair_grads(p) else [])
+    forward += [f"intra_{forms.fwd_intra_form(p)}", "wu", "h", "o"]
+    backward = ["dh", f"intra_{forms.bwd_intra_form(p)}"] + ([pairs, "dg"] if forms.kda_splits_pair_grads(p) else [])
     return [("fwd", s) for s in forward] + [("bwd", s) for s in backward]
 
 

@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import functools
 
-from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk import stages
+from la_compiler.kernels.chunk.bwd import chunk_bwd
 from la_compiler.kernels.chunk.forms import max_head_k
-from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.chunk.precision import describe
 from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common.support import needs, not_float64, triton_runs
 from la_compiler.kernels.registry import SelectionContext, register_variant, spec_of
 from la_compiler.options import NumericsOptions, TuningOptions
-from la_compiler.spec import RecurrenceSpec
 
 
 @functools.lru_cache(maxsize=256)
 def _params(spec) -> ChunkParams:
-    """ChunkParams of a spec, once per spec (8 us of host time per call otherwise)."""
+    """ChunkParams of a spec, once per spec (host time: docs/kernels-chunk-measurements.md, "Host time")."""
     return ChunkParams.from_spec(spec)
 
 

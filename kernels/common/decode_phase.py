@@ -3,8 +3,8 @@ spec is theirs, and the phase lengths they run with."""
 from __future__ import annotations
 
 from la_compiler.error_base import LaqatError
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.options import DecodeOptionsError, decode_options
-from la_compiler.spec import RecurrenceSpec
 
 
 class PhaseLengthsMissing(LaqatError, RuntimeError):

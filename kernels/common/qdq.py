@@ -38,8 +38,7 @@ def hardware_fp8_cast() -> bool:
     nearest even, NaN kept; the QDQ clamps to +-448 first, so saturation never decides). Never under the
     interpreter, whose cast is wrong at binade edges (triton-lang/triton#8322). Both forms give the same bits
     (tests/kernels/test_qdq_triton.py checks both where the GPU has the conversion); the arithmetic one is
-    slower there (KDA, all FP8 sites, f+b on the H200: 61.92 ms against 46.00; comparisons.jsonl, topic
-    e4m3-conversion)."""
+    slower there (measured: docs/kernels-chunk-measurements.md, "Shared QDQ and the QDQ's arithmetic")."""
     if interpreter() or not torch.cuda.is_available():
         return False
     if torch.version.hip is not None:  # ROCm: its capability numbers are not NVIDIA's; E4M3 there is unmeasured
@@ -51,9 +50,8 @@ FP8_CAST = tl.constexpr(hardware_fp8_cast())  # read when this module is importe
 
 # Divide by a scale through its reciprocal and two FMA corrections (``quotient_in``'s FMA form) rather than
 # ``tl.div_rn`` per element (a reciprocal on the special-function unit and a Newton step): the same RN(x / scale)
-# bit for bit (tests/kernels/test_qdq_triton.py runs both; docs/numerics.md gives the argument), faster on the H200
-# (all FP8 sites, f+b at [8, 4096, 16, 128] bf16: GDN 20.26 ms against 21.58, KDA 38.87 against 42.35;
-# comparisons.jsonl, topic qdq-division).
+# bit for bit (tests/kernels/test_qdq_triton.py runs both; docs/numerics.md gives the argument), and faster
+# (measured: docs/kernels-chunk-measurements.md, "Shared QDQ and the QDQ's arithmetic").
 FMA_DIVISION = tl.constexpr(True)
 
 FORMAT_IDS = {"fp8_e4m3": 0, "int8": 1, "e2m1": 2, "log_grid": 3, "int8_h32": 4, "quotient": 5}

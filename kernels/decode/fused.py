@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.decode_phase import decode_reason
 from la_compiler.kernels.common.support import needs, not_float64, triton_runs
 from la_compiler.kernels.decode import kernels, phased, suffix
 from la_compiler.kernels.registry import SelectionContext, get_variant, register_variant, spec_of
-from la_compiler.spec import RecurrenceSpec
 
 decode_fused_forward = phased.phased_forward
 decode_fused_backward = phased.phased_backward

@@ -22,10 +22,10 @@ import dataclasses
 
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.decode_phase import require_lengths
 from la_compiler.kernels.decode import suffix
 from la_compiler.kernels.registry import get_variant, spec_of
-from la_compiler.spec import RecurrenceSpec
 
 
 def prefill_spec(spec: RecurrenceSpec) -> RecurrenceSpec:

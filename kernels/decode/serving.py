@@ -10,15 +10,18 @@ server's cache dtype at every write, after the codec.
 Backward: the decode kernels' backward over the suffixes gives the gradient of each handoff state, which is the
 chunk kernels' final-state gradient over the prefixes (identity through every rounding). The suffix gradients are
 exact in fp32 for the emulated forward; the prefix gradients are the chunk kernels'.
+
+With ``x.forward=server`` (the policy's ``serving.forward``) the forward's outputs are the server's own kernels'
+(kernels/decode/server_forward.py); the backward stays the one above, at the same inputs.
 """
 from __future__ import annotations
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.decode_phase import decode_reason
-from la_compiler.kernels.decode import fused, phased, suffix
+from la_compiler.kernels.decode import fused, phased, server_forward, suffix
 from la_compiler.kernels.registry import SelectionContext, register_variant
-from la_compiler.spec import RecurrenceSpec
 
-decode_serving_forward = phased.phased_forward
+decode_serving_forward = server_forward.forward_with(phased.phased_forward)
 decode_serving_backward = phased.phased_backward
 
 

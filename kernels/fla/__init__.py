@@ -1,1 +1,9 @@
-"""FLA's own kernels as a variant (exact numerics, CUDA)."""
+"""FLA's own kernels: the "fla_chunk" variant of the recurrence (exact numerics, CUDA), and the ``laqat::`` ops
+that run FLA's other kernels at run time (the FLA frontend, passes/frontends/fla/, puts them in graphs).
+
+    chunk_variant.py             FLA's chunk kernels as the "fla_chunk" variant
+    conv_op.py                   laqat::causal_conv1d
+    norm_op.py                   laqat::layer_norm_gated, laqat::layer_norm
+    cross_entropy_op.py          laqat::cross_entropy
+    linear_cross_entropy_op.py   laqat::fused_linear_cross_entropy
+"""

@@ -16,10 +16,10 @@ import importlib.util
 
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.autograd_inside_op import recompute_vjp
 from la_compiler.kernels.common.support import needs, not_float64
 from la_compiler.kernels.registry import SelectionContext, get_variant, register_variant, spec_of
-from la_compiler.spec import RecurrenceSpec
 
 
 def _fla_chunk(kind: str):
@@ -92,8 +92,8 @@ def supports(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
 
 
 def _laqat_kda_chunk_is_faster(spec: RecurrenceSpec, ctx: SelectionContext) -> str | None:
-    """KDA's exact training step runs faster on laqat's chunk kernels than on FLA's (H200, bf16,
-    [8,4096,16,128]: fwd+bwd 7.45 ms against FLA's 10.3, docs/performance.md), at the same accuracy; FLA's
+    """KDA's exact training step runs faster on laqat's chunk kernels than on FLA's, at the same accuracy
+    (measured: docs/kernels-chunk-measurements.md, "Kernel selection: KDA exact on the chunk kernels"); FLA's
     kernel stays the choice where the chunk kernels cannot run the spec."""
     if spec.kind != "kda" or get_variant("chunk").supports(spec, ctx) is not None:
         return None

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from la_compiler.ir.spec import KINDS, STATE_LAYOUTS, RecurrenceSpec
 from la_compiler.kernels.common.errors import KernelParamsError
-from la_compiler.spec import KINDS, STATE_LAYOUTS, RecurrenceSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The "fused_recurrent" kernel variant: the token-by-token kernels of ``fused_recurrent.py``, exact numerics."""
 from __future__ import annotations
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.support import needs, not_float64, triton_runs
 from la_compiler.kernels.recurrent import fused_recurrent
 from la_compiler.kernels.recurrent.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd
 from la_compiler.kernels.recurrent.params import FusedRecurrentParams
 from la_compiler.kernels.registry import SelectionContext, register_variant, spec_of
-from la_compiler.spec import RecurrenceSpec
 
 
 def fused_recurrent_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):

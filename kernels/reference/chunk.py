@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.canonical_inputs import check_shapes
+from la_compiler.kernels.reference.recurrent import expand_heads, sequence_bounds
 from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.kernels.reference.rounding_from_spec import rounding_from_spec
-from la_compiler.kernels.reference.recurrent import expand_heads, sequence_bounds
-from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
 

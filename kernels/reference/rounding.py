@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from la_compiler.spec import GEMM_SITES, RecurrenceSpec
+from la_compiler.ir.spec import GEMM_SITES, RecurrenceSpec
 
 Rounder = Callable[[torch.Tensor], torch.Tensor]
 OperandRounder = Callable[[torch.Tensor, int], torch.Tensor]  # (x, tile_dims) -> rounded x

@@ -21,10 +21,10 @@ import functools
 import torch
 
 from la_compiler.error_base import LaqatError
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.quant import QuantConfig, fake_quant
 from la_compiler.quant import formats as F
-from la_compiler.spec import RecurrenceSpec
 
 ACC_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

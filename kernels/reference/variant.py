@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.autograd_inside_op import recompute_vjp
 from la_compiler.kernels.common.canonical_inputs import final_state_dtype
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
-from la_compiler.kernels.reference.rounding_from_spec import rounding_from_spec
 from la_compiler.kernels.reference.recurrent import delta_rule_reference, sequence_bounds
+from la_compiler.kernels.reference.rounding_from_spec import rounding_from_spec
 from la_compiler.kernels.registry import register_variant, spec_of
 from la_compiler.quant import QuantConfig, fake_quant
-from la_compiler.spec import RecurrenceSpec
 
 
 def _needs_chunked(spec: RecurrenceSpec) -> bool:

@@ -15,7 +15,7 @@ limited to ``[\\w./:,+-]``)::
 
 This module imports nothing but ``la_compiler.suggest`` (not even torch), so every layer of the project may use
 it. ``MODELOPT_KEYS``, ``MODELOPT_VALUES`` and ``NUM_BITS`` are what a ModelOpt cfg may say; the checks below and
-the policy file's JSON Schema (``la_compiler.policy_json_schema``) both read them.
+the policy file's JSON Schema (``la_compiler.policy.json_schema``) both read them.
 The numerics behind each form are in docs/numerics.md.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shipped policy recipes (``<name>.yaml`` beside this file), loadable by name:
 
     torch.compile(model, backend="laqat", options={"policy": "state_fp8"})
-    la_compiler.policy.load_recipe("state_fp8")  # -> Policy
+    la_compiler.policy.resolution.load_recipe("state_fp8")  # -> Policy
 
 Each recipe's rules name both kinds at once (``*_state_quantizer`` matches ``gdn_state_quantizer`` and
 ``kda_state_quantizer``), so a model with only GDN or only KDA layers meets every rule: no recipe warns of an
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from la_compiler.policy_schema import PolicyError
+from la_compiler.policy.file_format import PolicyError
 from la_compiler.suggest import did_you_mean
 
 _DIR = Path(__file__).parent

@@ -2,7 +2,7 @@
 
 Two kinds:
 - trace-time frontends substitute a library's functions while Dynamo traces
-  (``fla.py``: FLA op calls, via ``torch._dynamo.substitute_in_graph``; ``megatron.py``: what keeps
+  (``fla/``: FLA op calls, via ``torch._dynamo.substitute_in_graph``; ``megatron.py``: what keeps
   Megatron-Core's GDN path in one graph); installed once, when the backend module is imported
   (Megatron's when ``megatron.core`` is imported, before or after that);
 - graph frontends rewrite the traced FX graph (``torch code`` matched on the dataflow).
@@ -36,7 +36,7 @@ def install_trace_frontends() -> None:
         return
     _INSTALLED = True
     if importlib.util.find_spec("fla") is not None:
-        from la_compiler.passes.frontends import fla  # noqa: F401  (registers on import)
+        from la_compiler.passes.frontends.fla import substitutions  # noqa: F401  (registers on import)
     if importlib.util.find_spec("megatron") is not None:
         _when_imported("megatron.core", _install_megatron)
 

@@ -74,7 +74,7 @@ class LaqatBackend:
 
     def __call__(self, gm, example_inputs):
         from la_compiler.backend import laqat_backend
-        from la_compiler.ir import is_delta_rule
+        from la_compiler.ir.delta_rule import is_delta_rule
 
         compiled = laqat_backend(gm, example_inputs, options=self.options)
         for node in gm.graph.nodes:

@@ -7,12 +7,12 @@ operands rounded to bf16 in fp32 (its bf16 tl.dot is broken), which forms the sa
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec, SpecError
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.precision import gemm_precision, intermediate_dtype
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
-from la_compiler.spec import RecurrenceSpec, SpecError
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import ALL_FP8, ALL_SITES_TOL
 from tests.kernels.chunk_inputs import grads_of, make_inputs

@@ -9,9 +9,9 @@ together at a looser bar; this file is what ties each site to its own place in t
 """
 import pytest
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.reference.recurrent import sequence_bounds
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import (MAX_FLIP_FRACTION, OPERAND_SITES, QDQ_TOL, assert_backward_matches, chunk_case,
                                        count_flips, kernel_chunks, run_kernel_and_reference)

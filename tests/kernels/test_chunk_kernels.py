@@ -8,14 +8,14 @@ bounded (docs/numerics.md, "How close is close").
 import pytest
 import torch
 
+from la_compiler.ir.spec import GEMM_SITES, RecurrenceSpec
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.chunk.fwd import chunk_fwd
-from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
+from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.common.errors import KernelParamsError
+from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.reference.recurrent import sequence_bounds
 from la_compiler.options import NumericsOptions
-from la_compiler.spec import GEMM_SITES, RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import (ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, MAX_FLIP_FRACTION, OPERAND_SITES,
                                        QDQ_TOL, assert_backward_matches, chunk_case, count_flips, kernel_chunks,
@@ -327,7 +327,7 @@ def test_kda_sub_chunk_kernels_with_strong_decay_and_padded_sub_chunks():
 def test_chunk_variant_through_the_ir_op(kind):
     """torch.ops.laqat.delta_rule with kernel=chunk and state + W QDQ: forward and every gradient
     (Triton backward, identity STE) against the fp64 chunk reference under autograd (HV > H, varlen)."""
-    import la_compiler.ir  # noqa: F401  (registers the op)
+    import la_compiler.ir.delta_rule  # noqa: F401  (registers the op)
 
     inputs, cu = chunk_case(kind, True, "kv")
     spec = RecurrenceSpec(kind=kind, chunk=8, kernel="chunk").replace(

@@ -132,7 +132,7 @@ def test_fp32_dot_precision_knob():
 
     from la_compiler.kernels.chunk.params import ChunkParams
     from la_compiler.kernels.chunk.precision import dot_precision
-    from la_compiler.spec import RecurrenceSpec, SpecError
+    from la_compiler.ir.spec import RecurrenceSpec, SpecError
 
     def params(text):
         return ChunkParams.from_spec(RecurrenceSpec.parse(text))
@@ -162,7 +162,7 @@ def test_only_gdns_key_blocked_backward_intra_keeps_its_warps(kind):
     from la_compiler.kernels.chunk.params import ChunkParams
     from la_compiler.kernels.chunk.plan import ChunkPlan, ChunkShape, chunk_plan
     from la_compiler.options import TuningOptions
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.ir.spec import RecurrenceSpec
 
     p = ChunkParams.from_spec(RecurrenceSpec(kind=kind, chunk=16, kernel="chunk"))
     plan = chunk_plan(p, ChunkShape(B=1, T=20, H=1, HV=1, K=16, V=16, N=1, NT=2, varlen=False), torch.float32,

@@ -4,13 +4,13 @@ rounds at the same sites (interpreter on CPU)."""
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk.flags import spec_constexprs
 from la_compiler.kernels.chunk.forms import (column_side_by_products, kda_pairs_kernel, kda_rounds_pairs,
                                             kda_splits_pair_grads)
 from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.reference.chunk import _to_chunks, chunk_delta_rule_reference
 from la_compiler.kernels.reference.recurrent import sequence_bounds
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import make_inputs
 from tests.kernels.chunk_checks import (MAX_FLIP_FRACTION, QDQ_TOL, assert_backward_matches, count_flips,

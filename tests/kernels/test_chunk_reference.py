@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
-from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.kernels.reference.rounding import ChunkRounding
 from tests.kernels.chunk_inputs import grads_of, make_inputs
 
 TOL = 1e-10

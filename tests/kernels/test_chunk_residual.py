@@ -3,13 +3,13 @@ from the kept residual computes what the backward that recomputes everything com
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
-from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
+from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.residual import residual_layout, residual_size, residual_views
+from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
 from la_compiler.options import OptionsError, TuningOptions
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_inputs import grads_of
 from tests.kernels.chunk_checks import ALL_FP8, ALL_SITES_TOL, EXACT_TOL, GRAD_NAMES, QDQ_TOL, chunk_case

@@ -13,13 +13,13 @@ the outputs and gradients of the tile-rounding reference are far from the kernel
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk.bwd import chunk_bwd
 from la_compiler.kernels.chunk.flags import spec_constexprs
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.chunk.params import ChunkParams, unsupported
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
 from la_compiler.quant import formats as F
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.kernels.chunk_checks import GRAD_NAMES, MAX_FLIP_FRACTION, QDQ_TOL, count_flips, kernel_chunks
 from tests.kernels.chunk_inputs import grads_of, make_inputs
@@ -180,7 +180,7 @@ def test_state_int8_block32_recipe_selects_the_chunk_kernels():
     """On CUDA the recipe's GDN and KDA specs go to the chunk kernels (FLA's runs exact specs only), not to the fp64
     torch reference."""
     from la_compiler.kernels.selection import select_kernel
-    from la_compiler.policy import load_recipe
+    from la_compiler.policy.resolution import load_recipe
 
     policy = load_recipe("state_int8_block32")
     for kind in ("gdn", "kda"):

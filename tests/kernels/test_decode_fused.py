@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels import sources
 from la_compiler.kernels.decode import suffix
 from la_compiler.kernels.decode.fused import decode_fused_backward, decode_fused_forward
@@ -20,7 +21,6 @@ from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.registry import get_variant
 from la_compiler.kernels.selection import select_kernel
 from la_compiler.options import decode_options
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
 

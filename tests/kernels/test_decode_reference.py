@@ -7,13 +7,13 @@ anchor + ordered rank-one-update replayer written here (replay with factor round
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.reference.decode import (
     delta_rule_decode_reference, hadamard32, qdq_factor, qdq_int8_h32, qdq_state, round_e4m3,
     round_half_away, round_log_decay,
 )
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from la_compiler.options import DecodeOptionsError, decode_options
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import la_compiler.kernels  # noqa: F401  (registers the variants)
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.decode.serving import decode_serving_backward, decode_serving_forward
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.options import decode_options
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
 
@@ -76,7 +76,7 @@ def test_a_model_compiled_with_the_recipe_trains_on_the_serving_variant():
     """The recipe through the backend (annotate, phase pass, laqat::delta_rule_phased): the spec runs on
     decode_serving; loss and gradients equal those of the eager model with the fp64 reference in its place."""
     import la_compiler
-    from la_compiler.ir_phase import is_delta_rule_phased
+    from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
     from tests.la_compiler.test_phase import TinyKDA, _counting_backend
 
     torch.manual_seed(0)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.kernels import sources
 from la_compiler.kernels.common import cache
+from la_compiler.kernels.common.errors import KernelParamsError
 from la_compiler.kernels.recurrent import fused_recurrent
 from la_compiler.kernels.recurrent.fused_recurrent import fused_recurrent_bwd, fused_recurrent_fwd
 from la_compiler.kernels.recurrent.params import FusedRecurrentParams
@@ -100,7 +100,7 @@ def test_fused_recurrent_matches_reference(c):
 
 
 def test_ir_op_runs_the_fused_recurrent_kernel_forward_and_backward():
-    import la_compiler.ir  # noqa: F401  (registers torch.ops.laqat)
+    import la_compiler.ir.delta_rule  # noqa: F401  (registers torch.ops.laqat)
 
     c = Case("kda", "kv", B=1, T=7, H=1, HV=2, K=8, V=8, cu_seqlens=(0, 3, 7))
     (q, k, v, g, beta), h0, cu, state_shape = make_inputs(c)

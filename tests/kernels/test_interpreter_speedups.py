@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk.bwd import chunk_bwd
-from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.fwd import chunk_fwd
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.kernels.chunk.params import ChunkParams
 from tests import interpreter_speedups
 from tests.kernels.chunk_checks import ALL_FP8, chunk_case
 

@@ -97,14 +97,14 @@ def test_every_module_a_chunk_spec_runs_is_viewable(capsys):
 
     kda = CHUNK_SPEC.format(kind="kda", state="kv")
     modules = sources.kernel_modules_for_spec(kda)
-    assert list(modules) == ["forward cumsum, pairs", "forward intra, wu", "forward h", "forward o", "backward dh",
-                             "backward intra", "backward pairs", "backward dg"]
+    assert list(modules) == ["forward cumsum, pairs", "forward intra_kda", "forward wu", "forward h", "forward o",
+                             "backward dh", "backward intra_split_pairs", "backward pairs", "backward dg"]
     assert all(hasattr(m, "KERNELS") and Path(m.__file__).parent.name == "chunk" for m in modules.values())
     assert hasattr(modules["forward h"], "chunk_fwd_kernel_h") and hasattr(modules["backward dh"], "chunk_bwd_kernel_dh")
     assert inspect.getsourcefile(modules["forward h"].chunk_fwd_kernel_h.fn) == modules["forward h"].__file__
     gdn = CHUNK_SPEC.format(kind="gdn", state="vk")
-    assert list(sources.kernel_modules_for_spec(gdn)) == ["forward intra, wu", "forward h", "forward o", "backward dh",
-                                                          "backward intra"]
+    assert list(sources.kernel_modules_for_spec(gdn)) == ["forward intra_gdn", "forward wu", "forward h", "forward o",
+                                                          "backward dh", "backward intra_key_blocks"]
     values = sources.constexprs_of_spec(kda)
     assert values["KDA"] is True and values["STATE_VK"] is False and values["STATE_Q"] == "int8"
     assert sources.constexprs_of_spec(gdn)["KDA"] is False and sources.constexprs_of_spec(gdn)["STATE_VK"] is True

@@ -8,9 +8,9 @@ import torch
 import la_compiler
 from la_compiler.backend import BackendOptionsError, laqat_backend
 from la_compiler.explainer import NothingMatchedWarning
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from la_compiler.record import CompileRecord
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import assert_close_rel
 from tests.ir_inputs import random_inputs
 

@@ -10,8 +10,8 @@ import pytest
 
 import la_compiler
 from la_compiler.cli import LAYER_CLASSES, compact, main
-from la_compiler.policy import load_policy
-from la_compiler.policy_json_schema import SCHEMA_PATH
+from la_compiler.policy.json_schema import SCHEMA_PATH
+from la_compiler.policy.resolution import load_policy
 from la_compiler.recipes import SERVES, recipe_names, recipe_path
 
 ROOT = Path(__file__).parents[2]

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 
 from la_compiler import options as opts
-from la_compiler import policy_schema
+from la_compiler.ir.spec import PHASE_MODES, RecurrenceSpec
 from la_compiler.options import DecodeOptions, DecodeOptionsError, OptionsError, decode_options
-from la_compiler.policy import Policy, PolicyError
-from la_compiler.spec import PHASE_MODES, RecurrenceSpec
+from la_compiler.policy import file_format
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import Policy
 
 # a value each field refuses, with the fields it needs besides (a window is a replay option)
 BAD = {"mode": ("prefill", {}), "state_codec": ("nvfp4/block16", {}), "readout": ("both", {}),
@@ -56,7 +57,7 @@ def test_a_spec_string_is_refused_by_the_same_check(name):
 
 def test_the_replay_window_is_bounded_in_one_place():
     lo, hi = opts.REPLAY_WINDOW
-    window = [f for f in dataclasses.fields(policy_schema.ReplayCfg) if f.name == "window"][0].metadata
+    window = [f for f in dataclasses.fields(file_format.ReplayCfg) if f.name == "window"][0].metadata
     assert (window["lo"], window["hi"]) == (lo, hi)
     for bad in (lo - 1, hi + 1):
         with pytest.raises(DecodeOptionsError, match=rf"^x\.replay_window: must be in {lo}\.\.{hi}, got {bad}$"):
@@ -65,10 +66,10 @@ def test_the_replay_window_is_bounded_in_one_place():
 
 
 def test_the_policy_schema_takes_its_decode_values_from_the_options():
-    assert policy_schema.READOUTS is opts.READOUTS
-    assert policy_schema.SERVING_STATE_DTYPES is opts.SERVING_STATE_DTYPES
-    assert {f"{e}-{v}" for e, vs in policy_schema.SERVING_VERSIONS.items() for v in vs} == set(opts.SERVING_PROFILES)
-    modes = [f for f in dataclasses.fields(policy_schema.DecodeCfg) if f.name == "mode"][0].metadata["choices"]
+    assert file_format.READOUTS is opts.READOUTS
+    assert file_format.SERVING_STATE_DTYPES is opts.SERVING_STATE_DTYPES
+    assert {f"{e}-{v}" for e, vs in file_format.SERVING_VERSIONS.items() for v in vs} == set(opts.SERVING_PROFILES)
+    modes = [f for f in dataclasses.fields(file_format.DecodeCfg) if f.name == "mode"][0].metadata["choices"]
     assert modes == PHASE_MODES == ("none",) + opts.DECODE_MODES
 
 

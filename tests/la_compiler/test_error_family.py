@@ -50,8 +50,8 @@ def test_standard_bases_are_kept():
     from la_compiler.kernels.common.decode_phase import PhaseLengthsMissing
     from la_compiler.kernels.selection import KernelSelectionError, NoFastKernelError
     from la_compiler.options import DecodeOptionsError, OptionsError
-    from la_compiler.policy_schema import PolicyError
-    from la_compiler.spec import SpecError
+    from la_compiler.policy.file_format import PolicyError
+    from la_compiler.ir.spec import SpecError
 
     for cls in (PolicyError, DecodeOptionsError, OptionsError, SpecError):
         assert issubclass(cls, ValueError) and issubclass(cls, LaqatError), cls

@@ -1,5 +1,5 @@
-"""What runs a rewritten graph (la_compiler/hand_off.py, docs/options.md "Hand-off"): unset, eager for a CPU-only
-graph and Inductor for a graph with tensors on a GPU; ``options["compiler"]`` as given, on any device; the
+"""What runs a rewritten graph (la_compiler/hand_off/compiler_choice.py, docs/options.md "Hand-off"): unset, eager
+for a CPU-only graph and Inductor for a graph with tensors on a GPU; ``options["compiler"]`` as given, on any device; the
 record, ``explain`` and the log say which ran and why."""
 import pytest
 import torch
@@ -7,9 +7,9 @@ from torch._subclasses import FakeTensorMode
 
 import la_compiler
 import la_compiler.backend
-from la_compiler.hand_off import choose_hand_off
+from la_compiler.hand_off.compiler_choice import choose_hand_off
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
-from la_compiler.spec import RecurrenceSpec
 from tests.ir_inputs import random_inputs
 
 CPU_DEFAULT = "default: every tensor of the graph is on the CPU"

@@ -1,7 +1,8 @@
 """The import graph of la_compiler (with passes/ and kernels/, which the package maps beneath it): no cycle,
 function-level imports included; the kernel registry and selection table at the bottom, the families
-registered from ``kernels/__init__.py`` only. The graph is read from the source (``ast``), so an import
-inside a function counts as much as one at the top: none can hide a cycle."""
+registered from ``kernels/__init__.py`` only, the kernels and the IR below the passes, the policy and the hand-off.
+The graph is read from the source (``ast``), so an import inside a function counts as much as one at the top: none
+can hide a cycle."""
 from __future__ import annotations
 
 import ast
@@ -142,3 +143,14 @@ def test_tracked_text_speaks_of_the_project_only():
     out = subprocess.run(["git", "grep", "-il", "sess" + "ion"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode in (0, 1), out.stderr
     assert out.stdout.split() == []
+
+
+def test_kernels_and_ir_import_nothing_above_them():
+    """The kernels and the IR sit below the passes, the policy and the hand-off: the FLA frontend imports the
+    ``laqat::`` ops of ``kernels/fla/``, never the other way round."""
+    graph = import_graph()
+    above = ("la_compiler.passes", "la_compiler.policy", "la_compiler.hand_off", "la_compiler.backend")
+    for name, targets in graph.items():
+        if name.startswith(("la_compiler.kernels", "la_compiler.ir")):
+            upward = sorted(t for t in targets if t.startswith(above))
+            assert not upward, f"{name} imports {upward}"

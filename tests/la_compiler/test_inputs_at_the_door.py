@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import la_compiler.backend  # noqa: F401  (registers the ops and the FLA frontend)
-from la_compiler.ir_checks import IRInputError
+from la_compiler.ir.checks import IRInputError
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs

@@ -11,7 +11,7 @@ import la_compiler.backend
 from la_compiler.kernels.recurrent.variant import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA
 from la_compiler.kernels.selection import select_kernel
 from la_compiler.passes.annotate import NothingQuantizedWarning, UnmatchedPolicyRuleWarning
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.ir.spec import RecurrenceSpec
 from tests.helpers import assert_close_rel, rel_l2
 
 pytest.importorskip("fla")

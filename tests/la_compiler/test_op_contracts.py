@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 import la_compiler
 import la_compiler.backend  # noqa: F401  (registers every op the backend can put in a graph)
-import la_compiler.ir  # noqa: F401
-import la_compiler.ir_decay  # noqa: F401
-import la_compiler.ir_phase  # noqa: F401
-from la_compiler.passes.frontends import fla_conv_op, fla_norm_op  # noqa: F401
-from la_compiler.spec import RecurrenceSpec
+import la_compiler.ir.delta_rule  # noqa: F401
+import la_compiler.ir.log_decay  # noqa: F401
+import la_compiler.ir.delta_rule_phased  # noqa: F401
+from la_compiler.ir.spec import RecurrenceSpec
+from la_compiler.kernels.fla import conv_op, norm_op  # noqa: F401
 
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
               "test_aot_dispatch_dynamic")
@@ -286,7 +286,7 @@ def test_delta_rule_phased(case, grad):
         opcheck("delta_rule_phased", _phased_args(case, grad=grad))
 
 
-# ---- FLA's convolution and norms (passes/frontends/fla_conv_op.py, fla_norm_op.py) -------------
+# ---- FLA's convolution and norms (kernels/fla/conv_op.py, norm_op.py) -------------
 @dataclasses.dataclass(frozen=True)
 class FlaCase:
     layout: str = "contiguous"
@@ -379,7 +379,7 @@ def test_layer_norm_backward(case):
     opcheck("layer_norm_backward", (dy, x, weight, bias, 1e-5, _options(case, False, True)))
 
 
-# ---- FLA's cross-entropy ops (passes/frontends/fla_cross_entropy_op.py, fla_linear_cross_entropy_op.py) ------
+# ---- FLA's cross-entropy ops (kernels/fla/cross_entropy_op.py, linear_cross_entropy_op.py) ------
 def _registered_or_skip(name: str):
     if name not in laqat_ops():  # added alongside these cases; a checkout without them has nothing to check
         pytest.skip(f"laqat::{name} is not registered in this checkout")
@@ -409,6 +409,18 @@ def test_cross_entropy_backward(case):
 
 
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_cross_entropy_backward_in_place(case):
+    _registered_or_skip("cross_entropy_backward_in_place")
+    logits, target, *options = _ce_args(case, grad=False)
+    _, _, lse = torch.ops.laqat.cross_entropy(logits, target, *options)
+    dloss = laid_out(torch.randn(target.shape), case.layout, time_dim=None)
+    expected = torch.ops.laqat.cross_entropy_backward(dloss, logits, target, lse, *options)
+    opcheck("cross_entropy_backward_in_place", (dloss, logits.clone(), target, lse, *options))
+    torch.ops.laqat.cross_entropy_backward_in_place(dloss, logits, target, lse, *options)
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_fused_linear_cross_entropy(case):
     _registered_or_skip("fused_linear_cross_entropy")
     N, Hd, Vocab = 6, 8, 12
@@ -422,7 +434,7 @@ def test_fused_linear_cross_entropy(case):
                                            1e-4, fp32_acc))
 
 
-# ---- the log of a decay passed in exponentiated (la_compiler/ir_decay.py) ------------------------------------
+# ---- the log of a decay passed in exponentiated (la_compiler/ir/log_decay.py) ------------------------------------
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_log_decay(case):
     decay = laid_out((0.05 + 0.9 * torch.rand(2, 5, 3)).to(case.dtype), case.layout, grad=True)

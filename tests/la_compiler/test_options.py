@@ -14,6 +14,7 @@ import torch
 
 import la_compiler
 from la_compiler.backend import BackendOptions, BackendOptionsError
+from la_compiler.ir.spec import RecurrenceSpec, SpecError
 from la_compiler.kernels.chunk.blocks import intra_key_block
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.chunk.params import ChunkParams
@@ -22,8 +23,8 @@ from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
 from la_compiler.options import ENVIRONMENT, NumericsOptions, OptionsError, TuningOptions
 from la_compiler.options_doc import DOC_PATH, render
-from la_compiler.policy import Policy, PolicyError
-from la_compiler.spec import RecurrenceSpec, SpecError
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import Policy
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
 

@@ -11,12 +11,12 @@ from torch import nn
 
 import la_compiler
 from la_compiler.backend import laqat_backend
-from la_compiler.ir_phase import is_delta_rule_phased
+from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.decode_phase import PhaseLengthsMissing
 from la_compiler.kernels.reference.decode import delta_rule_decode_reference
 from la_compiler.options import decode_options
 from la_compiler.phase import PhaseError
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import rel_l2
 from tests.ir_inputs import random_inputs
 

@@ -5,7 +5,7 @@ import torch
 
 import la_compiler
 from la_compiler.backend import laqat_backend
-from la_compiler.ir_phase import is_delta_rule_phased
+from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
 from tests.helpers import rel_l2
 
 pytest.importorskip("fla")

@@ -7,12 +7,11 @@ import re
 import pytest
 import yaml
 
+from la_compiler.ir.spec import GEMM_SITES, RecurrenceSpec
 from la_compiler.options import decode_options
-from la_compiler.policy import ModuleRule, Policy, PolicyError, QuantRule, load_policy
-from la_compiler.policy_schema import LinearAttentionCfg, SolveCfg
-from la_compiler.policy import load_recipe
+from la_compiler.policy.file_format import LinearAttentionCfg, ModuleRule, PolicyError, QuantRule, SolveCfg
+from la_compiler.policy.resolution import Policy, load_policy, load_recipe
 from la_compiler.recipes import recipe_names
-from la_compiler.spec import GEMM_SITES, RecurrenceSpec
 
 FP8 = {"num_bits": [4, 3], "type": "dynamic", "axis": [0, 1]}
 FP8_ROW = {"num_bits": [4, 3], "type": "dynamic", "axis": [0, 1, 2]}

@@ -1,4 +1,4 @@
-"""A policy attached to the model (la_compiler/policy_attach.py): it round-trips through ``state_dict`` and
+"""A policy attached to the model (la_compiler/policy/attach.py): it round-trips through ``state_dict`` and
 ``torch.save`` / ``torch.load(weights_only=True)``, ``torch.compile`` without a policy option uses it (module,
 bound method, ``Module.compile``, after a graph break), an explicit option wins, ``explain`` names the source;
 a checkpoint without a policy loads with exact numerics; a newer schema version and bad values are refused.
@@ -14,10 +14,11 @@ from torch import nn
 
 import la_compiler
 from la_compiler.backend import last_record
-from la_compiler.policy import PolicyError, load_policy
-from la_compiler.policy_attach import POLICY_KEY
+from la_compiler.ir.spec import RecurrenceSpec
+from la_compiler.policy.attach import POLICY_KEY
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import load_policy
 from la_compiler.recipes import recipe_names
-from la_compiler.spec import RecurrenceSpec
 from tests.passes.test_annotate_policy import (FP8_STATE, K, Attention, TwoLayers, _grads, assert_matches_oracle,
                                                make_inputs, on_reference, oracle)
 

@@ -5,8 +5,9 @@ import json
 import pytest
 import yaml
 
-from la_compiler.policy import Policy, PolicyError
-from la_compiler.policy_json_schema import SCHEMA_PATH, render
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.json_schema import SCHEMA_PATH, render
+from la_compiler.policy.resolution import Policy
 from la_compiler.recipes import recipe_names, recipe_path
 from tests.la_compiler.test_policy_validation import LOAD_ERRORS
 
@@ -26,7 +27,7 @@ def as_json(config):
 
 
 def test_the_shipped_schema_is_current():
-    assert SCHEMA_PATH.read_text() == render(), "run `python -m la_compiler.policy_json_schema --write`"
+    assert SCHEMA_PATH.read_text() == render(), "run `python -m la_compiler.policy.json_schema --write`"
 
 
 @pytest.mark.parametrize("name", recipe_names())

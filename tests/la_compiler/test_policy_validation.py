@@ -5,8 +5,9 @@ import warnings
 import pytest
 
 import la_compiler
-from la_compiler.policy import Policy, PolicyError, load_policy
-from la_compiler.spec import GEMM_SITES
+from la_compiler.ir.spec import GEMM_SITES
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import Policy, load_policy
 
 FP8_STATE = {"num_bits": [4, 3], "type": "dynamic", "axis": [0, 1]}
 NVFP4 = {"num_bits": [2, 1], "type": "dynamic", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": [4, 3]}}
@@ -182,7 +183,7 @@ def test_a_cfg_is_checked_at_load_for_every_site_its_glob_can_reach(glob):
     ("*linear_attn_sites.*", {f"{s}.{side}" for s in GEMM_SITES for side in ("lhs", "rhs")}),
 ])
 def test_reachable_sites_of_a_glob(glob, sites):
-    from la_compiler.policy import all_quantizers, reachable_sites
+    from la_compiler.policy.quantizer_names import all_quantizers, reachable_sites
 
     assert reachable_sites(glob) == (set(all_quantizers().values()) if sites is None else sites)
 

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.quant import QuantConfig, QuantConfigError, fake_quant, group_amax, quant_scale
 from la_compiler.quant import formats as F
-from la_compiler.spec import RecurrenceSpec
 from tests.qdq_values import (
     mismatches, oracle_qdq_fp8, oracle_round_e4m3, random_finite, random_near, special_values,
 )

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from la_compiler.ir.spec import GEMM_SITES, RecurrenceSpec
 from la_compiler.kernels.decode.suffix import DecodeParams
 from la_compiler.options import decode_options
-from la_compiler.policy import PolicyError, load_recipe
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import load_recipe
 from la_compiler.recipes import recipe_names
-from la_compiler.spec import GEMM_SITES, RecurrenceSpec
 
 MODULE = "model.layers.0.attn"
 

@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.registry import get_variant
-from la_compiler.spec import RecurrenceSpec
 
 ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "memory.md"
 sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
+import memory_account  # noqa: E402
 from memory_account import Setup, compiled_account  # noqa: E402
 
 SETUP = Setup(batch=2, seq=70, hidden=32, heads=2, head_dim=16, dtype="bfloat16")  # B*T*HV = 280: a(280) = 288
@@ -107,7 +108,7 @@ def accounts():
 def test_the_recurrence_op_saves_what_the_page_states(accounts, kind, policy, variant):
     acc, graphs = accounts(kind, policy)
     assert [m.kernel for g in graphs for m in g.matches] == [variant]
-    assert acc.packed == len(acc.saved)  # the walk reached every tensor autograd packed
+    assert acc.packed == len(acc.walked)  # the walk reached every tensor autograd packed
     assert [(s.slot, s.name, s.shape, s.dtype) for s in acc.of(OP)] == documented_saves(kind, variant)
 
 
@@ -171,3 +172,54 @@ def test_the_decode_phase_residual_formula_is_the_decode_kernels_bound(kind, cod
         values = dict(B=B, T=T, HV=H, V=V, N=B if cu is None else len(cu) - 1, BK=_next_power_of_2(K),
                       BV=group if V >= group else _next_power_of_2(V))
         assert evaluate(formula, values) == get_variant("decode_fused").residual_numel(spec, q, v, cu_seqlens)
+
+
+def test_a_python_function_of_fla_is_accounted_to_it_with_its_ctx_tensors():
+    """FLA's autograd.Functions (here ``L2Wrap``, one that runs on the CPU) are named by their class; a tensor a
+    Function keeps on its ctx counts, though no saved_tensors_hooks packs it."""
+    from fla.modules.l2warp import l2_warp
+
+    class KeepsOnCtx(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            ctx.offsets = torch.arange(5)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    logits = torch.randn(1, 6, 10, requires_grad=True)
+    acc = memory_account.account(lambda: l2_warp(KeepsOnCtx.apply(logits).sum(), logits))
+    fla = [s for s in acc.saved if s.category == memory_account.FLA_OPS]
+    assert [(s.op, s.slot, s.shape) for s in fla] == [("L2Wrap", "saved[0]", (1, 6, 1)),
+                                                      ("L2Wrap", "saved[1]", (1, 6, 1))]
+    ctx = [s for s in acc.saved if s.slot.startswith("ctx.")]
+    assert [(s.slot, s.bytes, s.category) for s in ctx] == [("ctx.offsets", 40, memory_account.TORCH_OPS)]
+    assert acc.packed == len(acc.walked) and acc.packed_bytes == acc.total_bytes - 40
+
+
+def test_the_fla_lm_account_compares_eager_fla_with_laqat():
+    """``--model fla-lm`` at a tiny shape on the CPU: eager FLA (FLA's torch references) and laqat exact (eager
+    hand-off). Each row's walk reaches every storage autograd packed; the eager row's FLA ops are the references
+    standing in for FLA's, the compiled row's laqat's ops, and both rows have every category."""
+    args = memory_account.parse(["--model", "fla-lm", "--family", "gdn", "--layers", "1", "--hidden", "32",
+                                 "--heads", "2", "--head-dim", "16", "--seq", "40", "--vocab", "64",
+                                 "--device", "cpu"])
+    eager, exact = memory_account.lm_rows("gdn", memory_account.lm_row_names(["exact"], False), args)
+    assert (eager["row"], exact["row"]) == ("eager FLA", "laqat exact") and "error" not in exact, exact
+    for row in (eager, exact):
+        assert row["total_bytes"] == row["packed_bytes"] > 0, row["row"]
+        assert row["packed"] == sum(not s["slot"].startswith("ctx.") for s in row["saved"]), row["row"]
+        assert list(row["by_category"]) == list(memory_account.CATEGORIES)
+    eager_fla = eager["by_category"][memory_account.FLA_OPS]
+    exact_laqat = exact["by_category"][memory_account.OPS_OF_LAQAT]
+    assert {"chunk_gated_delta_rule (torch ref.)", "causal_conv1d (torch ref.)", "rms_norm_gated (torch ref.)",
+            "FusedCrossEntropyLoss.forward (torch ref.)"} <= set(eager_fla), eager_fla
+    assert not eager["by_category"][memory_account.OPS_OF_LAQAT] and not exact["by_category"][memory_account.FLA_OPS]
+    assert {"laqat::delta_rule_train", "laqat::causal_conv1d", "laqat::layer_norm_gated",
+            "laqat::cross_entropy"} <= set(exact_laqat), exact_laqat
+    table = memory_account.comparison_table("gdn", [eager, exact]).splitlines()
+    labels = [line[:50].strip() for line in table[1:]]
+    assert set(memory_account.CATEGORIES) <= set(labels) and "chunk_gated_delta_rule (torch ref.)" in labels

@@ -1,15 +1,16 @@
 """Serving profiles in the policy (linear_attention cfg.serving, ModelOpt's precision alias): loading, round
 trips, what they resolve to in the spec, and every refusal naming its key."""
 import json
+import sys
 
 import pytest
 import torch
 import yaml
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.options import DecodeOptions, DecodeOptionsError, decode_options
-from la_compiler.policy import Policy, PolicyError, load_policy
-from la_compiler.policy_schema import ServingCfg
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.policy.file_format import PolicyError, ServingCfg
+from la_compiler.policy.resolution import Policy, load_policy
 
 INT8_STATE = {"num_bits": 8, "type": "dynamic", "axis": [0, 1]}
 
@@ -111,3 +112,66 @@ def test_spec_level_serving_options_are_checked():
         DecodeOptions(mode="token", serving="vllm-0.33", readout="stored")
     with pytest.raises(DecodeOptionsError, match="phase=token"):
         DecodeOptions(mode="replay", serving="vllm-0.33", window=2)
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """vllm not importable (whatever this process imported before: the serving tests' stand-in)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+
+
+@pytest.mark.parametrize("recipe,kind,flag", [("vllm_gdn_state_bf16", "gdn", "--gdn-prefill-backend triton"),
+                                              ("vllm_kda_state_bf16", "kda", "--kda-prefill-backend triton")])
+def test_the_prefill_backend_defaults_to_the_triton_kernels_laqat_reproduces(recipe, kind, flag, no_vllm):
+    assert ServingCfg().prefill_backend == "triton" and ServingCfg().forward == "auto"
+    assert _policy({"serving": {}}).linear_attention[0].cfg.serving.prefill_backend == "triton"
+    res = load_policy(recipe).resolve("model.layers.0.attn", kind)
+    (rule,) = [r for r in res.rules if ".serving -> " in r]
+    assert rule.startswith("linear_attention[0].cfg.serving -> vllm 0.33.0 " + kind.upper()), rule
+    for said in (flag, "VLLM_TRITON_FORCE_FIRST_CONFIG=1", "--mamba-ssm-cache-dtype bfloat16",
+                 "forward: laqat's reproduction, laqat's backward (auto: vllm is not importable"):
+        assert said in rule, (said, rule)
+    assert "forward" not in dict(res.extra)  # laqat's forward: the spec of before
+
+
+@pytest.mark.parametrize("cfg,names", [
+    ({"prefill_backend": "flashinfer"}, ["'flashinfer' is FlashInfer's GDN prefill", "Hopper",
+                                         "laqat does not reproduce FlashInfer's GDN prefill",
+                                         "`--gdn-prefill-backend triton`"]),
+    ({"prefill_backend": "flashkda", "model": "kimi_k3"}, ["'flashkda' is FlashKDA", "laqat does not reproduce "
+                                                           "FlashKDA", "`--kda-prefill-backend triton`"]),
+])
+def test_compiled_prefill_backends_are_refused_with_the_servers_flag(cfg, names):
+    with pytest.raises(PolicyError) as e:
+        _policy({"serving": cfg})
+    text = str(e.value)
+    assert text.startswith("linear_attention[0].cfg.serving.prefill_backend: "), text
+    for name in names:
+        assert name in text, (name, text)
+
+
+def test_forward_server_without_vllm_is_refused(no_vllm):
+    with pytest.raises(PolicyError, match=r"cfg\.serving\.forward: 'server' runs vllm 0\.33\.0's own kernels, but "
+                                          r"vllm is not importable .*use serving\.forward: laqat"):
+        _policy({"serving": {"forward": "server"}}).resolve("m", "gdn")
+    res = _policy({"serving": {"forward": "laqat"}}).resolve("m", "gdn")
+    assert "forward" not in dict(res.extra) and any("forward: laqat's reproduction" in r for r in res.rules)
+    with pytest.raises(DecodeOptionsError, match="x.forward: the server's own forward kernels, only with x.serving"):
+        DecodeOptions(mode="token", forward="server")
+
+
+def test_explain_shows_the_servers_release_backend_and_flags(no_vllm):
+    import la_compiler
+    from tests.ir_inputs import random_inputs
+
+    spec = RecurrenceSpec(kind="gdn").to_string()
+
+    def fn(q, k, v, g, beta, h0, cu):
+        return torch.ops.laqat.delta_rule(q, k, v, g, beta, h0, cu, 0.5, spec)
+
+    (q, k, v, g, beta, _), _ = random_inputs("gdn", T=4, H=1, HV=1, K=8, V=8)
+    with la_compiler.phase([2]):
+        text = str(la_compiler.explain(fn, q, k, v, g, beta, None, None, policy="vllm_gdn_state_bf16"))
+    assert "x.serving=vllm-0.33" in text, text
+    assert "policy: linear_attention[0].cfg.serving -> vllm 0.33.0 GDN" in text, text
+    assert "--gdn-prefill-backend triton" in text and "VLLM_TRITON_FORCE_FIRST_CONFIG=1" in text, text

@@ -1,6 +1,6 @@
 import pytest
 
-from la_compiler.spec import RecurrenceSpec, SpecError
+from la_compiler.ir.spec import RecurrenceSpec, SpecError
 
 
 def test_round_trip_and_canonical_order():
@@ -12,6 +12,14 @@ def test_round_trip_and_canonical_order():
     assert "q.state=fp8_e4m3/tile64; q.w=fp8_e4m3/row; acc.wy_key=fp16:16" in text
     assert RecurrenceSpec.parse(text) == spec
     assert RecurrenceSpec.parse(text).to_string() == text
+
+
+def test_a_chunk_size_the_program_passed_is_marked_and_round_trips():
+    passed = RecurrenceSpec(kind="gdn", src="fla", chunk=64, chunk_passed=True)
+    assert "; chunk=64:passed; " in passed.to_string()
+    assert RecurrenceSpec.parse(passed.to_string()) == passed
+    default = passed.replace(chunk_passed=False)
+    assert "; chunk=64; " in default.to_string() and default != passed
 
 
 def test_replace_accepts_mappings_and_sorts():
@@ -42,6 +50,7 @@ def test_invalid_specs_name_the_field(fields, message):
     ("gdn(src=fla)", "not a laqat spec string"),
     ("gdn[src]", "is not key=value"),
     ("gdn[color=blue]", "unknown spec key 'color'"),
+    ("gdn[chunk=64:given]", "the only mark after the size is ':passed'"),
 ])
 def test_parse_errors(text, message):
     with pytest.raises(SpecError, match=message):

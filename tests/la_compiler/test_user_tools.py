@@ -14,7 +14,7 @@ import torch
 import yaml
 
 import la_compiler
-from la_compiler.policy import Policy, load_policy
+from la_compiler.policy.resolution import Policy, load_policy
 from la_compiler.recipes import SERVES, recipe_names
 
 ROOT = Path(__file__).parents[2]

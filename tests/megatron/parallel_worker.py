@@ -60,7 +60,7 @@ def _capturing_laqat(options, graphs):
 
 def _nodes(graphs):
     """(module, spec, local value heads) of every laqat recurrence node the compiled graphs hold."""
-    from la_compiler.ir import is_delta_rule
+    from la_compiler.ir.delta_rule import is_delta_rule
 
     found = []
     for gm in graphs:
@@ -202,7 +202,7 @@ def policy_in_checkpoint(path):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from la_compiler.policy_attach import POLICY_KEY, policy_of
+    from la_compiler.policy.attach import POLICY_KEY, policy_of
 
     meta = dist_checkpointing.load_tensors_metadata(path)[POLICY_KEY]
     request = ShardedTensor.from_rank_offsets(POLICY_KEY, torch.empty(meta.global_shape, dtype=meta.dtype),
@@ -214,7 +214,7 @@ def scenario_checkpoint(rank, world, out_dir):
     from megatron.core import dist_checkpointing, parallel_state
 
     import la_compiler
-    from la_compiler.policy import load_policy
+    from la_compiler.policy.resolution import load_policy
     from tests.helpers import rel_l2
     from tests.megatron.megatron_cpu import model_parallel
     from tests.megatron.megatron_models import batch, tiny_gpt

@@ -177,7 +177,7 @@ def _decode_reference(spec, prefill, valid):
     """laqat's fp64 decode-phase reference as a Megatron recurrence (kernels/reference/decode.py)."""
     from la_compiler.options import decode_options
     from la_compiler.kernels.reference.decode import delta_rule_decode_reference
-    from la_compiler.spec import RecurrenceSpec
+    from la_compiler.ir.spec import RecurrenceSpec
 
     options = decode_options(RecurrenceSpec.parse(spec))
 

@@ -32,8 +32,9 @@ import transformers  # noqa: E402
 
 import la_compiler  # noqa: E402
 from la_compiler.backend import last_record  # noqa: E402
-from la_compiler.policy import PolicyError, load_policy  # noqa: E402
-from la_compiler.policy_attach import POLICY_KEY  # noqa: E402
+from la_compiler.policy.attach import POLICY_KEY  # noqa: E402
+from la_compiler.policy.file_format import PolicyError  # noqa: E402
+from la_compiler.policy.resolution import load_policy  # noqa: E402
 from tests.models.transformers_models import BY_NAME  # noqa: E402
 
 CASE = BY_NAME["qwen3_5"]

@@ -9,7 +9,8 @@ function, causal_conv1d's torch path). Prints one JSON line:
 - ``eager`` / ``fp64``: the uncompiled model in fp32, and in fp64 throughout (``float64_everywhere``
   lifts the model's own fp32 casts): loss, gradients' names, each eager gradient's distance to fp64;
 - ``inductor`` / ``eager_handoff``: ``torch.compile(model, backend="laqat", fullgraph=True)`` with
-  ``{"compiler": "inductor"}`` (the GPU's default hand-off; the CPU's is eager) and with ``{"compiler": "eager"}``, one forward and backward each: the laqat matches
+  ``{"compiler": "inductor"}`` (the GPU's default hand-off; the CPU's is eager; only for the rows marked
+  ``inductor``) and with ``{"compiler": "eager"}``, one forward and backward each: the laqat matches
   (kind, frontend, module) of that compile, its loss, its per-token losses' distance to eager's and,
   per parameter, the relative L2 error of the gradient against eager fp32 and against fp64;
 - ``state_fp8``: ``{"policy": "state_fp8", "compiler": "eager"}``: the matches and specs, the per-token
@@ -259,7 +260,9 @@ def main(name: str) -> dict:
     result["fp64"] = {"loss": loss64.item(), "seconds": time.perf_counter() - t0,
                       "eager_vs_fp64": {n: rel(g, fp64_grads[n]) for n, g in eager_grads.items()}}
 
-    result["inductor"], _ = train_step(model, {"compiler": "inductor"}, eager_grads, fp64_grads, eager_token_losses)
+    if case.inductor:
+        result["inductor"], _ = train_step(model, {"compiler": "inductor"}, eager_grads, fp64_grads,
+                                           eager_token_losses)
     result["eager_handoff"], exact = train_step(model, {"compiler": "eager"}, eager_grads, fp64_grads,
                                                 eager_token_losses)
     # the policy's effect alone: against the exact run of the same hand-off (eager's where that failed)

@@ -44,13 +44,16 @@ class ModelCase:
     # runner redraws dt_bias as OLMo-hybrid and Kimi-Linear initialize it: softplus^-1 of dt,
     # log-uniform in [1e-3, 1e-1].
     redraw_dt_bias: bool = False
+    # also compiled under the Inductor hand-off (the GPU's default; the CPU's is eager): one model per kind of
+    # linear-attention code, as Inductor's cold C++ build is most of a model's test time on the CPU
+    inductor: bool = False
 
 
 MODELS: tuple[ModelCase, ...] = (
     ModelCase(
         "qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "gdn", ("model.layers.0.linear_attn",),
         dict(_GDN_SIZES, **_MOE_SIZES), redraw_dt_bias=True,
-        note="fused qkvz / ba projections, gated RMSNorm (silu), MoE"),
+        note="fused qkvz / ba projections, gated RMSNorm (silu), MoE", inductor=True),
     ModelCase(
         "qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "gdn", ("model.layers.0.linear_attn",),
         dict(_GDN_SIZES), redraw_dt_bias=True,
@@ -72,14 +75,15 @@ MODELS: tuple[ModelCase, ...] = (
              layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
              linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
              max_position_embeddings=256, **_NO_SPECIAL_TOKENS),
-        note="allow_neg_eigval (beta = 2 sigmoid), value heads twice the key dim; needs one full-attention layer"),
+        note="allow_neg_eigval (beta = 2 sigmoid), value heads twice the key dim; needs one full-attention layer",
+        inductor=True),
     ModelCase(
         "kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", "kda", ("model.layers.0.self_attn",),
         dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
              layer_types=["linear_attention"], mlp_layer_types=["sparse"], num_attention_heads=4,
              num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, linear_head_dim=8,
              linear_num_heads=2, max_position_embeddings=256, **_NO_SPECIAL_TOKENS),
-        note="softplus forget gate per key channel, MoE"),
+        note="softplus forget gate per key channel, MoE", inductor=True),
     ModelCase(
         "glm5_next", "Glm5NextConfig", "Glm5NextForConditionalGeneration", "kda",
         ("model.language_model.layers.0.self_attn",),

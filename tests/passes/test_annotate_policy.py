@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import la_compiler
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.reference.chunk import chunk_delta_rule_reference
-from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.kernels.reference.recurrent import delta_rule_reference
+from la_compiler.kernels.reference.rounding import ChunkRounding
 from la_compiler.passes.annotate import UnmatchedPolicyRuleWarning
-from la_compiler.policy import PolicyError, load_policy
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import load_policy
 from la_compiler.quant import fake_quant
-from la_compiler.spec import RecurrenceSpec
 from tests.helpers import assert_close_rel, rel_l2
 
 SCALE = 0.4

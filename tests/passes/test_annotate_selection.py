@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels import registry, selection
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
-from la_compiler.spec import RecurrenceSpec
 
 
 def choose(spec, head_v=16, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import la_compiler
-from la_compiler.policy_schema import NothingQuantizedWarning
+from la_compiler.policy.file_format import NothingQuantizedWarning
 from tests.helpers import rel_l2
 from tests.passes.test_torch_recurrence import _inputs as torch_inputs
 from tests.passes.torch_recurrence_step_dependent import gdn_step_dependent

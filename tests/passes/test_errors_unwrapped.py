@@ -2,7 +2,7 @@
 the laqat ops' fake implementations, reaches the user as itself (a subclass of ``la_compiler.LaqatError``, not
 Dynamo's ``InternalTorchDynamoError`` / ``TorchRuntimeError`` / ``BackendCompilerFailed``), naming the argument.
 
-``SITES`` has one case per raise site of passes/frontends/fla.py (a ``_require`` / ``_refuse`` call);
+``SITES`` has one case per raise site of passes/frontends/fla/substitutions.py (a ``_require`` / ``_refuse`` call);
 ``test_every_raise_site_has_a_case`` reads the sites from the source, so a new one needs a case here. The Megatron
 frontend raises nothing itself (it routes Megatron's GatedDeltaNet to FLA's functions and the torch frontend).
 Each case compiles once, with the eager hand-off (the errors arise while Dynamo traces, before any hand-off); a
@@ -18,9 +18,9 @@ pytest.importorskip("fla")
 
 import la_compiler  # noqa: E402
 import la_compiler.backend  # noqa: E402,F401  (installs the FLA substitutions)
-from la_compiler.ir_checks import IRInputError  # noqa: E402
-from la_compiler.passes.frontends import fla as fla_frontend  # noqa: E402
-from la_compiler.passes.frontends.fla import UnsupportedArgumentError  # noqa: E402
+from la_compiler.ir.checks import IRInputError  # noqa: E402
+from la_compiler.passes.frontends.fla import substitutions as fla_frontend  # noqa: E402
+from la_compiler.passes.frontends.fla.substitutions import UnsupportedArgumentError  # noqa: E402
 
 B, T, H, K, V = 1, 8, 2, 4, 4
 
@@ -235,7 +235,7 @@ def test_op_input_error_reaches_the_user_as_itself(case, fullgraph, compiler):
 
 def test_laqat_errors_share_one_base():
     from la_compiler.backend import BackendOptionsError
-    from la_compiler.ddp_buckets import RecurrenceSplitError
+    from la_compiler.hand_off.ddp_buckets import RecurrenceSplitError
     from la_compiler.passes.verify import IRVerificationError
     for cls in (UnsupportedArgumentError, IRInputError, BackendOptionsError, RecurrenceSplitError,
                 IRVerificationError):

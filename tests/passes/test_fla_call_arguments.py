@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("fla")
 
 import la_compiler  # noqa: E402
-from la_compiler.policy import PolicyError  # noqa: E402
+from la_compiler.policy.file_format import PolicyError  # noqa: E402
 
 STATE_FP8 = {
     "version": "laqat.policy/1", "name": "state_fp8_chunk",
@@ -79,10 +79,6 @@ def test_a_call_without_chunk_size_takes_the_policys():
     assert "chunk=32" in str(m.spec), m.spec
 
 
-@pytest.mark.xfail(strict=True, reason="the spec an FLA call produces cannot tell chunk_size=64 passed from FLA's "
-                                       "default 64, so passes/annotate.py takes the policy's chunk size for both; "
-                                       "the fix needs the spec (la_compiler/spec.py) to carry whether the call "
-                                       "passed one, outside the FLA frontend")
 def test_an_explicit_chunk_size_of_64_against_the_policys_names_both():
     with pytest.raises(PolicyError, match=r"the FLA call passes chunk_size=64 but linear_attention\[0\] .*sets "
                                           r"chunk_size=32"):

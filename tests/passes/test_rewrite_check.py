@@ -16,7 +16,7 @@ import torch
 
 from la_compiler.backend import laqat_backend
 from la_compiler.explainer import ExplainReport
-from la_compiler.ir_checks import IRInputError
+from la_compiler.ir.checks import IRInputError
 from la_compiler.passes.frontends.torch_recurrence import CHECK_SECONDS, loops, steps, verify_mode
 from la_compiler.passes.frontends.torch_recurrence.verify_mode import (PREFIX_STEPS, SAMPLED_SEGMENTS,
                                                                        SEGMENT_STEPS, WHOLE_STEPS, segments)

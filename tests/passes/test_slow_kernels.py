@@ -16,16 +16,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import la_compiler
-from la_compiler.ir import DELTA_RULE, LaqatMeta
+from la_compiler.ir.delta_rule import DELTA_RULE, LaqatMeta
+from la_compiler.ir.spec import KINDS, RecurrenceSpec
 from la_compiler.kernels import registry
 from la_compiler.kernels.recurrent.variant import FUSED_RECURRENT_MAX_TOKENS_ON_CUDA
 from la_compiler.kernels.selection import KernelSelectionError, NoFastKernelError, select_kernel
 from la_compiler.passes.annotate import UnmatchedPolicyRuleWarning, annotate
 from la_compiler.passes.lower import lower
-from la_compiler.policy import Policy, PolicyError, load_recipe
-from la_compiler.record import GraphRecord
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import Policy, load_recipe
 from la_compiler.recipes import recipe_names
-from la_compiler.spec import KINDS, RecurrenceSpec
+from la_compiler.record import GraphRecord
 
 HEAD_DIM, SEQ_LEN = 128, 4096
 MODULE = "model.layers.0.attn"

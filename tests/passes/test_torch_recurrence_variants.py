@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import la_compiler
-from la_compiler.ir import DELTA_RULE
+from la_compiler.ir.delta_rule import DELTA_RULE
 from tests.passes import torch_recurrence_gates as gates
 from tests.helpers import assert_close_rel
 from tests.passes.test_torch_recurrence import _check, _inputs

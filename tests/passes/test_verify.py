@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.passes.verify import IRVerificationError
-from la_compiler.spec import RecurrenceSpec
 from tests.ir_inputs import random_inputs
 
 

@@ -1,5 +1,6 @@
 """Fixtures of the serving parity tests: vLLM's kernels (the oracle), Triton's interpreter as the GPU."""
 import os
+import sys
 
 import pytest
 
@@ -12,9 +13,15 @@ def vllm():
     """vLLM 0.33.0's kernel modules (tests/serving/vllm_oracle.py); skipped only if the wheel can be neither
     found in the cache nor downloaded from the package index."""
     try:
-        return vllm_oracle.load()
+        modules = vllm_oracle.load()
     except vllm_oracle.IndexUnreachable as e:
         pytest.skip(f"vLLM {vllm_oracle.VERSION} oracle unavailable: {e}")
+    yield modules
+    # The stand-in package stays importable as ``vllm`` while it is loaded, and a serving profile's
+    # ``forward: auto`` picks the server's kernels wherever vllm imports: tests outside this package that the
+    # same worker runs later must not see it.
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
 
 
 @pytest.fixture

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import la_compiler.kernels  # noqa: F401  (registers the variants)
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.registry import get_variant
 from la_compiler.kernels.selection import select_kernel
-from la_compiler.policy import Policy
-from la_compiler.spec import RecurrenceSpec
+from la_compiler.policy.file_format import with_precision_alias
+from la_compiler.policy.resolution import Policy
 from tests.helpers import rel_l2
 from tests.serving.vllm_serving import serve
 
@@ -78,6 +79,8 @@ def _inputs(kind, dtype, B, T, H, HV, K, V, n, layout, with_h0):
 
 def _laqat(cfg, kind, layout, q, k, v, g, beta, h0, cu, prefill, valid):
     """The spec the policy resolves for a module, on the variant the selection table picks for it."""
+    cfg = with_precision_alias(cfg)  # laqat's own forward (serving.forward auto would run vLLM's kernels here)
+    cfg["serving"] = {**cfg["serving"], "forward": "laqat"}
     res = Policy.from_dict({"linear_attention": [{"module_name": "*", "cfg": cfg}]}).resolve("model.layers.0.attn",
                                                                                             kind)
     spec = RecurrenceSpec(kind, state=layout, phase=res.phase, quant=res.quant, extra=res.extra)

@@ -3,7 +3,7 @@
 Nothing of vLLM is in this repository. ``load()`` fetches the wheel with ``pip download --no-deps``
 into a cache directory outside the repository (``$LAQAT_TEST_CACHE`` or ``~/.cache/laqat-test``, then
 ``vllm-0.33.0/``; a wheel already there is reused), extracts only the kernel files below, writes a
-minimal fake ``vllm`` package around them (the few names those files import: ``current_platform``,
+minimal fake ``vllm`` package around them (its ``__version__`` and the few names those files import: ``current_platform``,
 ``triton_utils``, two helpers of ``vllm.utils``) and imports them with that directory on ``sys.path``
 only while importing. The modules keep their own file names, so Triton reads the kernels' source
 from the extracted files.
@@ -57,6 +57,9 @@ INTERPRETER_EDITS = {
 }
 
 STUBS = {
+    "vllm/__init__.py": f'''"""Stand-in for vllm: the release its kernel files come from (``vllm.__version__``)."""
+__version__ = "{VERSION}"
+''',
     "vllm/platforms/__init__.py": '''"""Stand-in for vllm.platforms: the questions the kernel files ask of the device."""
 import torch
 
@@ -229,6 +232,7 @@ def _first_config_only(module):
 
 
 _loaded: SimpleNamespace | None = None
+_stand_in_modules: dict = {}  # sys.modules' vllm entries as load() left them
 
 
 def load(src: Path | None = None) -> SimpleNamespace:
@@ -254,7 +258,9 @@ def load(src: Path | None = None) -> SimpleNamespace:
             for name, module in list(sys.modules.items()):
                 if name.startswith("vllm."):
                     _first_config_only(module)
+        _stand_in_modules.update({n: m for n, m in sys.modules.items() if n == "vllm" or n.startswith("vllm.")})
         _loaded = SimpleNamespace(src=src, **modules)
+    sys.modules.update(_stand_in_modules)  # importable as ``vllm`` again after a caller removed it
     return _loaded
 
 

@@ -21,6 +21,21 @@ import time
 
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
+from la_compiler.passes.frontends.torch_recurrence.allowed_ops import OpRefused, check_region_ops
+from la_compiler.passes.frontends.torch_recurrence.dataflow import (Dataflow, fold_symbolic_scalars,
+                                                                    sizes_marked_dynamic, specialize, symbols_of,
+                                                                    tensor_value)
+from la_compiler.passes.frontends.torch_recurrence.inplace import functionalize_inplace
+from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
+from la_compiler.passes.frontends.torch_recurrence.one_step import find_one_step_loops
+from la_compiler.passes.frontends.torch_recurrence.region import build_region
+from la_compiler.passes.frontends.torch_recurrence.replace import check_replaceable, replace_region
+from la_compiler.passes.frontends.torch_recurrence.scan import restore_scans, unroll_scans
+from la_compiler.passes.frontends.torch_recurrence.semantics import solve
+from la_compiler.passes.frontends.torch_recurrence.steps import check_step_inputs
+from la_compiler.passes.frontends.torch_recurrence.verify_mode import check_rewrite
+from la_compiler.passes.module_names import module_name
 from la_compiler.record import GraphRecord, NearMiss
 
 CHECK_SECONDS = "torch_recurrence.check"  # GraphRecord.pass_seconds: the rewrite check's part of the frontend's time
@@ -28,7 +43,7 @@ CHECK_SECONDS = "torch_recurrence.check"  # GraphRecord.pass_seconds: the rewrit
 
 def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool = False) -> int:
     # the pass allocates many small objects next to Dynamo's large heap: cyclic GC passes would
-    # dominate its time (measured 2x on a 22k-node graph); nothing it creates is cyclic garbage
+    # dominate its time (measured: docs/torch_frontend.md, "Rewrite time"); nothing it creates is cyclic garbage
     # the float64 probes are small: one thread, so that OpenMP workers spinning next to other
     # processes do not turn milliseconds into seconds
     enabled, threads = gc.isenabled(), torch.get_num_threads()
@@ -43,7 +58,6 @@ def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, 
 
 
 def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> int:
-    from la_compiler.passes.frontends.torch_recurrence.scan import restore_scans, unroll_scans
 
     unrolled = unroll_scans(gm, record)  # a scan is analysed as the loop it unrolls to
     try:
@@ -55,18 +69,6 @@ def _rewrite(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> 
 
 
 def _rewrite_loops(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool) -> int:
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import OpRefused, check_region_ops
-    from la_compiler.passes.frontends.torch_recurrence.dataflow import (Dataflow, fold_symbolic_scalars, specialize,
-                                                                      tensor_value)
-    from la_compiler.passes.frontends.torch_recurrence.inplace import functionalize_inplace
-    from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
-    from la_compiler.passes.frontends.torch_recurrence.region import build_region
-    from la_compiler.passes.frontends.torch_recurrence.replace import check_replaceable, replace_region
-    from la_compiler.passes.frontends.torch_recurrence.semantics import solve
-    from la_compiler.passes.frontends.torch_recurrence.steps import check_step_inputs
-    from la_compiler.passes.frontends.torch_recurrence.verify_mode import check_rewrite
-    from la_compiler.passes.module_names import module_name
-    from la_compiler.spec import RecurrenceSpec
 
     flow = Dataflow(gm)
     loops = find_loops(flow)
@@ -143,8 +145,6 @@ def _rewrite_loops(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: boo
 def _refuse_sizes_marked_dynamic(flow, loops, record: GraphRecord) -> bool:
     """An unrolled loop is rewritten at fixed sizes (``dataflow.specialize``); a size the user marked dynamic
     cannot be pinned (Dynamo refuses the compile), so every loop of the graph is left as it is, and says why."""
-    from la_compiler.passes.frontends.torch_recurrence.dataflow import sizes_marked_dynamic, symbols_of, tensor_value
-    from la_compiler.passes.module_names import module_name
 
     marked = sizes_marked_dynamic(flow.nodes)
     pinned = {sym for n in flow.nodes if tensor_value(n) is not None for sym in symbols_of(tensor_value(n))}
@@ -178,8 +178,6 @@ def _span(loop) -> tuple[int, int]:
 
 def _report_one_step_loops(flow, loops, taken: set, record: GraphRecord) -> None:
     """Loops unrolled to a single step are not rewritten (``one_step.py``), but explain says so."""
-    from la_compiler.passes.frontends.torch_recurrence.one_step import find_one_step_loops
-    from la_compiler.passes.module_names import module_name
 
     try:
         found = find_one_step_loops(flow, loops, taken)

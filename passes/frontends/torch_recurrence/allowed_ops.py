@@ -24,6 +24,7 @@ import torch
 
 from la_compiler.error_base import LaqatError
 from la_compiler.passes.frontends.torch_recurrence.dataflow import is_inplace_write, tensor_value, written_base
+from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
 
 # op -> why it preserves the algebra (the delta rule is polynomial in q, k, v, beta, S, exp(g))
 ALLOWED = {
@@ -161,7 +162,6 @@ class OpRefused(LaqatError):
 def check_region_ops(flow, region, state_nodes: set, chain_nodes: set) -> None:
     """Raises ``OpRefused`` naming the first node (in graph order) that the algebra does not allow.
     ``state_nodes``: the loop-carried states; ``chain_nodes``: the inputs' entry chains (``entry.py``)."""
-    from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
 
     inside = region.nodes
     constant: dict = {}

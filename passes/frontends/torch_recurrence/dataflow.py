@@ -11,6 +11,7 @@ import contextlib
 import operator
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_bool, guard_float, guard_int
 
 INPLACE_WRITERS = {operator.setitem}  # call_function targets that write into args[0]
 
@@ -47,7 +48,6 @@ def fold_symbolic_scalars(gm: torch.fx.GraphModule) -> int:
     that needs it; a size Dynamo passes as a graph input, read by ``torch.zeros(s0, s1, ...)`` or ``F.pad``) replaced
     in its readers by its example value, pinned by a guard: the steps of an unrolled loop then read the same
     literal, and the region reads tensors only, as with static shapes. Returns how many."""
-    from torch.fx.experimental.symbolic_shapes import guard_bool, guard_float, guard_int
 
     pin = {torch.SymInt: guard_int, torch.SymFloat: guard_float, torch.SymBool: guard_bool}
     done = 0
@@ -74,7 +74,6 @@ def specialize(nodes) -> None:
     then runs for those sizes only, and Dynamo recompiles for others). An unrolled Python loop is specialized to
     its trip count already; the sizes its region reads are pinned too, so that the analysis and the replacement
     see plain ints."""
-    from torch.fx.experimental.symbolic_shapes import guard_int
 
     for n in nodes:
         v = tensor_value(n)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from la_compiler.passes.frontends.torch_recurrence.dataflow import tensor_value
+import operator
 
 FUNCTIONAL = {  # in-place method -> its out-of-place twin
     "mul_": "mul", "add_": "add", "sub_": "sub", "div_": "div", "neg_": "neg", "exp_": "exp",
@@ -52,7 +53,6 @@ def _writer(n: torch.fx.Node, base: torch.fx.Node) -> bool:
 
 
 def _mutates(n: torch.fx.Node) -> bool:
-    import operator
     if n.op == "call_function" and n.target is operator.setitem:
         return True
     return n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("_")

@@ -20,8 +20,9 @@ from collections import defaultdict
 import torch
 
 from la_compiler.error_base import LaqatError
+from la_compiler.passes.frontends.torch_recurrence.allowed_ops import op_name, where_from
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, static_int, tensor_value
-from la_compiler.passes.frontends.torch_recurrence.slices import TimeSlice, time_slices
+from la_compiler.passes.frontends.torch_recurrence.slices import time_slices, TimeSlice, _index_dims
 
 
 class NotARecurrence(LaqatError):
@@ -212,7 +213,6 @@ def _same_step(cur: torch.fx.Node, prev: torch.fx.Node, w: int, first: int, wher
 
 
 def _literal_differs(cur: torch.fx.Node, a, b, prev_step: int) -> str:
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 
     return (f"it reads the value {a!r} at {where_from(cur)} where step {prev_step} reads {b!r} (a constant, literal "
             f"or index that depends on the step; every step must compute the same function of its own token's "
@@ -389,7 +389,6 @@ def _check_time_indices(windows, loop: Loop, where: _Windows):
                 continue
             reads = [s for s in time_slices(n) if s.source not in where.where and s.key[3] != "unbind"]
             if reads and not any(s.index == step for s in reads):
-                from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
                 s = reads[0]
                 raise NotARecurrence(f"step {step} reads {s.source.name}[{s.index}] along dim {s.dim} at "
                                      f"{where_from(n)}, not the step's own index {step}", nodes=[n.name])
@@ -455,7 +454,6 @@ def _outputs(flow: Dataflow, loop: Loop, windows, state_offset, init) -> LoopBod
         w, r = rs[0]
         n = windows[w][off]
         if is_inplace_write(n):
-            from la_compiler.passes.frontends.torch_recurrence.allowed_ops import op_name, where_from
             raise NotARecurrence(f"`{op_name(n)}` at {where_from(n)} modifies {n.args[0].name} in place inside the "
                                  f"step (an in-place or partial update of the state is not the delta rule)",
                                  nodes=[n.name])
@@ -480,7 +478,6 @@ def _write_time_dim(windows, off, first) -> int:
 
 def time_slices_of_index(buf: torch.fx.Node, index) -> list[tuple[int, int]]:
     """(dim, index) of every int in a setitem index."""
-    from la_compiler.passes.frontends.torch_recurrence.slices import _index_dims
 
     bv = tensor_value(buf)
     index = index if isinstance(index, tuple) else (index,)

@@ -14,8 +14,9 @@ import operator
 
 import torch
 
-from la_compiler.ir import DELTA_RULE, LaqatMeta
-from la_compiler.ir_decay import LOG_DECAY
+from la_compiler.ir.delta_rule import DELTA_RULE, LaqatMeta
+from la_compiler.ir.log_decay import LOG_DECAY
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value, value
 from la_compiler.passes.frontends.torch_recurrence.entry import replay
@@ -23,7 +24,6 @@ from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
 from la_compiler.passes.frontends.torch_recurrence.region import Region
 from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment, positive
 from la_compiler.passes.module_names import module_name
-from la_compiler.spec import RecurrenceSpec
 
 
 def _fake_mode(region: Region):

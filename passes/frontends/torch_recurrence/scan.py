@@ -22,6 +22,9 @@ import torch
 from la_compiler.passes.frontends.torch_recurrence.dataflow import (resolved_expr, sizes_marked_dynamic, static_int,
                                                                   tensor_value)
 from la_compiler.record import GraphRecord, NearMiss
+from torch.fx.experimental.symbolic_shapes import guard_int
+from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
+from la_compiler.passes.module_names import module_name
 
 SCAN = torch.ops.higher_order.scan
 MAX_STEPS = 1024  # the analysis grows with the unrolled graph (a step of ~20 nodes: 20k nodes at this length)
@@ -47,7 +50,6 @@ def unroll_scans(gm: torch.fx.GraphModule, record: GraphRecord) -> list[Unrolled
         if not why:  # the length is pinned only for a scan that can be unrolled
             steps, why = _length(gm, node)
         if why:
-            from la_compiler.passes.module_names import module_name
             record.near_misses.append(NearMiss(frontend="torch", module=module_name(node), nodes=(node.name,),
                                                reason=f"the scan at {_where(node)} is not analysed: {why}"))
         elif steps >= 2:
@@ -74,7 +76,6 @@ def _carries_a_state(node: torch.fx.Node) -> bool:
 def _length(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, str]:
     """The number of steps, pinned by a guard where it is symbolic and the scan is unrolled; or a reason not to
     unroll."""
-    from torch.fx.experimental.symbolic_shapes import guard_int
 
     xs = node.args[2]
     if not xs or tensor_value(xs[0]) is None:
@@ -198,6 +199,5 @@ def _erase_scan(gm: torch.fx.GraphModule, scan: UnrolledScan, alive: set) -> Non
 
 
 def _where(node: torch.fx.Node) -> str:
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
     return where_from(node)
 

@@ -23,8 +23,10 @@ import math
 
 import torch
 
+from la_compiler.passes.frontends.torch_recurrence import rules
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value
-from la_compiler.passes.frontends.torch_recurrence.entry import IDENTITY
+from la_compiler.passes.frontends.torch_recurrence.entry import (IDENTITY, RESHAPE_FUNCTIONS, RESHAPE_METHODS,
+                                                                 _is_template_use)
 from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
 from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError, run_nodes
 from la_compiler.passes.frontends.torch_recurrence.reference import EXACT, NEAR_MISSES, Variant, delta_rule_steps
@@ -165,7 +167,6 @@ def candidate_assignments(flow: Dataflow, region: Region, seq_len: int):
 def initial_state_inputs(region: Region) -> list:
     """The frontier tensors the state entering the first step is computed from (``h0``,
     ``h0.clone()``, ``zeros + h0``; a tensor lending only its dtype or shape does not count)."""
-    from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
 
     init = region.body.init
     frontier = set(region.frontier)
@@ -416,8 +417,6 @@ def positive(node, depth: int = 8) -> bool:
     """Whether ``node`` is, through layout ops, the result of exp / sigmoid / softplus (a pre-exponentiated
     decay the IR can take the log of exactly; any other decay's log is taken by ``laqat::log_decay``, which
     checks it positive at run time)."""
-    from la_compiler.passes.frontends.torch_recurrence import rules
-    from la_compiler.passes.frontends.torch_recurrence.entry import RESHAPE_FUNCTIONS, RESHAPE_METHODS
 
     for _ in range(depth):
         if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from la_compiler.passes.frontends.torch_recurrence.allowed_ops import op_name, where_from
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, is_inplace_write, tensor_value
+from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
 from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence
+from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError, run_nodes
 from la_compiler.passes.frontends.torch_recurrence.slices import time_slices
 
 # ops that map token t of their inputs to token t of their output: elementwise arithmetic and casts, and
@@ -37,14 +40,12 @@ TOKEN_WISE = {
 
 
 def _op(n: torch.fx.Node) -> str:
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import op_name
     return op_name(n)
 
 
 def _data_independent(flow: Dataflow, region) -> dict:
     """Region nodes none of whose ancestors is an input of the region (a tensor lending only its shape or
     dtype does not count): fixed tensors."""
-    from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
 
     constant: dict = {}
     for n in region.ordered(flow):
@@ -58,7 +59,6 @@ def _evaluate(flow: Dataflow, region, node: torch.fx.Node, reader: torch.fx.Node
     """The value of a fixed tensor of the region as ``reader`` reads it (after the in-place writes before it:
     ``w = torch.ones(T); w[2:] = 0.5``); None where it cannot be computed at compile time. ``unit_inputs``: any
     region node, computed with every input of the region set to ones."""
-    from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError, run_nodes
 
     def wanted(a):
         return a in region.nodes and a not in flow.dead if unit_inputs else constant.get(a, False)
@@ -110,7 +110,6 @@ def _slice_at(value: torch.Tensor, s, index: int) -> torch.Tensor:
 def check_step_inputs(flow: Dataflow, region) -> None:
     """Raises ``NotARecurrence`` where a step of a token loop reads a slice that is not its own token of a
     sequence input (module docstring)."""
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 
     if region.chunk != 1:
         return
@@ -144,7 +143,6 @@ def check_step_inputs(flow: Dataflow, region) -> None:
 
 def _constant_slices(flow, region, body, s, src, node, constant) -> str | None:
     """A constant sliced per step: the same values at every step, else the first step that differs."""
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 
     value = _evaluate(flow, region, src, node, constant)
     first = body.loop.first
@@ -164,7 +162,6 @@ def _constant_slices(flow, region, body, s, src, node, constant) -> str | None:
 def _schedule_reason(flow, region, body, s, src, node, constant, fixed) -> str:
     """A per-token tensor the region computes with a constant that differs by position: the first step at which
     the slices differ with every input set to ones, where that shows it."""
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
 
     what = (f"is computed from the constant {fixed.name} ({where_from(fixed)}), whose values differ by position (a "
             f"per-position mask, cap or schedule): the steps are not one recurrence")
@@ -182,8 +179,6 @@ def _token_wise(flow, region, src, constant) -> tuple[str | None, torch.fx.Node 
     """(None, None) when ``src`` is computed from the region's inputs by token-wise ops and uniform constants
     only; else why not (the text continues "step t reads src[t] at ..., which ..."), or a constant that differs
     by position."""
-    from la_compiler.passes.frontends.torch_recurrence.allowed_ops import where_from
-    from la_compiler.passes.frontends.torch_recurrence.entry import _is_template_use
 
     seen, stack = {src}, [(src, None)]
     while stack:

@@ -35,12 +35,12 @@ import dataclasses
 
 import torch
 
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value
 from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError, run_nodes
 from la_compiler.passes.frontends.torch_recurrence.region import Region
 from la_compiler.passes.frontends.torch_recurrence.semantics import (TOL, Assignment, _deep_decay, _draws,
                                                                    _large_state, rel_err)
-from la_compiler.spec import RecurrenceSpec
 
 PREFIX_STEPS = 8
 SAMPLED_SEGMENTS = 3

@@ -14,7 +14,7 @@ object), Dynamo traces the replacement instead:
     fla.modules.norm.l2norm.l2norm (= l2_norm)                             -> torch ops
     fla.modules.activations: swiglu_linear, powglu_linear (GatedMLP fused),
         swiglu_fwd / swiglu_fwdbwd, powglu_fwd / powglu_fwdbwd (the launchers
-        inside FLA's SwiGLUFunction / PowGLUFunction)                      -> torch ops (fla_activations)
+        inside FLA's SwiGLUFunction / PowGLUFunction)                      -> torch ops (activations)
     fla.modules.fused_cross_entropy.cross_entropy_loss                     -> laqat::cross_entropy
     fla.modules.fused_linear_cross_entropy.fused_linear_cross_entropy_loss -> laqat::fused_linear_cross_entropy
 
@@ -22,7 +22,7 @@ and, as methods (below), ``FusedCrossEntropyLoss.forward``, ``FusedLinearCrossEn
 ``FLAPreTrainedModel._compute_logits_and_loss``.
 
 Each recurrence replacement validates its arguments, emits the pre-processing FLA fuses
-into its kernels (l2norm, gate, beta activation: ``fla_preprocess``) as torch ops, calls the
+into its kernels (l2norm, gate, beta activation: ``preprocess``) as torch ops, calls the
 IR op once and returns what FLA returns: ``(o, final_state or None)``, o in q's dtype (chunk)
 or v's dtype (fused_recurrent), the final state in fp32. chunk and fused_recurrent compute
 the same recurrence, so both become the same node.
@@ -55,14 +55,16 @@ from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from fla.modules.l2warp import l2_warp
 
 from la_compiler.errors import LaqatError, through_dynamo
-from la_compiler.ir_checks import tensor_problem
-from la_compiler.passes.frontends import fla_activations, fla_conv_op, fla_norm_op  # noqa: F401
-from la_compiler.passes.frontends import fla_cross_entropy_op, fla_linear_cross_entropy_op  # noqa: F401
-from la_compiler.passes.frontends.fla_preprocess import beta_activation, gdn_gate, kda_gate
-from la_compiler.passes.frontends.fla_preprocess import l2norm as l2norm_torch
+from la_compiler.ir.checks import tensor_problem
+from la_compiler.kernels.fla import conv_op, norm_op  # noqa: F401  (register their laqat:: ops)
+from la_compiler.kernels.fla import cross_entropy_op, linear_cross_entropy_op  # noqa: F401  (likewise)
+from la_compiler.passes.frontends.fla import activations
+from la_compiler.passes.frontends.fla.preprocess import beta_activation, gdn_gate, kda_gate
+from la_compiler.passes.frontends.fla.preprocess import l2norm as l2norm_torch
 
 GDN_CHUNK_SIZES = (16, 32, 64)  # what FLA's chunk_gated_delta_rule accepts
 KDA_CHUNK_SIZES = (32, 64)  # what FLA's chunk_kda accepts
+FLA_DEFAULT_CHUNK = 64  # both functions' chunk_size default
 
 
 class UnsupportedArgumentError(LaqatError, ValueError):
@@ -81,10 +83,10 @@ def _require(ok: bool, function: str, message: str) -> None:
 
 
 @torch._dynamo.assume_constant_result
-def _spec_string(kind: str, state: str, chunk: int) -> str:
-    from la_compiler.spec import RecurrenceSpec
+def _spec_string(kind: str, state: str, chunk: int, chunk_passed: bool) -> str:
+    from la_compiler.ir.spec import RecurrenceSpec
 
-    return RecurrenceSpec(kind=kind, src="fla", state=state, chunk=chunk).to_string()
+    return RecurrenceSpec(kind=kind, src="fla", state=state, chunk=chunk, chunk_passed=chunk_passed).to_string()
 
 
 def _pop_state_v_first(function: str, state_v_first: bool, kwargs: dict) -> bool:
@@ -139,7 +141,8 @@ def _delta_rule(kind, q, k, v, g, beta, scale, initial_state, output_final_state
     _require(problem is None, function, f"{problem} (after laqat's pre-processing of the call's arguments)")
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    spec = _spec_string(kind, "vk" if state_v_first else "kv", chunk_size)
+    chunk, passed = (FLA_DEFAULT_CHUNK, False) if chunk_size is None else (chunk_size, True)
+    spec = _spec_string(kind, "vk" if state_v_first else "kv", chunk, passed)
     o, final_state = torch.ops.laqat.delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), spec)
     return o, (final_state if output_final_state else None)
 
@@ -154,10 +157,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     state_v_first = _pop_state_v_first(fn, state_v_first, kwargs)
     use_gate_in_kernel = kwargs.pop("use_gate_in_kernel", False)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
-    chunk_size = kwargs.pop("chunk_size", 64)
+    chunk_size = kwargs.pop("chunk_size", None)  # None: FLA's default
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, cp_context=cp_context)
-    _require(chunk_size in GDN_CHUNK_SIZES, fn, f"`chunk_size` must be one of {GDN_CHUNK_SIZES}, got {chunk_size}")
+    _require(chunk_size is None or chunk_size in GDN_CHUNK_SIZES, fn,
+             f"`chunk_size` must be one of {GDN_CHUNK_SIZES}, got {chunk_size}")
     _check_heads(fn, q, k, v)
     _check_varlen(fn, q, initial_state, cu_seqlens)
     _check_beta(fn, beta, v, use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -233,11 +237,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     kwargs = dict(kwargs)
     state_v_first = _pop_state_v_first(fn, state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
-    chunk_size = kwargs.pop("chunk_size", 64)
+    chunk_size = kwargs.pop("chunk_size", None)  # None: FLA's default
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, cp_context=cp_context, return_intermediate_states=return_intermediate_states,
                 use_graph=use_graph, max_num_seqs=max_num_seqs)
-    _require(chunk_size in KDA_CHUNK_SIZES, fn, f"`chunk_size` must be one of {KDA_CHUNK_SIZES}, got {chunk_size}")
+    _require(chunk_size is None or chunk_size in KDA_CHUNK_SIZES, fn,
+             f"`chunk_size` must be one of {KDA_CHUNK_SIZES}, got {chunk_size}")
     _check_heads(fn, q, k, v)
     _check_varlen(fn, q, initial_state, cu_seqlens)
     _check_beta(fn, beta, v, use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -290,8 +295,8 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, cp_context=cp_context)
     _require(weight is not None, fn, "argument `weight` is required by laqat")
-    _require(activation in fla_conv_op.ACTIVATIONS, fn,
-             f"argument `activation` must be one of {fla_conv_op.ACTIVATIONS}, got {activation!r}")
+    _require(activation in conv_op.ACTIVATIONS, fn,
+             f"argument `activation` must be one of {conv_op.ACTIVATIONS}, got {activation!r}")
     _require(backend in ("triton", "cuda", "mix"), fn, f"unsupported `backend` {backend!r}")
     _check_varlen(fn, x, None, cu_seqlens)
     shape = x.shape
@@ -315,8 +320,8 @@ def _add_residual(x, residual, residual_in_fp32):
 
 
 def _norm_gated(fn, is_rms_norm, x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps):
-    _require(activation in fla_norm_op.ACTIVATIONS, fn,
-             f"argument `activation` must be one of {fla_norm_op.ACTIVATIONS}, got {activation!r}")
+    _require(activation in norm_op.ACTIVATIONS, fn,
+             f"argument `activation` must be one of {norm_op.ACTIVATIONS}, got {activation!r}")
     _require(g.shape == x.shape, fn, f"argument `g` must have x's shape {tuple(x.shape)}, got {tuple(g.shape)}")
     _require(residual is None or residual.shape == x.shape, fn, "argument `residual` must have x's shape")
     total, residual_out = _add_residual(x, residual, residual_in_fp32)
@@ -366,14 +371,14 @@ def _check_logits(fn, logits, target):
 
 def cross_entropy_loss(logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
                        logit_softcapping=None, ignore_index=-100, inplace_backward=False, process_group=None):
-    """-> (loss [N], z_loss [N]) in fp32, the loss including the z-loss; ``inplace_backward`` (FLA
-    writes the logits' gradient into the logits' storage) only saves memory and is ignored."""
+    """-> (loss [N], z_loss [N]) in fp32, the loss including the z-loss; with ``inplace_backward`` the backward
+    writes the logits' gradient into the logits' storage, as FLA's does."""
     fn = "cross_entropy_loss"
     _refuse_set(fn, process_group=process_group)
     _check_logits(fn, logits, target)
     loss, z_loss, _ = torch.ops.laqat.cross_entropy(
         logits, target, float(label_smoothing), float(logit_scale), float(lse_square_scale),
-        None if logit_softcapping is None else float(logit_softcapping), int(ignore_index))
+        None if logit_softcapping is None else float(logit_softcapping), int(ignore_index), bool(inplace_backward))
     return loss, z_loss
 
 
@@ -402,8 +407,8 @@ def fused_linear_cross_entropy_loss(x, target, weight, bias=None, ignore_index=-
     """-> the fp32 scalar loss of ``linear(x, weight, bias)`` against ``target``."""
     fn = "fused_linear_cross_entropy_loss"
     _refuse_set(fn, process_group=process_group)
-    _require(reduction in fla_linear_cross_entropy_op.REDUCTIONS, fn,
-             f"argument `reduction` must be one of {fla_linear_cross_entropy_op.REDUCTIONS}, got {reduction!r}")
+    _require(reduction in linear_cross_entropy_op.REDUCTIONS, fn,
+             f"argument `reduction` must be one of {linear_cross_entropy_op.REDUCTIONS}, got {reduction!r}")
     _require(x.dim() == 2, fn, f"`x` must be [N, H], got {tuple(x.shape)}")
     _require(tuple(target.shape) == tuple(x.shape[:1]), fn,
              f"`target` must be [N] = {tuple(x.shape[:1])}, got {tuple(target.shape)}")
@@ -515,12 +520,12 @@ def _substitutions():
         (plain_norm_ops.rms_norm, rms_norm),
         (plain_norm_ops.layer_norm, layer_norm),
         (l2norm_ops.l2norm, l2norm),
-        (activation_ops.swiglu_linear, fla_activations.swiglu_linear),
-        (activation_ops.swiglu_fwd, fla_activations.swiglu_fwd),
-        (activation_ops.swiglu_fwdbwd, fla_activations.swiglu_fwdbwd),
-        (activation_ops.powglu_linear, fla_activations.powglu_linear),
-        (activation_ops.powglu_fwd, fla_activations.powglu_fwd),
-        (activation_ops.powglu_fwdbwd, fla_activations.powglu_fwdbwd),
+        (activation_ops.swiglu_linear, activations.swiglu_linear),
+        (activation_ops.swiglu_fwd, activations.swiglu_fwd),
+        (activation_ops.swiglu_fwdbwd, activations.swiglu_fwdbwd),
+        (activation_ops.powglu_linear, activations.powglu_linear),
+        (activation_ops.powglu_fwd, activations.powglu_fwd),
+        (activation_ops.powglu_fwdbwd, activations.powglu_fwdbwd),
         (cross_entropy_ops.cross_entropy_loss, cross_entropy_loss),
         (linear_cross_entropy_ops.fused_linear_cross_entropy_loss, fused_linear_cross_entropy_loss),
     )

@@ -31,7 +31,8 @@ from collections.abc import Mapping
 
 import torch
 
-from la_compiler.policy import Policy, PolicyError, load_policy
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import Policy, load_policy
 
 __all__ = ["attach_policy", "policy_of", "load_state_dict", "POLICY_KEY"]
 
@@ -115,7 +116,7 @@ def stored_object(module: torch.nn.Module):
 
 def _store(module: torch.nn.Module, policy: Policy) -> None:
     if module._buffers.get(POLICY_KEY) is not None and policy_of(module) == policy:
-        return  # the same policy (a checkpoint of this run loaded): the same buffer object (policy_guard.py)
+        return  # the same policy (a checkpoint of this run loaded): the same buffer object (policy/guard.py)
     encoded = _encode(policy, _device_of(module))
     module.register_buffer(POLICY_KEY, encoded, persistent=True)
     config = _transformers_config(module)

@@ -26,11 +26,11 @@ from typing import Optional
 
 import torch
 
-from la_compiler.ir import (_no_residual, _num_sequences, _state_shape, _variant_for, check_forward_inputs,
+from la_compiler.ir.delta_rule import (_no_residual, _num_sequences, _state_shape, _variant_for, check_forward_inputs,
                             empty_grads, empty_outputs, pack_grads, pack_outputs)
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.canonical_inputs import final_state_dtype
 from la_compiler.phase import PhaseError, current
-from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
 

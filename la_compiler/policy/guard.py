@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 
 from la_compiler.passes.module_names import compiled_root_module
-from la_compiler.policy import Policy, PolicyError
-from la_compiler.policy_attach import attached_policy_source, stored_object
+from la_compiler.policy.attach import attached_policy_source, stored_object
+from la_compiler.policy.file_format import PolicyError
+from la_compiler.policy.resolution import Policy
 
 
 class PolicyGuardedGraph:

@@ -23,8 +23,8 @@ import sys
 import torch
 
 from la_compiler.errors import LaqatError
-from la_compiler.ir import is_delta_rule
-from la_compiler.module_specialize import _pristine_copy as pristine_copy
+from la_compiler.hand_off.module_specialized_graph import _pristine_copy as pristine_copy
+from la_compiler.ir.delta_rule import is_delta_rule
 from la_compiler.passes.frontends import GRAPH_FRONTENDS
 from la_compiler.passes.module_names import graph_module_names, root_prefixes
 from la_compiler.record import GraphRecord

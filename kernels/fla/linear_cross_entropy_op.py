@@ -14,7 +14,7 @@ The FLA frontend substitutes both with a call to this op.
 per ``fused_linear_cross_entropy_fwd`` (fla/modules/fused_linear_cross_entropy/ops.py): token chunks of
 ``C = next_power_of_2(cdiv(N, min(num_chunks, cdiv(V, H))))`` rows; per chunk the logits
 ``linear(x_c, weight, bias)`` in x's dtype, FLA's cross-entropy forward and backward on them
-(``fla_cross_entropy_op``: the per-token loss, and dlogits for ``dloss = 1 / #valid`` ("mean") or 1
+(``cross_entropy_op``: the per-token loss, and dlogits for ``dloss = 1 / #valid`` ("mean") or 1
 ("sum"), stored in the logits' dtype), with ``use_l2warp`` the L2Wrap gradient
 ``l2_penalty_factor / N * max(logits)`` at each row's argmax, then ``dx_c = dlogits @ weight`` and
 ``dweight += dlogits^T @ x_c``, ``dbias += sum(dlogits)`` (fp32 accumulators with
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from la_compiler.passes.frontends.fla_cross_entropy_op import (
+from la_compiler.kernels.fla.cross_entropy_op import (
     cross_entropy_backward_reference,
     cross_entropy_forward_reference,
 )

@@ -10,7 +10,7 @@ v [B, T, HV, V]; g the log-decay after gate activation, [B, T, HV] (GDN) or [B, 
 (KDA); beta after its activation, [B, T, HV]; initial_state [N, HV, K, V] (or [N, HV, V, K]
 with ``state=vk``), any float dtype. Outputs: o [B, T, HV, V] in q's dtype, final_state
 [N, HV, K, V] (or V-first) in fp32 (fp64 for fp64 inputs, which only the fp64 variants take), always
-computed. Inputs are checked before any kernel runs (la_compiler/ir_checks.py).
+computed. Inputs are checked before any kernel runs (la_compiler/ir/checks.py).
 
 ``spec`` is the canonical string of a ``RecurrenceSpec``; its ``kernel=`` field names the
 kernel variant (``auto`` = choose by the kernel-selection table at run time). Everything
@@ -23,11 +23,11 @@ from typing import Optional
 
 import torch
 
-from la_compiler.ir_checks import check_cu_seqlens_values, check_tensors
+from la_compiler.ir.checks import check_cu_seqlens_values, check_tensors
+from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.canonical_inputs import final_state_dtype
 from la_compiler.kernels.registry import get_variant
 from la_compiler.kernels.selection import KernelSelectionError, select_kernel
-from la_compiler.spec import RecurrenceSpec
 
 Tensor = torch.Tensor
 
@@ -92,7 +92,7 @@ _LIB.impl("delta_rule", delta_rule, "CompositeImplicitAutograd")
 
 
 def check_forward_inputs(op: str, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
-    """Before any kernel runs: ranks, dtypes, devices, and the offsets' values (la_compiler/ir_checks.py)."""
+    """Before any kernel runs: ranks, dtypes, devices, and the offsets' values (la_compiler/ir/checks.py)."""
     check_tensors(f"laqat::{op}", q, k, v, g, beta, initial_state, cu_seqlens)
     check_cu_seqlens_values(f"laqat::{op}", cu_seqlens, q.shape[1])
 

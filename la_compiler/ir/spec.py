@@ -62,6 +62,9 @@ class RecurrenceSpec:
     layout: str = "bthd"  # the IR's inputs are always [B, T, H, D]; frontends transpose
     state: str = "kv"
     chunk: int = 64
+    # the program passed ``chunk`` (an FLA call's chunk_size=): the annotate pass keeps it against a policy's chunk
+    # size or refuses the pair, and writes the annotated spec without this mark
+    chunk_passed: bool = False
     solve: str = "exact"
     degree: int | None = None  # Neumann degree; only with solve="neumann"
     phase: str = "none"  # decode-phase mode (token / replay) when a phase context is active
@@ -151,7 +154,7 @@ class RecurrenceSpec:
             f"src={self.src}",
             f"layout={self.layout}",
             f"state={self.state}",
-            f"chunk={self.chunk}",
+            f"chunk={self.chunk}" + (":passed" if self.chunk_passed else ""),
             f"solve={self.solve}" + (f":{self.degree}" if self.degree is not None else ""),
             f"phase={self.phase}",
             f"kernel={self.kernel}",
@@ -193,7 +196,11 @@ def _parse_cached(text: str) -> RecurrenceSpec:
         if prefix is not None:
             items[_PREFIXES[prefix]].append((key[len(prefix):], value))
         elif key == "chunk":
-            fields["chunk"] = int(value)
+            size, _, mark = value.partition(":")
+            if mark not in ("", "passed"):
+                raise SpecError(f"spec chunk {value!r} in {text!r}: the only mark after the size is ':passed'")
+            fields["chunk"] = int(size)
+            fields["chunk_passed"] = mark == "passed"
         elif key == "solve":
             method, _, degree = value.partition(":")
             fields["solve"] = method

@@ -1,15 +1,23 @@
-"""The policy schema: typed, frozen, validated configs for the ``linear_attention`` section,
-and the checks every policy key goes through.
+"""The policy file's format: its keys and values, parsed and checked; reading and writing the file.
 
-Keys keep ModelOpt's names (``backend``, ``chunk_size``, ``state.block_v``, ``solve``,
-``decode``, ``matmul``); ``numerics`` is laqat's (``la_compiler.options.NumericsOptions``). The values the ``decode``
-and ``serving`` keys accept are the decode options' (``la_compiler.options``: ``DecodeOptions``, which the policy
-builds from them at resolution). Each config validates itself in ``__post_init__`` (torchao style)
-and raises ``PolicyError`` naming the key (relative to its ``cfg``) and the allowed values;
-the loader prefixes the position of the rule (``linear_attention[2].cfg.``).
+    version: laqat.policy/1
+    quant_cfg:                     # ordered; for each quantizer, later entries win
+      - {quantizer_name: "*", enable: false}
+      - {quantizer_name: "*gdn_state_quantizer", cfg: {num_bits: [4, 3], type: dynamic, axis: [0, 1]}}
+    linear_attention:              # ordered; for each module, the last matching rule wins (whole cfg)
+      - {module_name: "*layers.3.*", cfg: {chunk_size: 64, state: {block_v: 32}}}
+
+``parse_policy`` checks the top-level keys and each rule; ``QuantRule`` keeps a ``quant_cfg`` entry's ModelOpt cfg
+as written (what it means at a quant site is the resolution's: ``la_compiler.policy.resolution``). The
+``linear_attention`` section is typed: frozen configs whose keys keep ModelOpt's names (``backend``, ``chunk_size``,
+``state.block_v``, ``solve``, ``decode``, ``matmul``); ``numerics`` is laqat's
+(``la_compiler.options.NumericsOptions``). The values the ``decode`` and ``serving`` keys accept are the decode options' (``la_compiler.options``:
+``DecodeOptions``, which the resolution builds from them). Each config validates itself in ``__post_init__``
+(torchao style) and raises ``PolicyError`` naming the key (relative to its ``cfg``) and the allowed values; the
+parser prefixes the position of the rule (``linear_attention[2].cfg.``).
 
 Each field says what it accepts in its metadata (``setting(...)``: choices, an integer range, a boolean, a positive
-number, a nested config); ``check_fields`` runs those checks, and ``la_compiler.policy_json_schema`` writes the
+number, a nested config); ``check_fields`` runs those checks, and ``la_compiler.policy.json_schema`` writes the
 policy file's JSON Schema from the same metadata, so the schema and the checks cannot disagree. The checks that
 relate two fields stay in ``__post_init__``. A misspelt key or value is answered with the closest allowed
 spellings ("did you mean ...?", ``la_compiler.suggest``).
@@ -17,14 +25,17 @@ spellings ("did you mean ...?", ``la_compiler.suggest``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 from la_compiler.error_base import LaqatError
+from la_compiler.ir.spec import GEMM_SITES
 from la_compiler.kernels.selection import ORDER
-from la_compiler.options import (DECODE_MODES, READOUTS, REPLAY_WINDOW, SERVING_PROFILES, SERVING_STATE_DTYPES,
-                                  NumericsOptions, OptionsError, unserved_decode)
-from la_compiler.spec import GEMM_SITES
+from la_compiler.options import (DECODE_MODES, READOUTS, REPLAY_WINDOW, SERVING_FORWARDS, SERVING_PREFILL_BACKENDS,
+                                  SERVING_PROFILES, SERVING_STATE_DTYPES, NumericsOptions, OptionsError,
+                                  unserved_decode)
 from la_compiler.suggest import did_you_mean
 
 
@@ -245,6 +256,20 @@ class DecodeCfg:
                                   f"got decode.mode='none'")
 
 
+# The prefill kernels vLLM runs that laqat does not reproduce (docs/serving.md): why, and the server's flag that
+# makes it run the Triton kernels laqat does reproduce.
+PREFILL_BACKEND_REFUSALS = {
+    "flashinfer": "serving.prefill_backend: 'flashinfer' is FlashInfer's GDN prefill (compiled CUDA), vLLM 0.33.0's "
+                  "default for GDN on Hopper (SM90) and on Blackwell with head_k_dim 128; laqat does not reproduce "
+                  "FlashInfer's GDN prefill: serve with vLLM's `--gdn-prefill-backend triton` (additional_config "
+                  "gdn_prefill_backend: triton) and set serving.prefill_backend: triton (the default)",
+    "flashkda": "serving.prefill_backend: 'flashkda' is FlashKDA (compiled CUDA, vllm._flashkda_C), Kimi-K3's KDA "
+                "prefill on NVIDIA SM90 / SM10x / SM12x with bf16 inputs, head dim 128 and a bounded gate; laqat does "
+                "not reproduce FlashKDA: serve with vLLM's `--kda-prefill-backend triton` (and "
+                "`--kda-decode-backend triton`) and set serving.prefill_backend: triton (the default)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingCfg:
     """A serving engine whose decode the decode phase reproduces (kernels/decode/serving.py)."""
@@ -257,6 +282,15 @@ class ServingCfg:
                            doc="the state cache's dtype; auto: GDN the model's dtype, KDA float32 (vLLM's rule)")
     model: str | None = setting(None, kind="choice", choices=SERVING_MODELS,
                             doc="kimi_k3: vLLM's Kimi-K3 / Kimi-Linear KDA layers (KDA only)")
+    prefill_backend: str = setting("triton", kind="choice", choices=SERVING_PREFILL_BACKENDS,
+                               doc="the server's prefill kernel: triton (vLLM's Triton copy of FLA: "
+                                   "--gdn-prefill-backend triton / --kda-prefill-backend triton), the one laqat "
+                                   "reproduces; flashinfer (vLLM's GDN default on Hopper) and flashkda (Kimi-K3's "
+                                   "KDA default on NVIDIA) are refused")
+    forward: str = setting("auto", kind="choice", choices=SERVING_FORWARDS,
+                       doc="which kernels compute the forward: server (the engine's own, its package importable "
+                           "at the profile's release), laqat (the reproduction), auto (server where importable, "
+                           "else laqat); the backward is laqat's")
 
     def __post_init__(self):
         check_field(dataclasses.fields(self)[0].metadata, self.engine, "serving.engine")
@@ -268,6 +302,8 @@ class ServingCfg:
         check_fields(self)
         if self.model == "kimi_k3":
             check_choice(self.state_dtype, "serving.state_dtype", KDA_SERVING_STATE_DTYPES)
+        if self.prefill_backend != "triton":
+            raise PolicyError(PREFILL_BACKEND_REFUSALS[self.prefill_backend])
 
     @property
     def profile(self) -> str:
@@ -445,3 +481,215 @@ def _replay_fields(replay: Any) -> dict:
     if "window" not in fields:
         raise PolicyError(f"decode.replay.window: required ({REPLAY_WINDOW[0]}..{REPLAY_WINDOW[1]})")
     return fields
+
+
+# ---- the file: top-level keys, rules, reading and writing ---------------------------------------
+
+POLICY_VERSION = "laqat.policy/1"
+TOP_KEYS = ("version", "name", "description", "quant_cfg", "linear_attention", "algorithm")
+QUANT_RULE_KEYS = ("quantizer_name", "cfg", "enable")
+MODULE_RULE_KEYS = ("module_name", "cfg")
+
+
+class _FrozenCfg(tuple):
+    """A ModelOpt quantizer cfg, normalised (lists -> tuples, block_sizes keys -> ints) and
+    immutable; ``dict(...)`` gives it back."""
+
+    @staticmethod
+    def of(cfg: Mapping) -> "_FrozenCfg":
+        return _FrozenCfg(sorted((k, _freeze(k, v)) for k, v in cfg.items()))
+
+
+def _freeze(key: str, value):
+    if key == "block_sizes" and isinstance(value, Mapping):
+        items = (((int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k), _freeze("", v))
+                 for k, v in value.items())  # JSON spells the axis keys as strings
+        return _FrozenCfg(sorted(items, key=str))
+    if isinstance(value, Mapping):
+        return _FrozenCfg(sorted((k, _freeze(k, v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze("", v) for v in value)
+    return value
+
+
+def _thaw(value, *, for_json: bool):
+    if isinstance(value, _FrozenCfg):
+        return {k: _thaw(v, for_json=for_json) for k, v in value}
+    if isinstance(value, tuple):
+        items = [_thaw(v, for_json=for_json) for v in value]
+        return items if for_json else tuple(items)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+    """One ``quant_cfg`` entry: ``cfg`` replaces a matching quantizer's cfg (and enables it
+    unless ``enable`` says otherwise); ``enable`` alone switches it on or off."""
+
+    quantizer_name: str
+    cfg: _FrozenCfg | None = None
+    enable: bool | None = None
+
+    def __post_init__(self):
+        check_str(self.quantizer_name, "quantizer_name")
+        if self.cfg is None and self.enable is None:
+            raise PolicyError("cfg: an entry needs 'cfg' or 'enable' (or both)")
+        if self.enable is not None:
+            check_bool(self.enable, "enable")
+        if self.cfg is not None:
+            if not isinstance(self.cfg, _FrozenCfg):
+                if not isinstance(self.cfg, Mapping):
+                    raise PolicyError(f"cfg: must be a mapping of ModelOpt quantizer attributes, got {self.cfg!r}")
+                object.__setattr__(self, "cfg", _FrozenCfg.of(self.cfg))
+            inner = dict(self.cfg).get("enable")
+            if inner is not None and self.enable is not None and inner != self.enable:
+                raise PolicyError(f"enable: {self.enable!r} contradicts cfg.enable={inner!r}")
+
+    @property
+    def enables(self) -> bool:
+        """What this entry does to a matching quantizer's on/off switch."""
+        if self.enable is not None:
+            return self.enable
+        return dict(self.cfg).get("enable", True)
+
+    def quant_cfg(self) -> dict:
+        """The cfg as ``QuantConfig.from_modelopt`` takes it (tuples, int block keys), without ``enable``."""
+        return {k: v for k, v in _thaw(self.cfg, for_json=False).items() if k != "enable"}
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"quantizer_name": self.quantizer_name}
+        if self.cfg is not None:
+            out["cfg"] = _thaw(self.cfg, for_json=True)
+        if self.enable is not None:
+            out["enable"] = self.enable
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRule:
+    """One ``linear_attention`` policy: modules matching ``module_name`` get ``cfg``."""
+
+    module_name: str
+    cfg: LinearAttentionCfg = LinearAttentionCfg()
+
+    def __post_init__(self):
+        check_str(self.module_name, "module_name")
+        if not isinstance(self.cfg, LinearAttentionCfg):
+            raise PolicyError(f"cfg: must be a LinearAttentionCfg, got {self.cfg!r}")
+
+    def to_dict(self) -> dict:
+        return {"module_name": self.module_name, "cfg": self.cfg.to_dict()}
+
+
+def parse_policy(config: Mapping, *, name: str | None = None) -> dict:
+    """A policy file's content (a mapping) -> the fields of a ``Policy``: its rules, name and description, each key
+    and value checked."""
+    check_mapping(config, "policy", TOP_KEYS)
+    version = config.get("version", POLICY_VERSION)
+    if version != POLICY_VERSION:
+        if _schema_number(version) > _schema_number(POLICY_VERSION):
+            raise PolicyError(f"version: {version!r} was written by a newer laqat; this laqat reads policies of "
+                              f"version {POLICY_VERSION!r} (upgrade laqat to read it)")
+        raise PolicyError(f"version: this laqat reads policies of version {POLICY_VERSION!r}, got {version!r}")
+    if config.get("algorithm") is not None:
+        raise PolicyError(f"algorithm: laqat scales are dynamic (no calibration): must be null/None, "
+                          f"got {config['algorithm']!r}")
+    quant = _list(config.get("quant_cfg", []), "quant_cfg")
+    modules = _list(config.get("linear_attention", []), "linear_attention")
+    return dict(
+        quant_cfg=tuple(_quant_rule(f"quant_cfg[{i}]", e) for i, e in enumerate(quant)),
+        linear_attention=tuple(_module_rule(f"linear_attention[{i}]", e) for i, e in enumerate(modules)),
+        name=check_str(name or config.get("name", "custom"), "name"),
+        description=_description(config.get("description", "")),
+    )
+
+
+def read_policy_file(path: Path) -> Mapping:
+    """The content of a .yaml/.yml/.json policy file, not yet checked."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PolicyError(f"policy file {str(path)!r}: cannot read it ({e.strerror})") from None
+    if path.suffix == ".json":
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PolicyError(f"policy file {str(path)!r}: not valid JSON ({e})") from None
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise PolicyError(f"policy file {str(path)!r}: not valid YAML ({e})") from None
+    else:
+        raise PolicyError(f"policy file {str(path)!r}: the suffix must be .yaml, .yml or .json")
+    if config is None:  # an empty file: a policy must say what it wants, even exact numerics
+        raise PolicyError(f"policy file {str(path)!r}: the file is empty; write at least "
+                          f"`version: {POLICY_VERSION}` (an empty quant_cfg means exact numerics)")
+    return config
+
+
+def policy_yaml(config: dict) -> str:
+    """A policy's ``to_dict()`` as a YAML file, the ``linear_attention`` keys at their defaults left out."""
+    import yaml
+
+    default = LinearAttentionCfg().to_dict()
+    out = dict(config, linear_attention=[dict(rule, cfg=_without_defaults(rule["cfg"], default))
+                                         for rule in config["linear_attention"]])
+    return yaml.safe_dump(out, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _without_defaults(cfg: dict, default: dict) -> dict:
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and isinstance(default.get(key), dict):
+            value = _without_defaults(value, default[key])
+            if value:
+                out[key] = value
+        elif value != default.get(key, object()):
+            out[key] = value
+    return out
+
+
+def _schema_number(version) -> int:
+    """N of "laqat.policy/N"; -1 for anything else."""
+    prefix = POLICY_VERSION.rsplit("/", 1)[0] + "/"
+    if isinstance(version, str) and version.startswith(prefix) and version[len(prefix):].isdigit():
+        return int(version[len(prefix):])
+    return -1
+
+
+def _list(value, key: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise PolicyError(f"{key}: must be a list of entries, got {type(value).__name__} {value!r}")
+    return list(value)
+
+
+def _description(value) -> str:
+    if not isinstance(value, str):
+        raise PolicyError(f"description: must be a string, got {type(value).__name__}")
+    return value
+
+
+def _quant_rule(key: str, entry) -> QuantRule:
+    check_mapping(entry, key, QUANT_RULE_KEYS)
+    if "quantizer_name" not in entry:
+        raise PolicyError(f"{key}.quantizer_name: required (a glob over quantizer names, e.g. '*gdn_state_quantizer')")
+    cfg = entry.get("cfg")
+    if cfg is not None and not isinstance(cfg, Mapping):
+        raise PolicyError(f"{key}.cfg: must be a mapping of ModelOpt quantizer attributes, "
+                          f"got {type(cfg).__name__} {cfg!r}")
+    return prefixed(f"{key}.", QuantRule, entry["quantizer_name"], None if cfg is None else _FrozenCfg.of(cfg),
+                    entry.get("enable"))
+
+
+def _module_rule(key: str, entry) -> ModuleRule:
+    check_mapping(entry, key, MODULE_RULE_KEYS)
+    if "module_name" not in entry:
+        raise PolicyError(f"{key}.module_name: required (a glob over module names, e.g. 'model.layers.*.attn')")
+    cfg = check_mapping(entry.get("cfg") or {}, f"{key}.cfg", LINEAR_ATTENTION_KEYS)
+    return prefixed(f"{key}.", ModuleRule, entry["module_name"],
+                    prefixed(f"{key}.cfg.", LinearAttentionCfg.from_dict, cfg))

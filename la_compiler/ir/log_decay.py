@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from la_compiler.ir_checks import IRInputError
+from la_compiler.ir.checks import IRInputError
 
 
 @torch.library.custom_op("laqat::log_decay", mutates_args=())

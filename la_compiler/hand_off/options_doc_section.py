@@ -5,9 +5,9 @@ from __future__ import annotations
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF, HAND_OFFS
 
 INTRO = f"""`torch.compile(..., options={{"compiler": ...}})` picks what runs a graph after laqat's passes
-(`la_compiler/hand_off.py`). A value given is used as given, on any device. Unset (or `None`), the graph's devices
-decide: `{DEVICE_HAND_OFF}` where a tensor of the graph (an input, or a value it computes) is on an accelerator
-(CUDA, XPU, ...), `{CPU_HAND_OFF}` where every tensor is on the CPU. There Inductor's C++ build costs a minute or
+(`la_compiler/hand_off/compiler_choice.py`). A value given is used as given, on any device. Unset (or `None`),
+the graph's devices decide: `{DEVICE_HAND_OFF}` where a tensor of the graph (an input, or a value it computes) is on
+an accelerator (CUDA, XPU, ...), `{CPU_HAND_OFF}` where every tensor is on the CPU. There Inductor's C++ build costs a minute or
 more of the first step, and its later steps were no faster: with laqat's torch references slower (2.2 CPU s
 against 1.5 to 1.7), with the Triton interpreter within the runs' spread (25 to 31 CPU s against 29 to 36); table
 below. `la_compiler.explain(...)` runs the eager hand-off unless given `compiler=`; its report and the INFO line of

@@ -1,0 +1,173 @@
+"""A serving profile's forward on the server's own kernels (``x.forward=server``, the policy's ``serving.forward``).
+
+Where the server's package is importable at the profile's release (vLLM 0.33.0: ``vllm.__version__``), the
+decode-phase serving op's forward runs vLLM's Triton kernels as vLLM's serving loop does (docs/serving.md §1):
+
+1. the state cache ``[slots, HV, V, K]`` in the cache dtype, slot 0 vLLM's NULL block; an initial state is
+   written into it with ``.to(cache dtype)``;
+2. the prefixes of every sequence with one, packed, through vLLM's chunk kernel (``chunk_gated_delta_rule``,
+   vLLM's copy of FLA, or Kimi's ``chunk_kda``) from the cached states; the final states go back into the cache
+   with ``.to(cache dtype)``;
+3. one launch of vLLM's recurrent kernel per decode step (``fused_recurrent_gated_delta_rule`` /
+   ``fused_recurrent_kda_fwd``), every sequence still decoding in it, reading and writing the cache in place.
+
+The outputs and the final states (the cache, widened to fp32) are vLLM's bit for bit. The backward is laqat's
+reproduction's (kernels/decode/phased.py) at the same inputs: a training forward runs laqat's forward as well, for
+the residuals its backward reads (the decode phase's checkpoints), and returns the server's outputs.
+
+tests/serving/vllm_serving.py is the independent oracle of this module (the same loop, written separately).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from la_compiler.error_base import LaqatError
+from la_compiler.options import SERVING_RELEASES, decode_options
+
+# vLLM's kernel modules, by role (the same names in vLLM's package and in the tests' stand-in of it).
+VLLM_MODULES = {
+    "gdn_chunk": "vllm.third_party.flash_linear_attention.ops.chunk",
+    "gdn_recurrent": "vllm.third_party.flash_linear_attention.ops.fused_recurrent",
+    "kda_chunk": "vllm.models.kimi_k3.nvidia.ops.third_party.kda.chunk",
+    "kda_recurrent": "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent",
+}
+
+
+class ServerKernelsUnavailable(LaqatError, RuntimeError):
+    """``x.forward=server`` where the server's kernels cannot run the inputs."""
+
+
+def unavailable(profile: str) -> str | None:
+    """None where the server's kernels of ``profile`` (``vllm-0.33``) are importable at its release, else why not."""
+    engine, release = profile.partition("-")[0], SERVING_RELEASES[profile]
+    if engine != "vllm":
+        return f"laqat drives no {engine} kernels"
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError as e:
+        return f"vllm is not importable ({e})"
+    found = getattr(vllm, "__version__", None)
+    if str(found).partition("+")[0] != release:
+        return f"vllm {found} is importable, the profile reproduces {release}"
+    try:
+        for name in VLLM_MODULES.values():
+            importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 (an import of a kernel file can fail in many ways)
+        return f"vllm {found}'s kernel modules do not import ({type(e).__name__}: {e})"
+    envs = _vllm_envs()
+    if envs is not None and not envs.VLLM_TRITON_FORCE_FIRST_CONFIG:
+        return ("VLLM_TRITON_FORCE_FIRST_CONFIG is not set: the profile pins autotuned kernels to their first config "
+                "(set VLLM_TRITON_FORCE_FIRST_CONFIG=1 here and on the server)")
+    return None
+
+
+def _vllm_envs():
+    """vLLM's ``envs`` module, None in a stand-in package without it (the tests' oracle pins the first config
+    itself)."""
+    try:
+        return importlib.import_module("vllm.envs")
+    except ImportError:
+        return None
+
+
+def _modules():
+    return {role: importlib.import_module(name) for role, name in VLLM_MODULES.items()}
+
+
+def _shared_token_stride(*xs):
+    """The tensors side by side in one buffer, as vLLM's packed q|k|v projection: views with one token stride
+    (Kimi's recurrent kernel reads q, k and v with the stride of that buffer)."""
+    flat = torch.cat([x.flatten(2) for x in xs], dim=-1)
+    out, at = [], 0
+    for x in xs:
+        width = x.shape[2] * x.shape[3]
+        out.append(flat[..., at:at + width].unflatten(-1, x.shape[2:]))
+        at += width
+    return out
+
+
+def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths, valid_lengths):
+    """(o [B, T, HV, V] in q's dtype, zero past each valid length; final states fp32 in the spec's layout): what
+    the server computes for these tokens (module docstring)."""
+    from la_compiler.kernels.decode.phased import plan
+
+    options = decode_options(spec)
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    if spec.kind == "gdn" and q.dtype == torch.float32 and any(int(x) > 0 for x in prefill_lengths.tolist()):
+        raise ServerKernelsUnavailable(
+            f"spec {spec}: vLLM {SERVING_RELEASES[options.serving]}'s GDN chunk kernel refuses fp32 inputs, and this "
+            f"batch has a prefix; set serving.forward: laqat (laqat's reproduction) for an fp32 model")
+    p = plan(B, T, cu_seqlens, prefill_lengths, valid_lengths, dev)
+    cache_dtype = getattr(torch, options.cache_dtype(spec.kind, v.dtype))
+    m = _modules()
+    cache = torch.zeros(p.n + 1, HV, V, K, dtype=cache_dtype, device=dev)
+    if initial_state is not None:
+        cache[1:] = (initial_state if spec.state == "vk" else initial_state.transpose(-1, -2)).to(cache_dtype)
+    o = torch.zeros(B * T, HV, V, dtype=q.dtype, device=dev)
+
+    def tokens(x, rows):
+        return x.reshape(-1, *x.shape[2:])[rows].unsqueeze(0).contiguous()
+
+    if p.prefix_seqs:
+        slots = torch.tensor([i + 1 for i in p.prefix_seqs], device=dev)
+        args = [tokens(x, p.prefix_rows) for x in (q, k, v, g, beta)]
+        chunk = (m["gdn_chunk"].chunk_gated_delta_rule if spec.kind == "gdn" else m["kda_chunk"].chunk_kda)
+        o_pre, ht = chunk(*args, scale=scale, initial_state=cache[slots].clone(), output_final_state=True,
+                          cu_seqlens=p.prefix_cu)
+        o[p.prefix_rows] = o_pre[0].to(q.dtype)
+        cache[slots] = ht.to(cache_dtype)
+
+    if cu_seqlens is None:
+        starts = [b * T for b in range(B)]
+    else:
+        starts = [int(x) for x in cu_seqlens.tolist()[:-1]]
+    pre = [int(x) for x in prefill_lengths.tolist()]
+    val = [int(x) for x in valid_lengths.tolist()]
+    for step in range(max((val[i] - pre[i] for i in range(p.n)), default=0)):
+        active = [i for i in range(p.n) if pre[i] + step < val[i]]
+        rows = torch.tensor([starts[i] + pre[i] + step for i in active], device=dev)
+        cu = torch.arange(len(active) + 1, dtype=torch.int32, device=dev)
+        slots = torch.tensor([i + 1 for i in active], dtype=torch.int32, device=dev)
+        q_t, k_t, v_t, g_t, beta_t = (tokens(x, rows) for x in (q, k, v, g, beta))
+        if spec.kind == "gdn":
+            o_t, _ = m["gdn_recurrent"].fused_recurrent_gated_delta_rule(
+                q_t, k_t, v_t, g_t, beta_t, scale=scale, initial_state=cache, inplace_final_state=True,
+                cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=False)
+        else:
+            q_t, k_t, v_t = _shared_token_stride(q_t, k_t, v_t)
+            o_t, _ = m["kda_recurrent"].fused_recurrent_kda_fwd(
+                q_t, k_t, v_t, g_t, beta_t, scale=scale, initial_state=cache, inplace_final_state=True,
+                cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=False)
+        o[rows] = o_t[0].to(q.dtype)
+    final = cache[1:].float()
+    final = final if spec.state == "vk" else final.transpose(-1, -2)
+    return o.view(B, T, HV, V), final.contiguous()
+
+
+def forward_with(laqat_forward):
+    """The serving variant's forward: ``laqat_forward`` (phased.phased_forward) for ``x.forward=laqat``; for
+    ``x.forward=server`` the server's outputs, with laqat's forward run first where a training forward keeps
+    residuals (``save_to``) for laqat's backward."""
+
+    def forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths=None,
+                valid_lengths=None, save_to: torch.Tensor | None = None):
+        from la_compiler.kernels.registry import spec_of
+
+        if decode_options(spec_of(spec)).forward != "server":
+            return laqat_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                 prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, save_to=save_to)
+        if save_to is not None:
+            laqat_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                          prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, save_to=save_to)
+        from la_compiler.kernels.common.decode_phase import require_lengths
+
+        require_lengths(spec_of(spec), prefill_lengths, valid_lengths)
+        return server_forward(spec_of(spec), q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                              prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
+
+    return forward
+

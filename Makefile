@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(RUN) $(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(RUN) $(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(RUN) $(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 tests
 
 bench-rewrite: $(STAMP)
 	$(PY) examples/benchmarks/rewrite_time.py

@@ -230,6 +230,7 @@ def _config_for_type(model_type: str):
 
 _SPEC_FIELDS = {"kind": "gdn or kda", "src": "the frontend that produced the node", "layout": "the inputs' layout",
                 "state": "the state's layout (kv, or vk: V first)", "chunk": "the chunk length",
+                "chunk_passed": "the program passed the chunk length (a policy may not replace it)",
                 "solve": "the WY triangular solve", "degree": "its Neumann degree", "phase": "the decode phase",
                 "kernel": "the kernel variant (auto: the selection table chooses)"}
 
@@ -252,7 +253,7 @@ def _cmd_spec(args) -> int:
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
         if field.name in _SPEC_FIELDS:
-            if value is not None:
+            if value is not None and value is not False:  # degree without Neumann, chunk_passed unset: not shown
                 print(f"  {field.name:22s} {value!s:18s} {_SPEC_FIELDS[field.name]}")
             continue
         prefix = {"quant": "q.", "acc": "acc.", "extra": "x.", "numerics": "n.", "tuning": "t."}[field.name]

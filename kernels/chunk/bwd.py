@@ -2,7 +2,9 @@
 
     chunk_fwd (recomputed)  -> g_cum, W (rounded), A_qk, T (exact solve), h (rounded chunk-start states), V_new
     chunk_bwd_dh            -> dh (state gradient at every chunk's end), dV_new, dh0   (reverse over chunks)
-    chunk_bwd_intra         -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
+    chunk_bwd_intra_<form>  -> dq, dk, dv, dbeta, dg                                 (all chunks in parallel)
+                               (forms.bwd_intra_form: split_pairs (KDA exact: dP, dP_qk and its shares of dq,
+                               dk, dG to the pairs kernel), key_blocks (GDN, exact pairs and solve) or rows)
     chunk_bwd_pairs         -> KDA exact: the pair products' share of dq, dk, dG    (sub-chunks x key blocks)
     chunk_bwd_dg            -> KDA exact: dg = reverse cumsum of dG within each chunk (chunks x key blocks)
 

@@ -15,7 +15,9 @@ its value here. Names:
 * ``SOLVE`` ("blocked", "rows" (exact) or "neumann") and ``DEGREE`` (the Neumann degree, else 0);
 * ``SUB_CHUNK``: KDA's sub-chunk rows (``ChunkParams.sub_chunk``; the whole-row pair products' blocks);
 * the stage forms decided by the spec (``chunk/forms.py``): ``FACTORED_*``, ``GDN_DECAYS_VALUES``,
-  ``PAIRS_ROUNDED``, ``SPLIT_PAIR_GRADS``, ``GDN_KEY_BLOCKS``, ``H_FULL_V``.
+  ``PAIRS_ROUNDED``, ``PAIRS_NVFP4``, ``COLUMN_SIDE_BY_PRODUCTS``, ``SHARES_PAIR_RHS``, ``H_FULL_V``. The intra
+  stages' forms are no constexprs: each is a kernel of its own, named in the stage key (``forms.fwd_intra_form``,
+  ``forms.bwd_intra_form``; chunk/stages.py).
 """
 from __future__ import annotations
 

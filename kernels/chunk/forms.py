@@ -20,7 +20,9 @@ SOLVE_BLOCK = 16  # rows of the diagonal blocks of the blocked exact solve
 # (every exponent G_i - G_j <= 0). docs/kernels-chunk.md, "The diagonal blocks".
 DIAG_DOT_MAX_RANGE = 40.0
 
-WHOLE_ROW_MAX_K = 128  # head_k of stages that hold whole [C x K] key rows (GDN's bwd intra: 356 KB of smem at 256)
+# head_k of stages that hold whole [C x K] key rows (their shared memory at 256: docs/kernels-chunk-measurements.md,
+# "Key blocks")
+WHOLE_ROW_MAX_K = 128
 MAX_HEAD_K = 256  # key-blocked stages (the h / dh stages hold a [K x BV] state tile)
 
 
@@ -41,10 +43,8 @@ def has_nvfp4_operands(p: ChunkParams) -> bool:
 def factored(p: ChunkParams, gemm: str) -> bool:
     """``gemm``'s product runs on grid values, its operands' row scales applied to the result
     (docs/kernels-chunk.md, "Rounded operands in 16-bit GEMMs"): both sides rounded per row to FP8 / INT8, no
-    accumulator emulation (which rounds running sums of the scaled product). On the H200 at [8, 4096, 16, 128]
-    bf16, all FP8 sites f+b, against products of the dequantized operands: GDN 17.61 -> 17.41 ms, KDA 37.74 ->
-    37.28; the o stage 0.97 -> 0.83 ms (examples/benchmarks/results/comparisons.jsonl, topics residual and
-    factored-scales)."""
+    accumulator emulation (which rounds running sums of the scaled product). Against products of the dequantized
+    operands: docs/kernels-chunk-measurements.md, "Factored scales"."""
     return (site_format(p, f"{gemm}.lhs") in ROW_FORMATS and site_format(p, f"{gemm}.rhs") in ROW_FORMATS
             and gemm not in p.formats.accumulators)
 
@@ -70,8 +70,8 @@ def pairs_need_all_keys(p: ChunkParams) -> bool:
 
 def solve_form(p: ChunkParams) -> str:
     """"blocked" where the chunk splits into 16-row blocks, else "rows" (row-by-row forward substitution); both
-    compute T = (I + A)^-1 exactly. On the H200 the forward intra stage takes 1.93 ms per call with the blocked
-    solve against 3.85 row by row (GDN [8, 4096, 16, 128] bf16; comparisons.jsonl, topic solve-forms)."""
+    compute T = (I + A)^-1 exactly; the blocked solve is the faster (docs/kernels-chunk-measurements.md, "Solve
+    forms")."""
     blockable = p.chunk % SOLVE_BLOCK == 0 and p.chunk > SOLVE_BLOCK
     return "blocked" if blockable else "rows"
 
@@ -96,8 +96,8 @@ def kda_pairs_nvfp4(p: ChunkParams) -> bool:
 
 def column_side_by_products(p: ChunkParams) -> bool:
     """The backward's column side takes the blocks after the sub-chunk as products unless an lhs row is
-    NVFP4-rounded: its [BC x K] block QDQ made the kernel slower on the H200 (KDA [8,4096,16,128], f+b ms of
-    the backward pairs kernel: FP8 all sites 11.9 by products against 13.4 row by row; NVFP4 32.2 against 24.8)."""
+    NVFP4-rounded: its [BC x K] block QDQ makes the kernel slower there (docs/kernels-chunk-measurements.md,
+    "Rounded pair products")."""
     return not any(nvfp4_site(p, f"{site}.lhs") for site in PAIRWISE_SITES)
 
 
@@ -113,8 +113,8 @@ def shares_pair_rhs(p: ChunkParams) -> bool:
 def kda_splits_pair_grads(p: ChunkParams) -> bool:
     """KDA with the exact solve: the pair products' gradients run in a second kernel by sub-chunk (exact
     pair products also by key blocks), so that no program holds the chunk's full-width tiles through the
-    pair loops (at K = 128 the one-kernel form spilled 3.5 KB per thread). The Neumann solve's backward
-    still takes them inside the intra kernel."""
+    pair loops (at K = 128 the one-kernel form spills: docs/kernels-chunk-measurements.md, "KDA pair products").
+    The Neumann solve's backward takes them inside the intra kernel."""
     return p.kind == "kda" and p.solve == "exact"
 
 

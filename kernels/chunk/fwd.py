@@ -1,7 +1,8 @@
 """The chunked (WY) forward: a recipe of the stage launchers, in launch order.
 
     chunk_fwd_cumsum / pair_amax / pairs  -> KDA: g_cum, (NVFP4 pair amaxes), P, P_qk   (by sub-chunk)
-    chunk_fwd_intra  -> g_cum (GDN), W, U, A_qk      (all chunks in parallel)
+    chunk_fwd_intra_gdn / _kda  -> g_cum (GDN), W, U, A_qk, kd (KDA)   (all chunks in parallel; one per kind,
+                                   forms.fwd_intra_form; chunk_fwd_wu: W, U, kd alone, from a kept residual)
     chunk_fwd_h      -> h (chunk-start states), V_new, final state   (sequential over chunks)
     chunk_fwd_o      -> o                      (all chunks in parallel)
 

@@ -48,9 +48,7 @@ def solve(b_A, p_pairs, beta, bos, i_t, seq_len, i_hv, o_c, HV: tl.constexpr, C:
 
     Row i of every D_b: KDA's A = diag(beta) P is read from p_pairs in memory (chunk_fwd_kernel_pairs wrote
     P), as FLA's solve_tril reads its rows; GDN's A exists only in registers (its pair products are computed
-    in the same kernel). Each was the faster form for its kind on the H200 (KDA [8, 4096, 16, 128] intra
-    stage: 0.58 ms against 0.81 from registers; GDN: 0.51 against 0.54 from a copy of the diagonal blocks in
-    memory)."""
+    in the same kernel): the faster form for each kind (docs/kernels-chunk-measurements.md, "Solve forms")."""
     if SOLVE == "blocked":
         NB: tl.constexpr = C // SOLVE_BLOCK
         o_sb = tl.arange(0, NB)

@@ -55,7 +55,7 @@ def stages_of(p: ChunkParams) -> list[tuple[str, str]]:
 
 
 def modules_of(p: ChunkParams) -> dict[str, ModuleType]:
-    """The stage modules ``p`` runs, by role ("forward intra, wu", ...), in launch order."""
+    """The stage modules ``p`` runs, by role ("forward intra_gdn", "forward wu", ...), in launch order."""
     roles: dict[ModuleType, list[str]] = {}
     for direction, stage in stages_of(p):
         roles.setdefault(STAGES[(direction, stage)], []).append(stage)

@@ -71,7 +71,8 @@ def detail(spec: RecurrenceSpec, ctx: SelectionContext) -> str:
 
 
 def source_modules(spec: RecurrenceSpec) -> dict:
-    """The stage modules a training step of ``spec`` launches, by role ("forward intra, wu", "backward dh", ...)."""
+    """The stage modules a training step of ``spec`` launches, by role ("forward intra_gdn", "forward wu",
+    "backward dh", ...)."""
     return stages.modules_of(ChunkParams.from_spec(spec))
 
 

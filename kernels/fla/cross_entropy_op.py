@@ -6,7 +6,7 @@ around an ``autograd.Function`` with Triton kernels. The FLA frontend substitute
 to this op.
 
     laqat::cross_entropy(logits [N, V], target [N] (int), label_smoothing, logit_scale, lse_square_scale,
-                         logit_softcapping?, ignore_index, inplace_backward=False)
+                         logit_softcapping?, ignore_index)
         -> (loss [N] fp32, z_loss [N] fp32, lse [N] fp32)
 
     z      = logit_scale * logits                       (fp32; then c * tanh(z / c) with softcapping c)
@@ -23,13 +23,6 @@ includes the z-loss, z_loss is returned for logging and gets no gradient. The ba
 
 stored in the logits' dtype. On CUDA the op runs FLA's own ``cross_entropy_fwd`` /
 ``cross_entropy_bwd``; elsewhere the same formulas in fp32 torch below.
-
-With ``inplace_backward`` (what FLA's ``FusedCrossEntropyLoss(inplace_backward=True)`` asks for, and FLA's causal
-LMs pass) the backward writes dlogits into the saved logits' storage (``laqat::cross_entropy_backward_in_place``,
-an op that mutates ``logits``) and returns that storage as the gradient, as FLA's function does: the logits and
-their gradient never live side by side (an ``[N, V]`` tensor less at the backward's peak). The logits tensor the
-caller holds then holds the gradient after the backward, as with FLA. Under Inductor the mutation is
-functionalized and re-inplaced into the saved buffer where nothing else reads it.
 """
 from __future__ import annotations
 
@@ -92,7 +85,6 @@ def cross_entropy(
     lse_square_scale: float,
     logit_softcapping: Optional[float],
     ignore_index: int,
-    inplace_backward: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if logits.is_cuda:
         from fla.modules.fused_cross_entropy.ops import cross_entropy_fwd
@@ -108,8 +100,7 @@ def cross_entropy(
 
 
 @cross_entropy.register_fake
-def _(logits, target, label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index,
-      inplace_backward=False):
+def _(logits, target, label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index):
     return tuple(logits.new_empty(logits.shape[:1], dtype=torch.float32) for _ in range(3))
 
 
@@ -142,51 +133,17 @@ def _(dloss, logits, target, lse, label_smoothing, logit_scale, lse_square_scale
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("laqat::cross_entropy_backward_in_place", mutates_args=("logits",))
-def cross_entropy_backward_in_place(
-    dloss: Tensor,
-    logits: Tensor,
-    target: Tensor,
-    lse: Tensor,
-    label_smoothing: float,
-    logit_scale: float,
-    lse_square_scale: float,
-    logit_softcapping: Optional[float],
-    ignore_index: int,
-) -> None:
-    """``cross_entropy_backward``'s dlogits written into ``logits``."""
-    options = (label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index)
-    if logits.is_cuda and logits.is_contiguous():
-        from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd
-
-        cross_entropy_bwd(logits=logits, target=target.contiguous(), lse=lse.contiguous(), dloss=dloss.contiguous(),
-                          label_smoothing=label_smoothing, logit_scale=logit_scale,
-                          lse_square_scale=lse_square_scale, logit_softcapping=logit_softcapping,
-                          ignore_index=ignore_index, inplace_backward=True)
-        return
-    logits.copy_(cross_entropy_backward(dloss, logits, target, lse, *options))
-
-
-@cross_entropy_backward_in_place.register_fake
-def _(dloss, logits, target, lse, label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index):
-    return None
-
-
 def _setup_context(ctx, inputs, output):
     logits, target, *options = inputs
     ctx.save_for_backward(logits, target, output[2])
-    *ctx.options, ctx.inplace_backward = options if len(options) == 6 else (*options, False)
+    ctx.options = options
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _backward(ctx, dloss, dz_loss, dlse):
     logits, target, lse = ctx.saved_tensors
-    if ctx.inplace_backward:
-        torch.ops.laqat.cross_entropy_backward_in_place(dloss, logits, target, lse, *ctx.options)
-        dlogits = logits
-    else:
-        dlogits = torch.ops.laqat.cross_entropy_backward(dloss, logits, target, lse, *ctx.options)
-    return dlogits, None, None, None, None, None, None, None
+    dlogits = torch.ops.laqat.cross_entropy_backward(dloss, logits, target, lse, *ctx.options)
+    return dlogits, None, None, None, None, None, None
 
 
 cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -20,12 +20,12 @@ def test_every_launch_of_a_training_step_compiles_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "sm90_resources.json").read_text())["rows"]
     table = [r for r in rows if r["launch_table"]]
-    assert [r["kernel"] for r in table] == ["chunk_fwd_kernel_intra", "chunk_fwd_kernel_h",
+    assert [r["kernel"] for r in table] == ["chunk_fwd_kernel_intra_gdn", "chunk_fwd_kernel_h",
                                             "chunk_fwd_kernel_o", "chunk_fwd_kernel_wu",
-                                            "chunk_bwd_kernel_dh", "chunk_bwd_kernel_intra"]
+                                            "chunk_bwd_kernel_dh", "chunk_bwd_kernel_intra_key_blocks"]
     assert all("error" not in r and 0 < r["registers"] <= 255 and r["spill_bytes"] >= 0 for r in rows)
     assert {r["warps"] for r in rows} >= {4, 8} and len(rows) > len(table)
-    assert "chunk_bwd_kernel_intra" in run.stdout
+    assert "chunk_bwd_kernel_intra_key_blocks" in run.stdout
 
 
 def test_refuses_the_interpreter():

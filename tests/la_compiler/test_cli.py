@@ -132,7 +132,9 @@ def test_spec_shows_each_field_with_what_it_means(capsys):
     assert re.fullmatch(r"  kernel +auto +the kernel variant \(auto: the selection table chooses\)", lines[8])
     assert re.fullmatch(r"  q\.state +fp8_e4m3/tile64 +quantizer of site state", lines[9])
     assert re.fullmatch(r"  acc\.wy_key +fp16:16 +fp16 accumulator of wy_key, rounded every 16 products", lines[10])
-    assert "RecurrenceSpec(" not in out and "degree" not in out
+    assert "RecurrenceSpec(" not in out and "degree" not in out and "chunk_passed" not in out
+    code, out, _ = run(capsys, "spec", "gdn[src=fla; chunk=16:passed]")
+    assert code == 0 and re.search(r"^  chunk_passed +True +the program passed the chunk length", out, re.M)
 
 
 def test_source_resolves_kernel_auto_as_the_selection_table_would(capsys):
@@ -141,7 +143,7 @@ def test_source_resolves_kernel_auto_as_the_selection_table_would(capsys):
     assert code == 0
     assert out.splitlines()[0].startswith("kernel: chunk (kernel=auto selects chunk on cuda, bfloat16, head dims "
                                           "128x128: chunked (WY) Triton kernels")
-    assert "forward h: " in out and "constexpr: KDA=False" in out
+    assert "forward h: " in out and re.search(r"^constexpr: .*\bKDA=False\b", out, re.M)
     code, out, _ = run(capsys, "source", "gdn[src=fla]", "--device", "cpu", "--paths")  # the interpreter's table
     assert code == 0 and out.startswith("kernel: fused_recurrent (kernel=auto selects fused_recurrent on cpu, "
                                         "float32, head dims 128x128")
@@ -155,4 +157,4 @@ def test_output_pipes_cleanly():
               f"'gdn[src=fla; kernel=chunk; q.state=fp8_e4m3/tile64]' | head -1")
     run_ = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert (run_.returncode, run_.stderr) == (0, ""), run_.stderr
-    assert run_.stdout.startswith("# ---- forward intra, wu: ")
+    assert run_.stdout.startswith("# ---- forward intra_gdn: ")

@@ -409,18 +409,6 @@ def test_cross_entropy_backward(case):
 
 
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
-def test_cross_entropy_backward_in_place(case):
-    _registered_or_skip("cross_entropy_backward_in_place")
-    logits, target, *options = _ce_args(case, grad=False)
-    _, _, lse = torch.ops.laqat.cross_entropy(logits, target, *options)
-    dloss = laid_out(torch.randn(target.shape), case.layout, time_dim=None)
-    expected = torch.ops.laqat.cross_entropy_backward(dloss, logits, target, lse, *options)
-    opcheck("cross_entropy_backward_in_place", (dloss, logits.clone(), target, lse, *options))
-    torch.ops.laqat.cross_entropy_backward_in_place(dloss, logits, target, lse, *options)
-    assert torch.equal(logits, expected)
-
-
-@pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_fused_linear_cross_entropy(case):
     _registered_or_skip("fused_linear_cross_entropy")
     N, Hd, Vocab = 6, 8, 12

@@ -23,6 +23,10 @@
 #   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
 #              gradients against the fp32 oracle
+#   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
+#              docs/serving.md's section 5 (forward: server and forward: laqat, the decode kernels alone), then the
+#              profiles' fwd+bwd timings against FLA's; VLLM_SRC= the directory that
+#              `python -m tests.serving.vllm_oracle --prepare DIR` printed (where the package index is reachable)
 #   train      train_fp8_state_gpu.py (a GDN + KDA model trains through the chunk kernels with an FP8 state) and
 #              compiled_step_vs_eager.py (compiled FLA models' training step against eager)
 #
@@ -116,12 +120,17 @@ suite_model() {
   part gradients 540 python3 $B/model_bench.py --family gdn kda --rows "laqat exact"
 }
 
+suite_serving() {
+  part parity 400 python3 $B/serving_parity_gpu.py --vllm-src "${VLLM_SRC:-out/vllm-oracle/src}" --no-timing
+  part timing 480 python3 $B/serving_parity_gpu.py --quick
+}
+
 suite_train() {
   part fp8-state 400 python3 $B/train_fp8_state_gpu.py
   part compiled-step 440 python3 $B/compiled_step_vs_eager.py
 }
 
-SUITES=(exactness chunk-gdn chunk-kda decode recurrent model train)
+SUITES=(exactness chunk-gdn chunk-kda decode recurrent model serving train)
 MODE=run
 case ${1:-} in
   --list) MODE=list; shift; [ $# -gt 0 ] || set -- "${SUITES[@]}" ;;

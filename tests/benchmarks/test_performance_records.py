@@ -141,7 +141,7 @@ def test_the_gpu_suites_call_existing_scripts_with_rows_and_cases_they_know():
     script = REPO / "examples" / "benchmarks" / "run_gpu.sh"
     listing = subprocess.run(["bash", str(script), "--list"], capture_output=True, text=True, check=True).stdout
     suites = [line for line in listing.splitlines() if not line.startswith(" ")]
-    assert suites == ["exactness", "chunk-gdn", "chunk-kda", "decode", "recurrent", "model", "train"]
+    assert suites == ["exactness", "chunk-gdn", "chunk-kda", "decode", "recurrent", "model", "serving", "train"]
     dry = subprocess.run(["bash", str(script), "--dry-run", *suites], capture_output=True, text=True, check=True).stdout
     parts = [line.strip() for line in listing.splitlines() if line.startswith(" ")]
     commands = dry.strip().splitlines()

@@ -142,16 +142,9 @@ def _worker(rank, world_size):
     return results
 
 
-@functools.cache
-def _rank_results():
-    return run_ranks(_worker, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def ranks():
-    # The results are cached in the process: pytest-xdist may tear a module fixture down between two batches
-    # of the same module's tests, and the two ranks take minutes to run every case.
-    return _rank_results()
+    return run_ranks(_worker, timeout=600)
 
 
 @functools.cache

@@ -17,9 +17,10 @@ from la_compiler.policy.resolution import Policy
 # a value each field refuses, with the fields it needs besides (a window is a replay option)
 BAD = {"mode": ("prefill", {}), "state_codec": ("nvfp4/block16", {}), "readout": ("both", {}),
        "decay_log_step": (-0.5, {}), "window": (65, {"mode": "replay"}), "factor_qdq": (1, {"mode": "replay"}),
-       "serving": ("vllm-0.30", {}), "state_dtype": ("float8", {"serving": "vllm-0.33"})}
+       "serving": ("vllm-0.30", {}), "state_dtype": ("float8", {"serving": "vllm-0.33"}),
+       "forward": ("server", {})}  # the server's kernels without a serving profile
 SPELLED = {"state_codec": "nvfp4/block16", "readout": "both", "decay_log_step": "-0.5",
-           "window": "65", "serving": "vllm-0.30", "state_dtype": "float8"}
+           "window": "65", "serving": "vllm-0.30", "state_dtype": "float8", "forward": "server"}
 
 
 def test_every_field_has_a_bad_value_here():

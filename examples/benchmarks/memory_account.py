@@ -9,6 +9,8 @@ laqat, and for FLA's causal LMs also eager FLA and plain torch.compile, side by 
     python examples/benchmarks/memory_account.py --policy state_fp8 --out out/memory.json
     python examples/benchmarks/memory_account.py --model lm --compiler inductor
     python examples/benchmarks/memory_account.py --device cuda --dtype bfloat16 --snapshot out/memory.pickle
+    python examples/benchmarks/memory_account.py --model fla-lm --family gdn --peak-breakdown  # CUDA: the peak's
+        # blocks by the code that allocated them (peak_breakdown.py)
 
 After the forward, the autograd graph is walked from the output: each node's saved tensors (a Python
 ``autograd.Function``'s ``saved_tensors`` and the tensors it keeps as ``ctx`` attributes, which no hook packs: FLA's
@@ -73,6 +75,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ensure_la_compiler  # noqa: E402
+from peak_breakdown import format_breakdown, live_at_peak  # noqa: E402
 
 # names of the outputs of laqat's ops (their schemas leave them unnamed); others read "output <i>"
 OUTPUT_NAMES = {
@@ -82,6 +85,7 @@ OUTPUT_NAMES = {
     "laqat::causal_conv1d": ("y", "final_state"),
     "laqat::layer_norm_gated": ("y",),
     "laqat::layer_norm": ("y",),
+    "laqat::glu_linear": ("out",),
     "laqat::cross_entropy": ("loss", "z_loss", "lse"),
     "laqat::fused_linear_cross_entropy": ("loss", "dx", "dweight", "dbias"),
     "laqat::log_decay": ("log",),
@@ -497,6 +501,17 @@ def cuda_step_memory(step: Callable[[], torch.Tensor], model: torch.nn.Module) -
     return {"held_after_forward_bytes": held, "peak_extra_bytes": peak}
 
 
+def peak_breakdown(step: Callable[[], torch.Tensor], model: torch.nn.Module) -> dict:
+    """CUDA: what is alive at the peak of one more forward and backward, by allocating code (peak_breakdown.py)."""
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        step().backward()
+
+    result = live_at_peak(forward_backward)
+    model.zero_grad(set_to_none=True)
+    return result
+
+
 def lm_row_names(policies: list[str], inductor: bool) -> list[str]:
     return [EAGER_ROW, *(f"laqat {p}" for p in policies), *((INDUCTOR_ROW,) if inductor else ())]
 
@@ -553,6 +568,9 @@ def lm_row(name: str, family: str, base: torch.nn.Module, ids: torch.Tensor, arg
     with _row_context(backend is None and not cuda, prefix, bool(lift), ids, regions):
         acc = account(step, model, regions)
         memory = cuda_step_memory(step, model) if cuda else {}
+        if cuda and args.peak_breakdown:
+            record["peak_breakdown"] = peak_breakdown(step, model)
+            print(format_breakdown(f"{family} {name}", record["peak_breakdown"]), flush=True)
     graphs = la_compiler.backend.last_record().graphs[start:]
     if backend == "laqat":
         record["hand_off"] = sorted({f"{g.hand_off} ({g.hand_off_reason})" for g in graphs})
@@ -656,6 +674,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bfloat16 for fla-lm on CUDA, else float32")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--snapshot", help="CUDA: also record the allocator's history and dump it here (a pickle)")
+    p.add_argument("--peak-breakdown", action="store_true",
+                   help="fla-lm on CUDA: what is alive at each row's peak, by the code that allocated it")
     args = p.parse_args(argv)
     args.family = [f for part in args.family for f in part.split(",") if f]
     shape = FLA_LM_SHAPE if args.model == "fla-lm" else LAYER_SHAPE

@@ -4,6 +4,8 @@ that run FLA's other kernels at run time (the FLA frontend, passes/frontends/fla
     chunk_variant.py             FLA's chunk kernels as the "fla_chunk" variant
     conv_op.py                   laqat::causal_conv1d
     norm_op.py                   laqat::layer_norm_gated, laqat::layer_norm
+    glu_linear_op.py             laqat::glu_linear (the fused gated MLP's activation and down projection)
+    glu_formulas.py              the gated-MLP activations' formulas as torch ops
     cross_entropy_op.py          laqat::cross_entropy
     linear_cross_entropy_op.py   laqat::fused_linear_cross_entropy
 """

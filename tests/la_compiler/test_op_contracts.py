@@ -422,6 +422,29 @@ def test_fused_linear_cross_entropy(case):
                                            1e-4, fp32_acc))
 
 
+# ---- FLA's fused gated MLP (kernels/fla/glu_linear_op.py) ------------------------------------------------------
+def _glu_args(case: FlaCase, grad: bool, O=6):
+    lay = lambda x, **kw: laid_out(x.to(case.dtype), case.layout, grad=grad, **kw)  # noqa: E731
+    x, y = lay(torch.randn(2, 5, D) * 2), lay(torch.randn(2, 5, D))
+    weight = lay(torch.randn(O, D) * 0.3, time_dim=None)
+    bias = lay(torch.randn(O), time_dim=None) if case.optional else None
+    return x, y, weight, bias
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_glu_linear(case):
+    x, y, weight, bias = _glu_args(case, grad=True)
+    opcheck("glu_linear", (x, y, weight, bias, *_options(case, ("swiglu", 1.0), ("powglu", 3.0), ("powglu", 2.0))))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_glu_linear_backward(case):
+    x, y, weight, bias = _glu_args(case, grad=False)
+    dout = laid_out(torch.randn(2, 5, weight.shape[0]).to(case.dtype), case.layout).contiguous()
+    activation = _options(case, ("powglu", 3.0), ("swiglu", 1.0))
+    opcheck("glu_linear_backward", (dout, x, y, weight, bias is not None, *activation))
+
+
 # ---- the log of a decay passed in exponentiated (la_compiler/ir/log_decay.py) ------------------------------------
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_log_decay(case):

@@ -462,10 +462,12 @@ def test_fused_losses_compile_to_the_ops():
     assert calls == ["torch.ops.laqat.cross_entropy"] * 3 + ["torch.ops.laqat.fused_linear_cross_entropy"]
 
 
-@pytest.mark.parametrize("hidden_act,fuse_swiglu", [("swish", False), ("powlu", False), ("powlu", True)])
-def test_gated_mlp_activations_compile_to_torch_ops(hidden_act, fuse_swiglu):
-    """GatedMLP's SwiGLU / PowGLU (FLA's autograd.Functions around substituted launchers, or the fused
-    *_linear dispatchers): output and every gradient as the torch formulas; no graph break."""
+@pytest.mark.parametrize("hidden_act,fuse_swiglu", [("swish", False), ("powlu", False), ("swish", True),
+                                                   ("powlu", True)])
+def test_gated_mlp_activations_compile(hidden_act, fuse_swiglu):
+    """GatedMLP's SwiGLU / PowGLU: FLA's autograd.Functions around substituted launchers become torch ops, the
+    fused *_linear dispatchers one laqat::glu_linear each; output and every gradient as the torch oracles of
+    FLA's formulas; no graph break."""
     from fla.modules import GatedMLP
 
     from tests.passes.fla_oracle import naive_fla
@@ -473,6 +475,14 @@ def test_gated_mlp_activations_compile_to_torch_ops(hidden_act, fuse_swiglu):
     mlp = GatedMLP(hidden_size=16, intermediate_size=24, hidden_act=hidden_act, fuse_swiglu=fuse_swiglu)
     x = torch.randn(2, 5, 16) * 2
     x_mine, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    from la_compiler.explainer import NothingMatchedWarning
+
+    with pytest.warns(NothingMatchedWarning):  # no recurrence in an MLP
+        report = la_compiler.explain(mlp, x)
+    assert report.graph_breaks == 0
+    laqat_calls = [line for line in report.graphs[0].readable.splitlines()
+                   if "torch.ops.laqat." in line and not line.lstrip().startswith("#")]
+    assert len(laqat_calls) == fuse_swiglu and all("laqat.glu_linear" in line for line in laqat_calls), laqat_calls
     y = compile_laqat(mlp)(x_mine)
     with naive_fla():
         y_ref = mlp(x_ref)

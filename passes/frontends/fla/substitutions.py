@@ -12,9 +12,9 @@ object), Dynamo traces the replacement instead:
     fla.modules.norm.fused_norm_gate.rms_norm_gated / layer_norm_gated     -> laqat::layer_norm_gated
     fla.modules.norm.layernorm.rms_norm / layer_norm                       -> laqat::layer_norm
     fla.modules.norm.l2norm.l2norm (= l2_norm)                             -> torch ops
-    fla.modules.activations: swiglu_linear, powglu_linear (GatedMLP fused),
+    fla.modules.activations: swiglu_linear, powglu_linear (GatedMLP fused)  -> laqat::glu_linear
         swiglu_fwd / swiglu_fwdbwd, powglu_fwd / powglu_fwdbwd (the launchers
-        inside FLA's SwiGLUFunction / PowGLUFunction)                      -> torch ops (activations)
+        inside FLA's SwiGLUFunction / PowGLUFunction)                      -> torch ops (glu_formulas)
     fla.modules.fused_cross_entropy.cross_entropy_loss                     -> laqat::cross_entropy
     fla.modules.fused_linear_cross_entropy.fused_linear_cross_entropy_loss -> laqat::fused_linear_cross_entropy
 
@@ -58,7 +58,7 @@ from la_compiler.errors import LaqatError, through_dynamo
 from la_compiler.ir.checks import tensor_problem
 from la_compiler.kernels.fla import conv_op, norm_op  # noqa: F401  (register their laqat:: ops)
 from la_compiler.kernels.fla import cross_entropy_op, linear_cross_entropy_op  # noqa: F401  (likewise)
-from la_compiler.passes.frontends.fla import activations
+from la_compiler.kernels.fla import glu_formulas, glu_linear_op
 from la_compiler.passes.frontends.fla.preprocess import beta_activation, gdn_gate, kda_gate
 from la_compiler.passes.frontends.fla.preprocess import l2norm as l2norm_torch
 
@@ -520,12 +520,12 @@ def _substitutions():
         (plain_norm_ops.rms_norm, rms_norm),
         (plain_norm_ops.layer_norm, layer_norm),
         (l2norm_ops.l2norm, l2norm),
-        (activation_ops.swiglu_linear, activations.swiglu_linear),
-        (activation_ops.swiglu_fwd, activations.swiglu_fwd),
-        (activation_ops.swiglu_fwdbwd, activations.swiglu_fwdbwd),
-        (activation_ops.powglu_linear, activations.powglu_linear),
-        (activation_ops.powglu_fwd, activations.powglu_fwd),
-        (activation_ops.powglu_fwdbwd, activations.powglu_fwdbwd),
+        (activation_ops.swiglu_linear, glu_linear_op.swiglu_linear),
+        (activation_ops.swiglu_fwd, glu_formulas.swiglu_fwd),
+        (activation_ops.swiglu_fwdbwd, glu_formulas.swiglu_fwdbwd),
+        (activation_ops.powglu_linear, glu_linear_op.powglu_linear),
+        (activation_ops.powglu_fwd, glu_formulas.powglu_fwd),
+        (activation_ops.powglu_fwdbwd, glu_formulas.powglu_fwdbwd),
         (cross_entropy_ops.cross_entropy_loss, cross_entropy_loss),
         (linear_cross_entropy_ops.fused_linear_cross_entropy_loss, fused_linear_cross_entropy_loss),
     )

@@ -1,12 +1,12 @@
 """FLA's gated-MLP activations (fla/modules/activations/ops.py) transcribed to torch ops.
 
-What ``GatedMLP`` reaches: with ``fuse_swiglu=True`` the ``torch.compiler.disable``'d dispatchers
-``swiglu_linear`` / ``powglu_linear``; with ``fuse_swiglu=False`` ``swiglu`` / ``powglu``, i.e.
-``SwiGLUFunction`` / ``PowGLUFunction``, ``autograd.Function``s that Dynamo traces as such, whose
-forward and backward call the disable'd kernel launchers ``swiglu_fwd`` / ``swiglu_fwdbwd`` /
-``powglu_fwd`` / ``powglu_fwdbwd``. The FLA frontend substitutes the dispatchers and launchers with
-the functions below: elementwise torch ops (Inductor fuses them; no opaque op), each the formula of
-FLA's kernel, computed in fp32 and stored in the input's dtype:
+What ``GatedMLP`` reaches: with ``fuse_swiglu=False`` ``swiglu`` / ``powglu``, i.e. ``SwiGLUFunction`` /
+``PowGLUFunction``, ``autograd.Function``s that Dynamo traces as such, whose forward and backward call the
+``torch.compiler.disable``'d kernel launchers ``swiglu_fwd`` / ``swiglu_fwdbwd`` / ``powglu_fwd`` /
+``powglu_fwdbwd``; the FLA frontend substitutes those launchers with the functions below: elementwise torch ops
+(Inductor fuses them), each the formula of FLA's kernel, computed in fp32 and stored in the input's dtype. With
+``fuse_swiglu=True`` it reaches the dispatchers ``swiglu_linear`` / ``powglu_linear``, which become
+``laqat::glu_linear`` (glu_linear_op.py): these formulas off CUDA, FLA's kernels on CUDA.
 
     swish(x)     = x * sigmoid(x)
     swiglu       z  = swish(x) * y
@@ -14,12 +14,10 @@ FLA's kernel, computed in fp32 and stored in the input's dtype:
     powglu       z  = gate(x) * y,  gate(x) = x^p(x) * s for x > 0, swish(x) otherwise,  p(x) = power / (sqrt(x) + 1)
                  dgate = gate * (p'(x) * ln x + p(x) / x + 1 - s) for x > 0,  s * (1 + x * (1 - s)) otherwise,
                  p'(x) = -power / (2 * sqrt(x) * (sqrt(x) + 1)^2);  dx = g * y * dgate,  dy = g * gate
-    *_linear     linear(z in x's dtype, weight, bias), differentiated by torch autograd
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def _swiglu_parts(x, y):
@@ -39,10 +37,6 @@ def swiglu_fwdbwd(x, y, g, use_weight=False, output_contiguous=False):
     dx = (gf * s * (1.0 + xf * (1.0 - s)) * yf).to(x.dtype)
     dy = (gf * swish).to(y.dtype)
     return (dx, dy, (swish * yf).to(x.dtype)) if use_weight else (dx, dy)
-
-
-def swiglu_linear(x, y, weight, bias):
-    return F.linear(swiglu_fwd(x, y), weight, bias)
 
 
 def _powglu_parts(x, power):
@@ -72,7 +66,3 @@ def powglu_fwdbwd(x, y, g, power=3.0, use_weight=False, output_contiguous=False)
     dx = (gf * yf * dgate).to(x.dtype)
     dy = (gf * gate).to(y.dtype)
     return (dx, dy, (gate * yf).to(x.dtype)) if use_weight else (dx, dy)
-
-
-def powglu_linear(x, y, weight, bias, power=3.0):
-    return F.linear(powglu_fwd(x, y, power), weight, bias)

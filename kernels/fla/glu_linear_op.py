@@ -1,0 +1,113 @@
+"""``laqat::glu_linear``: FLA's ``SwiGLULinearFunction`` / ``PowGLULinearFunction`` (the MLP of FLA's models with
+``fuse_swiglu=True``, the default) as an opaque op.
+
+    laqat::glu_linear(x [..., D], y [..., D], weight [O, D], bias? [O], activation, power) -> out [..., O]
+
+    z   = act(x) * y          act: "swiglu" swish, "powglu" FLA's PowGLU gate with ``power`` (glu_formulas.py)
+    out = linear(z in x's dtype, weight, bias)
+
+The autograd saves x, y and weight, not z: the backward recomputes z with the activation's gradient
+(``swiglu_fwdbwd`` / ``powglu_fwdbwd``), as FLA's function does. Left to torch ops, AOTAutograd's partitioner
+keeps z as well (the down projection's input), a [..., D] tensor per MLP (docs/memory.md). On CUDA the op runs
+FLA's own activation kernels and ``F.linear``; elsewhere the torch formulas of glu_formulas.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from la_compiler.kernels.fla import glu_formulas
+
+Tensor = torch.Tensor
+ACTIVATIONS = ("swiglu", "powglu")
+
+
+def _activation(x, y, activation: str, power: float) -> Tensor:
+    if x.is_cuda:
+        from fla.modules.activations.ops import powglu_fwd, swiglu_fwd
+
+        x, y = x.contiguous(), y.contiguous()
+        if activation == "swiglu":
+            return swiglu_fwd(x=x, y=y, output_contiguous=True)
+        return powglu_fwd(x=x, y=y, power=power, output_contiguous=True)
+    if activation == "swiglu":
+        return glu_formulas.swiglu_fwd(x, y)
+    return glu_formulas.powglu_fwd(x, y, power)
+
+
+def _activation_and_grads(x, y, dz, activation: str, power: float) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dx, dy, z)."""
+    if x.is_cuda:
+        from fla.modules.activations.ops import powglu_fwdbwd, swiglu_fwdbwd
+
+        if activation == "swiglu":
+            return swiglu_fwdbwd(x=x, y=y, g=dz, use_weight=True, output_contiguous=True)
+        return powglu_fwdbwd(x=x, y=y, g=dz, power=power, use_weight=True, output_contiguous=True)
+    if activation == "swiglu":
+        return glu_formulas.swiglu_fwdbwd(x, y, dz, use_weight=True)
+    return glu_formulas.powglu_fwdbwd(x, y, dz, power, use_weight=True)
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"laqat::glu_linear: activation {activation!r} is not one of {ACTIVATIONS}")
+
+
+@torch.library.custom_op("laqat::glu_linear", mutates_args=())
+def glu_linear(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, power: float) -> Tensor:
+    _check_activation(activation)
+    return F.linear(_activation(x, y, activation, power), weight, bias).contiguous()
+
+
+@glu_linear.register_fake
+def _(x, y, weight, bias, activation, power):
+    _check_activation(activation)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("laqat::glu_linear_backward", mutates_args=())
+def glu_linear_backward(dout: Tensor, x: Tensor, y: Tensor, weight: Tensor, has_bias: bool, activation: str,
+                        power: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dx, dy, dweight, dbias); dbias an empty tensor without a bias."""
+    dout2 = dout.reshape(-1, dout.shape[-1])
+    dz = F.linear(dout2, weight.t()).view(x.shape)
+    dx, dy, z = _activation_and_grads(x.contiguous(), y.contiguous(), dz, activation, power)
+    dweight = dout2.t() @ z.reshape(-1, z.shape[-1])
+    dbias = dout2.sum(0) if has_bias else dout.new_empty((0,))
+    return dx.contiguous(), dy.contiguous(), dweight.to(weight.dtype), dbias
+
+
+@glu_linear_backward.register_fake
+def _(dout, x, y, weight, has_bias, activation, power):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(y, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format),
+            dout.new_empty((weight.shape[0],) if has_bias else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    x, y, weight, bias, activation, power = inputs
+    ctx.save_for_backward(x, y, weight)
+    ctx.options = (bias is not None, activation, power)
+
+
+def _backward(ctx, dout):
+    x, y, weight = ctx.saved_tensors
+    has_bias = ctx.options[0]
+    dx, dy, dweight, dbias = torch.ops.laqat.glu_linear_backward(dout.contiguous(), x, y, weight, *ctx.options)
+    return dx, dy, dweight, dbias if has_bias else None, None, None
+
+
+glu_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swiglu_linear(x, y, weight, bias):
+    """FLA's ``swiglu_linear`` dispatcher, traced."""
+    return torch.ops.laqat.glu_linear(x, y, weight, bias, "swiglu", 1.0)
+
+
+def powglu_linear(x, y, weight, bias, power=3.0):
+    """FLA's ``powglu_linear`` dispatcher, traced."""
+    return torch.ops.laqat.glu_linear(x, y, weight, bias, "powglu", float(power))

@@ -30,7 +30,10 @@ Reported per row (``$OUT/model_bench.json``, a table):
 - ``peak_extra_mib``: the largest over the rounds of the step's peak allocation above what was allocated before
   it (every row's weights and optimizer state and the other rows' gradients are in that baseline; the row's own
   gradients, freed before the step, and its activations are not);
-- ``first_step_s`` (Dynamo, laqat, Inductor and Triton compiles included), ``warmup_ms``, ``loss`` (the first
+- ``first_step_s`` (Dynamo, laqat, Inductor and Triton compiles included), ``compile_s`` (the seconds of each of
+  torch's timed compile phases during the first step: ``torch._dynamo.utils.compilation_time_metrics``, Dynamo's
+  and Inductor's nested ones; what the first step spends beyond them is run-time compiling and autotuning of the
+  Triton kernels, laqat's and FLA's), ``laqat_pass_s`` (laqat's passes, per pass), ``warmup_ms``, ``loss`` (the first
   step's), ``nodes`` / ``kernels`` / ``graphs`` (laqat's rewritten sites, their kernels, the graphs it compiled),
   ``compiles_in_rounds`` (Dynamo graphs compiled during the rounds: 0 unless a guard failed);
 - for exact rows (unless ``--no-oracle``), ``grad_rel_max``: the largest relative L2 distance of a first-step
@@ -236,11 +239,15 @@ def build(row: Row, base, ids, args, oracle, dtype) -> None:
                 options["compiler"] = args.laqat_compiler
             row.fn = torch.compile(row.model, backend="laqat", options=options)
         sync()
+        metrics = torch._dynamo.utils.compilation_time_metrics
+        counted = {name: len(times) for name, times in metrics.items()}
         t0 = time.perf_counter()
         row.optimizer.zero_grad(set_to_none=True)
         loss = row.step(ids)
         sync()
         row.record["first_step_s"] = round(time.perf_counter() - t0, 2)
+        row.record["compile_s"] = {name: round(sum(times[counted.get(name, 0):]), 2) for name, times in metrics.items()
+                                   if len(times) > counted.get(name, 0)}
         row.record["loss"] = round(loss.item(), 5)
         exact = row.backend is None or row.name.startswith("laqat exact")
         if oracle is not None and exact and row.backend != "inductor" and not row.lift:
@@ -252,6 +259,11 @@ def build(row: Row, base, ids, args, oracle, dtype) -> None:
             row.record["nodes"] = len(matches)
             row.record["kernels"] = ",".join(sorted({m.kernel for m in matches}))
             row.record["graphs"] = len(la_compiler.backend.last_record().graphs) - start
+            passes: dict = {}
+            for g in la_compiler.backend.last_record().graphs[start:]:
+                for name, seconds in g.pass_seconds.items():
+                    passes[name] = passes.get(name, 0.0) + seconds
+            row.record["laqat_pass_s"] = {name: round(seconds, 2) for name, seconds in passes.items()}
         warm = []
         for _ in range(args.warmup):
             row.optimizer.zero_grad(set_to_none=True)
@@ -406,6 +418,12 @@ def print_table(rows):
               f"{loss} {grad:>9}  {r.get('kernels', '')} {r.get('nodes', '')}"
               + (" [decode phase]" if r.get("decode_phase") else "")
               + (f"  ({r['note']})" if "note" in r else ""))
+    for r in rows:
+        phases = sorted(r.get("compile_s", {}).items(), key=lambda kv: -kv[1])[:8]
+        if phases:
+            passes = sum(r.get("laqat_pass_s", {}).values())
+            print(f"first step of {r['model']} {r['row']}: {r['first_step_s']} s; compile phases (s): "
+                  + ", ".join(f"{name} {seconds}" for name, seconds in phases) + f"; laqat passes {passes:.2f}")
 
 
 def main():

@@ -29,6 +29,8 @@ MEASURED = (
     ("Triton interpreter", "`inductor`", "inductor", "by device", "76.3 (50.0)", "170.5 (101.6)", "75.07 (24.91)", 3),
     ("Triton interpreter", "unset", "eager", "by device", "25.0 (13.4)", "69.0 (35.5)", "57.08 (29.10)", 5),
     ("Triton interpreter", "`inductor`", "inductor", "by device", "92.9 (58.5)", "200.2 (131.0)", "41.41 (30.50)", 5),
+    ("torch references", "unset", "eager", "by device", "4.2 (4.2)", "4.4 (4.5)", "0.28 (0.32)", 3),
+    ("Triton interpreter", "unset", "eager", "by device", "7.8 (7.7)", "20.6 (20.5)", "16.21 (16.24)", 3),
 )
 MEASURED_SETUP = """examples/qat/hf_trainer.py's smoke model (a Qwen3.5 of two GDN layers, hidden 32; transformers'
 torch fallbacks, FLA hidden), fp32, 2 x 72 tokens; a step is the forward with labels, the backward and an AdamW
@@ -36,7 +38,8 @@ step. `python examples/benchmarks/first_step_time.py [--kernel-family torch] [--
 [--steps 5]`: "torch references" is `--kernel-family torch` (laqat's torch references, as examples/qat's CPU
 recipes run them), "Triton interpreter" the selection table's kernels under `TRITON_INTERPRET=1`. x86_64, 2 cores
 shared with other work (a load of 2 to 6: wall seconds vary by up to half between runs; CPU seconds count this
-process and the compilers it waited for), torch 2.13.0+cpu, Triton 3.9.0, transformers 5.24.0, Python 3.11.7."""
+process and the compilers it waited for), torch 2.13.0+cpu, Triton 3.9.0, transformers 5.24.0, Python 3.11.7. The
+last two rows ran alone on the machine (commit 4f208ed)."""
 
 
 def hand_off_section() -> list[str]:

@@ -181,7 +181,11 @@ DEFAULT_TUNING = TuningOptions()
 
 HAND_OFFS = {
     "inductor": "Inductor compiles the graph around laqat's ops: AOTAutograd traces the forward and the backward, "
-                "its partitioner decides what the backward keeps; Triton kernels on a GPU, C++ on the CPU",
+                "its partitioner decides what the backward keeps; Triton kernels on a GPU, C++ on the CPU. A graph "
+                "output that a linear layer computes from a graph input weight and that is at least 4x its input "
+                "(a model's logits) leaves the compiled graph through its own autograd node, so that autograd "
+                "allocates no zero gradient of its size where the loss does not use it "
+                "(la_compiler/hand_off/linear_outputs.py, docs/memory.md)",
     "eager": "the rewritten graph runs op by op under autograd, laqat's ops included: each op saves what its "
              "autograd saves; nothing is compiled beyond Dynamo's capture and laqat's passes",
 }

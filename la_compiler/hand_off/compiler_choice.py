@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_linear_outputs
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
 
 
@@ -49,5 +50,7 @@ def compile_rewritten(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> C
     # ("shape '[140323329983992, 8766216997877507016, 32000]' is invalid", GatedDeltaNetForCausalLM at
     # T=4096). Without replay it rebuilds the alias with as_strided from the output's own size, stride and
     # offset: the same view of the same storage.
+    plan, count = hand_back_linear_outputs(graph)
     with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
-        return compile_fx(graph, inputs)
+        compiled = compile_fx(graph, inputs)
+    return with_linear_outputs(compiled, plan, count) if plan else compiled

@@ -286,8 +286,22 @@ def training_section(records) -> list[str]:
     return out + table(["check", "model", "policy", "steps", "figures", "run"], lines) + notes.lines()
 
 
+MODEL_SHAPE = ("layers", "hidden", "heads", "head_dim", "batch", "seq", "vocab")
+
+
 def model_section(records) -> list[str]:
     rows = of(records, "model")
+    shapes = sorted({tuple(r["config"].get(k) for k in MODEL_SHAPE) for r in rows}, key=lambda s: tuple(
+        -1 if v is None else v for v in s))
+    out = ["## The model benchmark (`model_bench.py`, docs/model-bench.md)", "",
+           "FLA's causal LMs, one training step (forward with labels, backward, AdamW), bf16, one table per model "
+           "shape.", ""]
+    for shape in shapes:
+        out += model_shape_section([r for r in rows if tuple(r["config"].get(k) for k in MODEL_SHAPE) == shape])
+    return out
+
+
+def model_shape_section(rows) -> list[str]:
     best = latest(rows, lambda r: (r["model"], r["row"]), lambda r: "step_ms" in r["figures"])
     config = rows[-1]["config"]
     if config.get("timing") == "interleaved":
@@ -300,10 +314,9 @@ def model_section(records) -> list[str]:
     else:
         timing = (f"the median of {config['steps']} steps after {config['warmup']} warm-up steps. Step times of one "
                   "row moved by up to 30 % between runs: ratios hold within one run.")
-    out = ["## The model benchmark (`model_bench.py`, docs/model-bench.md)", "",
-           f"FLA's causal LMs, one training step (forward with labels, backward, AdamW), bf16: {config['layers']} "
-           f"layers, hidden {config['hidden']}, {config['heads']} heads of {config['head_dim']}, vocabulary "
-           f"{config['vocab']}, B={config['batch']}, T={config['seq']}; {timing}", ""]
+    out = [f"### {config['layers']} layers, hidden {config['hidden']}, {config['heads']} heads of "
+           f"{config['head_dim']}", "",
+           f"Vocabulary {config['vocab']}, B={config['batch']}, T={config['seq']}; {timing}", ""]
     optional = [(key, title, spec) for key, title, spec in (("x_eager", "x eager", "{:.2f}"),
                                                             ("x_laqat_exact", "x exact", "{:.2f}"),
                                                             ("peak_extra_mib", "extra MiB", "{:.0f}"))

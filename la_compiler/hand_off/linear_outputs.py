@@ -37,13 +37,15 @@ class LinearOutput:
 
 
 class LinearOutputFunction(torch.autograd.Function):
-    """y as it is, differentiable as ``linear(x, weight, bias)``; nothing to do where no gradient reaches y."""
+    """y as it is, differentiable as ``linear(x, weight, bias)``; nothing to do where no gradient reaches y. y comes
+    in a box, not as an input: an input returned from ``forward`` would be a view, which forbids in-place ops on the
+    output that the compiled graph's output allowed."""
     @staticmethod
-    def forward(ctx, y, x, weight, bias):
+    def forward(ctx, x, weight, bias, box: list):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.set_materialize_grads(False)
-        return y.view_as(y)
+        return box.pop()
 
     @staticmethod
     def backward(ctx, dy):
@@ -51,11 +53,11 @@ class LinearOutputFunction(torch.autograd.Function):
             return None, None, None, None
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dx = dy @ weight if needs[1] else None
+        dx = dy @ weight if needs[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dweight = (dy2.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype) if needs[2] else None
-        dbias = dy2.sum(0) if ctx.has_bias and needs[3] else None
-        return None, dx, dweight, dbias
+        dweight = (dy2.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype) if needs[1] else None
+        dbias = dy2.sum(0) if ctx.has_bias and needs[2] else None
+        return dx, dweight, dbias, None
 
 
 def _placeholder_index(graph: torch.fx.Graph, node) -> Optional[int]:
@@ -127,7 +129,7 @@ def with_linear_outputs(compiled: Callable, plan: list[LinearOutput], count: int
         for p, (weight, bias) in zip(plan, weights):
             x = extras[p.extra - count]
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-                outs[p.output] = LinearOutputFunction.apply(outs[p.output], x, weight, bias)
+                outs[p.output] = LinearOutputFunction.apply(x, weight, bias, [outs[p.output]])
         return outs
 
     return run

@@ -71,6 +71,7 @@ def test_the_logits_come_back_through_their_own_node_and_no_zero_gradient_is_mad
     model.zero_grad(set_to_none=True)
     loss, logits, side, h2 = fn(ids, labels)
     assert type(logits.grad_fn).__name__ == "LinearOutputFunctionBackward"
+    assert not logits._is_view()  # in-place ops on it stay allowed, as on the compiled graph's outputs
     assert type(side.grad_fn).__name__ != "LinearOutputFunctionBackward"  # 1.5x its input: stays the graph's
     assert type(h2.grad_fn).__name__ != "LinearOutputFunctionBackward"  # not a linear
     with ZerosOfShape({(2, 9, VOCAB), (18, VOCAB)}) as mode:

@@ -43,7 +43,8 @@ def _label(frames: list[dict]) -> str:
 
 
 def live_at_peak(step: Callable[[], None], top: int = 16) -> dict:
-    """-> {"peak_bytes": the step's peak above its start, "live": [(label, bytes), ...] largest first}."""
+    """-> {"peak_bytes": the step's peak above its start, "live": [(label, bytes), ...] largest first,
+    "live_other_bytes": the rest's}."""
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
@@ -52,8 +53,12 @@ def live_at_peak(step: Callable[[], None], top: int = 16) -> dict:
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    device = torch.cuda.current_device()
-    events = snapshot["device_traces"][device]
+    return peak_of_trace(snapshot["device_traces"][torch.cuda.current_device()], top)
+
+
+def peak_of_trace(events: list[dict], top: int = 16) -> dict:
+    """The allocator trace's replay (``alloc`` adds a block, ``free_requested`` removes one; a block allocated
+    before the trace began lowers the running total when freed), the blocks alive at its highest total, by label."""
     live: dict[int, tuple[int, list]] = {}
     total = peak = 0
     at_peak: dict[int, tuple[int, list]] = {}

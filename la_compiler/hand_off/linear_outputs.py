@@ -9,11 +9,11 @@ head's matmul, a node with that one output).
 
 Under the Inductor hand-off, every graph output ``y = linear(x, weight, bias)`` whose weight (and bias) are graph
 inputs, that needs a gradient and that is at least ``MIN_RATIO`` times larger than x leaves the compiled graph
-detached, and x leaves beside it. The compiled callable returns y through ``LinearOutput``, whose backward is the
-linear's (dx = dy weight, dweight = dy^T x, dbias = the sum of dy): it runs only when a gradient reaches y, and x's
-gradient flows back into the compiled graph's backward like any output's. What autograd may materialize then is
-x's zero gradient, ``MIN_RATIO`` or more times smaller. The values, the gradients and what the graph computes are
-unchanged; the output's ``grad_fn`` is ``LinearOutputFunctionBackward``.
+detached, and x leaves beside it. The compiled callable returns y through ``LinearOutputFunction``, whose backward
+is the linear's (dx = dy weight, dweight = dy^T x, dbias = the sum of dy): it runs only when a gradient reaches y,
+and x's gradient flows back into the compiled graph's backward like any output's. What autograd may materialize
+then is x's zero gradient, ``MIN_RATIO`` or more times smaller. The values, the gradients and what the graph
+computes are unchanged; the output's ``grad_fn`` is ``LinearOutputFunctionBackward``.
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def hand_back_linear_outputs(graph: torch.fx.GraphModule) -> tuple[list[LinearOu
         with g.inserting_before(output_node):
             detached = g.call_method("detach", (node,))
         detached.meta.update(node.meta)
+        if isinstance(_value(node), torch.Tensor):
+            detached.meta["example_value"] = _value(node).detach()
         outputs[i] = detached
         outputs.append(x)
         plan.append(LinearOutput(output=i, extra=len(outputs) - 1, weight=weight_index, bias=bias_index))

@@ -179,10 +179,13 @@ DEFAULT_TUNING = TuningOptions()
 
 # ---- the hand-off: what runs a rewritten graph (``options={"compiler": ...}``; la_compiler/hand_off/compiler_choice.py) ----------
 
+LINEAR_OUTPUT_MIN_RATIO = 4  # Inductor hand-off: a linear graph output this many times its input leaves on its own
+
 HAND_OFFS = {
     "inductor": "Inductor compiles the graph around laqat's ops: AOTAutograd traces the forward and the backward, "
                 "its partitioner decides what the backward keeps; Triton kernels on a GPU, C++ on the CPU. A graph "
-                "output that a linear layer computes from a graph input weight and that is at least 4x its input "
+                f"output that a linear layer computes from a graph input weight and that is at least "
+                f"{LINEAR_OUTPUT_MIN_RATIO}x its input "
                 "(a model's logits) leaves the compiled graph through its own autograd node, so that autograd "
                 "allocates no zero gradient of its size where the loss does not use it "
                 "(la_compiler/hand_off/linear_outputs.py, docs/memory.md)",

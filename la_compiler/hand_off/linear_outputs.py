@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-MIN_RATIO = 4  # the output's elements per element of the linear's input, at least
+from la_compiler.options import LINEAR_OUTPUT_MIN_RATIO as MIN_RATIO  # output elements per input element, at least
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 

@@ -86,6 +86,7 @@ OUTPUT_NAMES = {
     "laqat::layer_norm_gated": ("y",),
     "laqat::layer_norm": ("y",),
     "laqat::glu_linear": ("out",),
+    "laqat::l2_norm": ("y", "rstd"),
     "laqat::cross_entropy": ("loss", "z_loss", "lse"),
     "laqat::fused_linear_cross_entropy": ("loss", "dx", "dweight", "dbias"),
     "laqat::log_decay": ("log",),

@@ -445,6 +445,21 @@ def test_glu_linear_backward(case):
     opcheck("glu_linear_backward", (dout, x, y, weight, bias is not None, *activation))
 
 
+# ---- FLA's l2 norm (kernels/fla/l2_norm_op.py) -----------------------------------------------------------------
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_l2_norm(case):
+    x = laid_out((torch.randn(2, 5, D) * 3).to(case.dtype), case.layout, grad=True)
+    opcheck("l2_norm", (x, 1e-6, _options(case, None, torch.float32)))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_l2_norm_backward(case):
+    x = laid_out((torch.randn(2, 5, D) * 3).to(case.dtype), case.layout)
+    y, rstd = torch.ops.laqat.l2_norm(x, 1e-6, _options(case, None, torch.float32))
+    dy = laid_out(torch.randn(2, 5, D).to(y.dtype), case.layout)
+    opcheck("l2_norm_backward", (dy, y, rstd, 1e-6, x.dtype))
+
+
 # ---- the log of a decay passed in exponentiated (la_compiler/ir/log_decay.py) ------------------------------------
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_log_decay(case):

@@ -494,20 +494,53 @@ def test_gated_mlp_activations_compile(hidden_act, fuse_swiglu):
         assert_close_rel(g, g_ref, TOL, f"d{name}")
 
 
-def test_l2norm_compiles_to_torch_ops():
+def test_l2norm_compiles_to_laqat_l2_norm():
+    """FLA's l2norm module function becomes laqat::l2_norm: values and gradient against the fp32 formula."""
     from fla.modules.l2norm import l2norm
 
     from tests.passes.fla_oracle import fla_l2norm
 
     x = torch.randn(2, 5, 3, 8)
     mine, ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    y = compile_laqat(lambda x: l2norm(x, eps=1e-5) * 2 + l2norm(x.bfloat16(), output_dtype=torch.float32))(mine)
+    fn = lambda x: l2norm(x, eps=1e-5) * 2 + l2norm(x.bfloat16(), output_dtype=torch.float32)  # noqa: E731
+    y = compile_laqat(fn)(mine)
     y_ref = (ref / torch.sqrt((ref * ref).sum(-1, keepdim=True) + 1e-5)) * 2 + fla_l2norm(ref.bfloat16())
     assert_close_rel(y, y_ref, TOL, "y")
     dy = torch.randn_like(y)
     (y * dy).sum().backward()
     (y_ref * dy).sum().backward()
     assert_close_rel(mine.grad, ref.grad, 1e-2, "dx")  # the bf16 branch's gradient is bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2norm_saves_its_output_not_its_input(dtype):
+    """laqat::l2_norm keeps y and the inverse norms for the backward, not x (what FLA's L2NormFunction keeps, and
+    what a recurrence with use_qk_l2norm_in_kernel saves anyway as its q and k); the gradient from the stored y
+    against autograd through FLA's fp32 formula: exact in fp32, y's rounding in bf16."""
+    from fla.modules.l2norm import l2norm
+
+    from tests.passes.fla_oracle import fla_l2norm
+
+    x = (torch.randn(2, 6, 3, 16) * 3).to(dtype)
+    mine, ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    graph_ops = []
+
+    def backend(gm, example_inputs):
+        graph_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = torch.compile(l2norm, backend=backend, fullgraph=True)(mine)
+    assert graph_ops == ["laqat.l2_norm", "<built-in function getitem>"], graph_ops
+    assert all(t.untyped_storage().data_ptr() != mine.untyped_storage().data_ptr() for t in packed)
+    assert any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in packed)
+    y_ref = fla_l2norm(ref)
+    assert_close_rel(y, y_ref.to(dtype), 1e-6, "y")
+    dy = torch.randn_like(y, dtype=torch.float32)
+    (y.float() * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    assert_close_rel(mine.grad, ref.grad, 1e-6 if dtype == torch.float32 else 2e-2, "dx")
 
 
 # ---- layers and models ------------------------------------------------------------------------

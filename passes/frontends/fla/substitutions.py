@@ -11,7 +11,7 @@ object), Dynamo traces the replacement instead:
     fla.modules.causal_conv1d.causal_conv1d (= fla.modules.convolution.*)  -> laqat::causal_conv1d
     fla.modules.norm.fused_norm_gate.rms_norm_gated / layer_norm_gated     -> laqat::layer_norm_gated
     fla.modules.norm.layernorm.rms_norm / layer_norm                       -> laqat::layer_norm
-    fla.modules.norm.l2norm.l2norm (= l2_norm)                             -> torch ops
+    fla.modules.norm.l2norm.l2norm (= l2_norm)                             -> laqat::l2_norm
     fla.modules.activations: swiglu_linear, powglu_linear (GatedMLP fused)  -> laqat::glu_linear
         swiglu_fwd / swiglu_fwdbwd, powglu_fwd / powglu_fwdbwd (the launchers
         inside FLA's SwiGLUFunction / PowGLUFunction)                      -> torch ops (glu_formulas)
@@ -22,7 +22,7 @@ and, as methods (below), ``FusedCrossEntropyLoss.forward``, ``FusedLinearCrossEn
 ``FLAPreTrainedModel._compute_logits_and_loss``.
 
 Each recurrence replacement validates its arguments, emits the pre-processing FLA fuses
-into its kernels (l2norm, gate, beta activation: ``preprocess``) as torch ops, calls the
+into its kernels (l2norm: ``laqat::l2_norm``; gate, beta activation: ``preprocess``, as torch ops), calls the
 IR op once and returns what FLA returns: ``(o, final_state or None)``, o in q's dtype (chunk)
 or v's dtype (fused_recurrent), the final state in fp32. chunk and fused_recurrent compute
 the same recurrence, so both become the same node.
@@ -58,9 +58,8 @@ from la_compiler.errors import LaqatError, through_dynamo
 from la_compiler.ir.checks import tensor_problem
 from la_compiler.kernels.fla import conv_op, norm_op  # noqa: F401  (register their laqat:: ops)
 from la_compiler.kernels.fla import cross_entropy_op, linear_cross_entropy_op  # noqa: F401  (likewise)
-from la_compiler.kernels.fla import glu_formulas, glu_linear_op
+from la_compiler.kernels.fla import glu_formulas, glu_linear_op, l2_norm_op
 from la_compiler.passes.frontends.fla.preprocess import beta_activation, gdn_gate, kda_gate
-from la_compiler.passes.frontends.fla.preprocess import l2norm as l2norm_torch
 
 GDN_CHUNK_SIZES = (16, 32, 64)  # what FLA's chunk_gated_delta_rule accepts
 KDA_CHUNK_SIZES = (32, 64)  # what FLA's chunk_kda accepts
@@ -169,7 +168,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _require(g.dim() == 3, fn, f"argument `g` must be [B, T, HV], got {tuple(g.shape)}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_torch(q), l2norm_torch(k)
+        q, k = l2_norm_op.l2norm(q), l2_norm_op.l2norm(k)
     if use_gate_in_kernel:
         g = gdn_gate(g, A_log, dt_bias)
     if use_beta_sigmoid_in_kernel:
@@ -204,7 +203,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
              f"{tuple(gk.shape) if gk is not None else None}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_torch(q, keep_fp32=True), l2norm_torch(k, keep_fp32=True)
+        q, k = l2_norm_op.l2norm(q, output_dtype=torch.float32), l2_norm_op.l2norm(k, output_dtype=torch.float32)
     if g is not None and use_gate_in_kernel:
         g = gdn_gate(g, A_log, dt_bias)
     if gk is not None:  # per-key-channel decay: a KDA recurrence; a scalar g on top multiplies in
@@ -255,7 +254,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  f"`safe_gate=True` with `use_gate_in_kernel=True` needs `lower_bound` in [-5, 0), got {lower_bound}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_torch(q), l2norm_torch(k)
+        q, k = l2_norm_op.l2norm(q), l2_norm_op.l2norm(k)
     g = _kda_gate(fn, g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
@@ -278,7 +277,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
              f"argument `g` must be [B, T, HV, K], got {tuple(g.shape)}")
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_torch(q, keep_fp32=True), l2norm_torch(k, keep_fp32=True)
+        q, k = l2_norm_op.l2norm(q, output_dtype=torch.float32), l2_norm_op.l2norm(k, output_dtype=torch.float32)
     g = _kda_gate(fn, g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
@@ -357,9 +356,9 @@ def layer_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual
 
 
 def l2norm(x, eps=1e-6, output_dtype=None):
-    """FLA's ``l2norm`` module function: ``x * rsqrt(sum(x^2) + eps)`` in fp32, stored in
-    ``output_dtype`` (x's dtype by default); torch ops."""
-    return l2norm_torch(x, keep_fp32=True, eps=eps).to(x.dtype if output_dtype is None else output_dtype)
+    """FLA's ``l2norm`` module function: ``x / sqrt(sum(x^2) + eps)`` in fp32, stored in ``output_dtype`` (x's dtype
+    by default); ``laqat::l2_norm``."""
+    return l2_norm_op.l2norm(x, eps=eps, output_dtype=output_dtype)
 
 
 # ---- FLA's fused losses ------------------------------------------------------------------------

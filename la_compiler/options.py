@@ -192,6 +192,11 @@ HAND_OFFS = {
     "eager": "the rewritten graph runs op by op under autograd, laqat's ops included: each op saves what its "
              "autograd saves; nothing is compiled beyond Dynamo's capture and laqat's passes",
 }
+LOSS_TAIL = ("Under both, FLA's fused cross-entropy with `inplace_backward=True` (its causal LMs' loss) on logits "
+             f"that a linear layer computes from a graph input weight, at least {LINEAR_OUTPUT_MIN_RATIO}x its "
+             "input, that nothing else in the graph reads, runs after the graph, outside it: its backward writes "
+             "the logits' gradient into the logits, as FLA's does, where a compiled graph would allocate another "
+             "tensor of their size (la_compiler/hand_off/loss_tails.py, docs/memory.md)")
 DEVICE_HAND_OFF = "inductor"  # unset, where a tensor of the graph is on an accelerator (CUDA, XPU, ...)
 CPU_HAND_OFF = "eager"  # unset, where every tensor of the graph is on the CPU
 

@@ -6,7 +6,7 @@ around an ``autograd.Function`` with Triton kernels. The FLA frontend substitute
 to this op.
 
     laqat::cross_entropy(logits [N, V], target [N] (int), label_smoothing, logit_scale, lse_square_scale,
-                         logit_softcapping?, ignore_index)
+                         logit_softcapping?, ignore_index, inplace_backward=False)
         -> (loss [N] fp32, z_loss [N] fp32, lse [N] fp32)
 
     z      = logit_scale * logits                       (fp32; then c * tanh(z / c) with softcapping c)
@@ -23,6 +23,12 @@ includes the z-loss, z_loss is returned for logging and gets no gradient. The ba
 
 stored in the logits' dtype. On CUDA the op runs FLA's own ``cross_entropy_fwd`` /
 ``cross_entropy_bwd``; elsewhere the same formulas in fp32 torch below.
+
+``inplace_backward`` is FLA's argument, carried so that the hand-off sees it: the op's own backward allocates the
+gradient (inside a compiled graph it cannot overwrite the logits, which the graph also returns). Where the logits
+come from a linear layer of the graph and only reach this op, the hand-off runs the loss outside the compiled graph
+through ``CrossEntropyInplaceBackward``, whose backward writes the gradient into the logits as FLA does
+(la_compiler/hand_off/loss_tails.py).
 """
 from __future__ import annotations
 
@@ -85,6 +91,7 @@ def cross_entropy(
     lse_square_scale: float,
     logit_softcapping: Optional[float],
     ignore_index: int,
+    inplace_backward: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if logits.is_cuda:
         from fla.modules.fused_cross_entropy.ops import cross_entropy_fwd
@@ -100,7 +107,8 @@ def cross_entropy(
 
 
 @cross_entropy.register_fake
-def _(logits, target, label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index):
+def _(logits, target, label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index,
+      inplace_backward=False):
     return tuple(logits.new_empty(logits.shape[:1], dtype=torch.float32) for _ in range(3))
 
 
@@ -136,14 +144,62 @@ def _(dloss, logits, target, lse, label_smoothing, logit_scale, lse_square_scale
 def _setup_context(ctx, inputs, output):
     logits, target, *options = inputs
     ctx.save_for_backward(logits, target, output[2])
-    ctx.options = options
+    ctx.options = options[:5]
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _backward(ctx, dloss, dz_loss, dlse):
     logits, target, lse = ctx.saved_tensors
     dlogits = torch.ops.laqat.cross_entropy_backward(dloss, logits, target, lse, *ctx.options)
-    return dlogits, None, None, None, None, None, None
+    return dlogits, None, None, None, None, None, None, None
 
 
 cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cross_entropy_backward_into_logits(dloss, logits, target, lse, label_smoothing: float, logit_scale: float,
+                                       lse_square_scale: float, logit_softcapping: Optional[float],
+                                       ignore_index: int) -> Tensor:
+    """The logits' gradient written into the logits' own storage, as FLA's ``inplace_backward=True`` does; -> the
+    logits, now holding it. Their version counter moves on, so that a backward that saved them too and runs after
+    raises autograd's in-place error instead of reading the gradient as logits."""
+    if logits.is_cuda and logits.is_contiguous():
+        from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd
+
+        cross_entropy_bwd(logits=logits, target=target.contiguous(), lse=lse.contiguous(), dloss=dloss.contiguous(),
+                          label_smoothing=label_smoothing, logit_scale=logit_scale, lse_square_scale=lse_square_scale,
+                          logit_softcapping=logit_softcapping, ignore_index=ignore_index, inplace_backward=True)
+    else:
+        with torch.no_grad():
+            logits.copy_(torch.ops.laqat.cross_entropy_backward(dloss, logits, target, lse, label_smoothing,
+                                                                logit_scale, lse_square_scale, logit_softcapping,
+                                                                ignore_index))
+    torch.autograd.graph.increment_version(logits)
+    return logits
+
+
+class CrossEntropyInplaceBackward(torch.autograd.Function):
+    """``laqat::cross_entropy`` whose backward overwrites the logits with their gradient (FLA's
+    ``FusedCrossEntropyLoss(inplace_backward=True)``, its causal LMs' loss): no [N, V] tensor beside the logits.
+    The loss tail of a compiled graph runs it outside the graph (la_compiler/hand_off/loss_tails.py): a graph's
+    backward cannot write into a tensor that the graph also returns."""
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index,
+                inplace_backward=True):
+        options = (label_smoothing, logit_scale, lse_square_scale, logit_softcapping, ignore_index)
+        loss, z_loss, lse = torch.ops.laqat.cross_entropy(logits, target, *options)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.options = options
+        ctx.mark_non_differentiable(z_loss, lse)
+        return loss, z_loss, lse
+
+    @staticmethod
+    def backward(ctx, dloss, dz_loss, dlse):
+        logits, target, lse = ctx.saved_tensors
+        dlogits = cross_entropy_backward_into_logits(dloss, logits, target, lse, *ctx.options)
+        return dlogits, None, None, None, None, None, None, None
+
+
+def cross_entropy_inplace_backward(*args, **kwargs):
+    """What the loss tail calls in place of ``laqat::cross_entropy`` (the same arguments)."""
+    return CrossEntropyInplaceBackward.apply(*args, **kwargs)

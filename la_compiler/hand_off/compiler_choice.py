@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_linear_outputs
+from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
 
 
@@ -40,7 +41,14 @@ def choose_hand_off(option: str | None, gm: torch.fx.GraphModule, example_inputs
 
 
 def compile_rewritten(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> Callable:
-    """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler."""
+    """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler; a loss that overwrites its
+    logits with their gradient runs after it, outside (loss_tails.py)."""
+    tail = split_loss_tail(graph)
+    compiled = _compile_head(choice, graph, inputs)
+    return with_loss_tail(compiled, tail) if tail is not None else compiled
+
+
+def _compile_head(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> Callable:
     if choice.compiler == "eager":
         return graph.forward
     from torch._inductor.compile_fx import compile_fx

@@ -70,8 +70,8 @@ def _value(node):
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
 
-def _candidate(graph: torch.fx.Graph, node) -> Optional[tuple]:
-    """(x, weight index, bias index) where ``node`` is an output linear worth handing back; else None."""
+def linear_output_operands(graph: torch.fx.Graph, node) -> Optional[tuple]:
+    """(x, weight index, bias index) where ``node`` is a linear whose output is worth handing back; else None."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in LINEAR_TARGETS:
         return None
     args = list(node.args) + [node.kwargs.get("bias")] * (3 - len(node.args))
@@ -100,7 +100,7 @@ def hand_back_linear_outputs(graph: torch.fx.GraphModule) -> tuple[list[LinearOu
     plan: list[LinearOutput] = []
     seen = set()
     for i, node in enumerate(outputs[:count]):
-        found = _candidate(g, node)
+        found = linear_output_operands(g, node)
         if found is None or node in seen or outputs.count(node) > 1:
             continue
         seen.add(node)

@@ -370,14 +370,14 @@ def _check_logits(fn, logits, target):
 
 def cross_entropy_loss(logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
                        logit_softcapping=None, ignore_index=-100, inplace_backward=False, process_group=None):
-    """-> (loss [N], z_loss [N]) in fp32, the loss including the z-loss; ``inplace_backward`` (FLA
-    writes the logits' gradient into the logits' storage) only saves memory and is ignored."""
+    """-> (loss [N], z_loss [N]) in fp32, the loss including the z-loss; ``inplace_backward`` (FLA writes the
+    logits' gradient into the logits' storage) goes to the op, for the hand-off (la_compiler/hand_off/loss_tails.py)."""
     fn = "cross_entropy_loss"
     _refuse_set(fn, process_group=process_group)
     _check_logits(fn, logits, target)
     loss, z_loss, _ = torch.ops.laqat.cross_entropy(
         logits, target, float(label_smoothing), float(logit_scale), float(lse_square_scale),
-        None if logit_softcapping is None else float(logit_softcapping), int(ignore_index))
+        None if logit_softcapping is None else float(logit_softcapping), int(ignore_index), bool(inplace_backward))
     return loss, z_loss
 
 

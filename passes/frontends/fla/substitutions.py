@@ -142,6 +142,9 @@ def _delta_rule(kind, q, k, v, g, beta, scale, initial_state, output_final_state
         scale = k.shape[-1] ** -0.5
     chunk, passed = (FLA_DEFAULT_CHUNK, False) if chunk_size is None else (chunk_size, True)
     spec = _spec_string(kind, "vk" if state_v_first else "kv", chunk, passed)
+    # contiguous, as FLA's input_guard makes them: the op saves its inputs, and a slice (GDN's v, of the fused q/k/v
+    # convolution's output) would keep its whole base alive, the pre-norm q and k with it
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o, final_state = torch.ops.laqat.delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), spec)
     return o, (final_state if output_final_state else None)
 

@@ -85,6 +85,7 @@ OUTPUT_NAMES = {
     "laqat::causal_conv1d": ("y", "final_state"),
     "laqat::layer_norm_gated": ("y",),
     "laqat::layer_norm": ("y",),
+    "laqat::layer_norm_residual": ("y", "residual_out"),
     "laqat::glu_linear": ("out",),
     "laqat::l2_norm": ("y", "rstd"),
     "laqat::cross_entropy": ("loss", "z_loss", "lse"),

@@ -20,6 +20,12 @@ torch reference ``fla.modules.norm.layernorm_gated.rms_norm_ref`` in the tests.
 ``laqat::layer_norm(x, weight?, bias?, eps, is_rms_norm)`` is the same without the gate: FLA's
 ``RMSNorm`` / ``LayerNorm`` modules (``fla.modules.norm.layernorm.rms_norm`` / ``layer_norm``;
 GDN's output norm with ``use_gate=False``), on CUDA through FLA's ``layer_norm_fwd`` / ``layer_norm_bwd``.
+
+``laqat::layer_norm_residual(x, residual, weight?, bias?, eps, is_rms_norm) -> (y, residual_out)`` is FLA's pre-norm
+with its residual (the blocks' ``norm(x, residual, prenorm=True)``): y normalizes the fp32 sum x + residual and is
+stored in x's dtype, residual_out is that sum in the residual's dtype. Its autograd saves residual_out, as FLA's
+``LayerNormFunction`` saves its ``res_out``, not the fp32 sum: the backward normalizes the stored residual_out
+(exact where the residual is fp32; with its rounding where it is 16-bit, as FLA's backward reads it).
 """
 from __future__ import annotations
 
@@ -194,3 +200,46 @@ def _backward_plain(ctx, dy):
 
 
 layer_norm.register_autograd(_backward_plain, setup_context=_setup_context_plain)
+
+
+# ---- with the pre-norm residual add ------------------------------------------------------------
+def _layer_norm_backward(dy, x, weight, bias, eps, is_rms_norm):
+    """(dx, dweight, dbias) of the norm of ``x`` as ``laqat::layer_norm_backward`` computes them."""
+    return torch.ops.laqat.layer_norm_backward(dy, x, weight, bias, eps, is_rms_norm)
+
+
+@torch.library.custom_op("laqat::layer_norm_residual", mutates_args=())
+def layer_norm_residual(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                        is_rms_norm: bool) -> tuple[Tensor, Tensor]:
+    """-> (y in x's dtype, residual_out = x + residual in the residual's dtype); y normalizes the fp32 sum."""
+    total = x.float() + residual.float()
+    if x.is_cuda:
+        y = _fla_forward_plain(total, weight, bias, eps, is_rms_norm)[1].reshape(x.shape)
+    else:
+        y = layer_norm_gated_reference(total, None, weight, bias, "", eps, is_rms_norm)
+    return y.to(x.dtype).contiguous(), total.to(residual.dtype).contiguous()
+
+
+@layer_norm_residual.register_fake
+def _(x, residual, weight, bias, eps, is_rms_norm):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(residual, memory_format=torch.contiguous_format))
+
+
+def _setup_context_residual(ctx, inputs, output):
+    x, residual, weight, bias, eps, is_rms_norm = inputs
+    ctx.save_for_backward(output[1], weight, bias)
+    ctx.options = (eps, is_rms_norm)
+    ctx.dtypes = (x.dtype, residual.dtype)
+
+
+def _backward_residual(ctx, dy, dresidual_out):
+    residual_out, weight, bias = ctx.saved_tensors
+    dtotal, dw, db = _layer_norm_backward(dy.contiguous(), residual_out, weight, bias, *ctx.options)
+    dtotal = dtotal.float() if dresidual_out is None else dtotal.float() + dresidual_out.float()
+    x_dtype, residual_dtype = ctx.dtypes
+    return (dtotal.to(x_dtype), dtotal.to(residual_dtype), dw if weight is not None else None,
+            db if bias is not None else None, None, None)
+
+
+layer_norm_residual.register_autograd(_backward_residual, setup_context=_setup_context_residual)

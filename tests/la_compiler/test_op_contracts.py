@@ -379,6 +379,13 @@ def test_layer_norm_backward(case):
     opcheck("layer_norm_backward", (dy, x, weight, bias, 1e-5, _options(case, False, True)))
 
 
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_layer_norm_residual(case):
+    x, _, weight, bias = _norm_args(case, grad=True)
+    residual = laid_out(torch.randn(x.shape).to(_options(case, torch.float32, case.dtype)), case.layout, grad=True)
+    opcheck("layer_norm_residual", (x, residual, weight, bias, 1e-5, _options(case, True, False)))
+
+
 # ---- FLA's cross-entropy ops (kernels/fla/cross_entropy_op.py, linear_cross_entropy_op.py) ------
 def _registered_or_skip(name: str):
     if name not in laqat_ops():  # added alongside these cases; a checkout without them has nothing to check

@@ -232,6 +232,38 @@ def test_rms_norm_with_prenorm_residual_compiles_to_the_op():
         assert_close_rel(mine[name].grad, ref[name].grad, TOL, f"d{name}")
 
 
+def test_bf16_prenorm_residual_saves_the_sum_in_the_residuals_dtype():
+    """laqat::layer_norm_residual keeps x + residual in the residual's dtype (FLA's res_out), not the fp32 sum the
+    norm reads; y and every gradient against fp64 autograd of the same formula, at bf16's accuracy."""
+    from fla.modules.norm.layernorm import rms_norm
+
+    x, r, w = (torch.randn(2, 6, 16) * 2).bfloat16(), (torch.randn(2, 6, 16) * 3).bfloat16(), torch.randn(16)
+    mine = _leaves(dict(x=x, r=r, w=w))
+    ref = _leaves(dict(x=x.double(), r=r.double(), w=w.double()))
+    packed, graph_ops = [], []
+
+    def backend(gm, example_inputs):
+        graph_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y, res = torch.compile(lambda x, r, w: rms_norm(x, w, None, residual=r, prenorm=True), backend=backend,
+                               fullgraph=True)(**mine)
+    assert "laqat.layer_norm_residual" in graph_ops, graph_ops
+    assert y.dtype == res.dtype == torch.bfloat16
+    assert not any(t.dtype == torch.float32 and t.shape == x.shape for t in packed), "the fp32 sum is saved"
+    assert any(t.untyped_storage().data_ptr() == res.untyped_storage().data_ptr() for t in packed)
+    total = ref["x"] + ref["r"]
+    y_ref = total * torch.rsqrt(total.square().mean(-1, keepdim=True) + 1e-5) * ref["w"]
+    assert_close_rel(y, y_ref, 1e-2, "y")
+    assert_close_rel(res, total, 1e-2, "residual out")
+    dy, dres = torch.randn(y.shape, dtype=torch.float64), torch.randn(res.shape, dtype=torch.float64)
+    ((y.double() * dy).sum() + (res.double() * dres).sum()).backward()
+    ((y_ref * dy).sum() + (total * dres).sum()).backward()
+    for name in mine:
+        assert_close_rel(mine[name].grad, ref[name].grad, 2e-2, f"d{name}")
+
+
 def test_layer_norm_gated_op():
     x, g, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(8)
     y = torch.ops.laqat.layer_norm_gated(x, g, w, b, "silu", 1e-5, False)

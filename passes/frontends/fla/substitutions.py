@@ -345,6 +345,9 @@ def layer_norm_gated(x, g, weight, bias, activation="swish", residual=None, pren
 
 def _norm(fn, is_rms_norm, x, weight, bias, residual, prenorm, residual_in_fp32, eps):
     _require(residual is None or residual.shape == x.shape, fn, "argument `residual` must have x's shape")
+    if residual is not None:  # saves the sum in the residual's dtype, as FLA's LayerNormFunction (norm_op.py)
+        y, residual_out = torch.ops.laqat.layer_norm_residual(x, residual, weight, bias, float(eps), is_rms_norm)
+        return (y, residual_out) if prenorm else y
     total, residual_out = _add_residual(x, residual, residual_in_fp32)
     y = torch.ops.laqat.layer_norm(total, weight, bias, float(eps), is_rms_norm).to(x.dtype)
     return (y, residual_out) if prenorm else y

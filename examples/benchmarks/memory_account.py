@@ -88,6 +88,7 @@ OUTPUT_NAMES = {
     "laqat::layer_norm_residual": ("y", "residual_out"),
     "laqat::glu_linear": ("out",),
     "laqat::l2_norm": ("y", "rstd"),
+    "laqat::softplus_gate": ("out",),
     "laqat::cross_entropy": ("loss", "z_loss", "lse"),
     "laqat::fused_linear_cross_entropy": ("loss", "dx", "dweight", "dbias"),
     "laqat::log_decay": ("log",),

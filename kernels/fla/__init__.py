@@ -7,6 +7,7 @@ that run FLA's other kernels at run time (the FLA frontend, passes/frontends/fla
     glu_linear_op.py             laqat::glu_linear (the fused gated MLP's activation and down projection)
     glu_formulas.py              the gated-MLP activations' formulas as torch ops
     l2_norm_op.py                laqat::l2_norm (q and k's l2 norm, saving its output and inverse norms)
+    softplus_gate_op.py          laqat::softplus_gate (the GDN / KDA log-decay from the raw gate, saving its output)
     cross_entropy_op.py          laqat::cross_entropy
     linear_cross_entropy_op.py   laqat::fused_linear_cross_entropy
 """

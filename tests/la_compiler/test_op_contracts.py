@@ -467,6 +467,29 @@ def test_l2_norm_backward(case):
     opcheck("l2_norm_backward", (dy, y, rstd, 1e-6, x.dtype))
 
 
+# ---- FLA's softplus gates (kernels/fla/softplus_gate_op.py) -----------------------------------------------------
+def _gate_args(case: FlaCase, grad: bool):
+    kda = FLA_CASES.index(case) % 2 == 1
+    shape = (2, 5, 3, 4) if kda else (2, 5, 3)
+    g = laid_out((torch.randn(shape) * 3).to(case.dtype), case.layout, grad=grad)
+    A_log = laid_out(torch.randn(3), "contiguous", time_dim=None, grad=grad)
+    dt_bias = laid_out(torch.randn(12 if kda else 3), "contiguous", time_dim=None, grad=grad) if case.optional else None
+    return g, A_log, dt_bias
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_softplus_gate(case):
+    opcheck("softplus_gate", _gate_args(case, grad=True))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_softplus_gate_backward(case):
+    g, A_log, dt_bias = _gate_args(case, grad=False)
+    out = torch.ops.laqat.softplus_gate(g, A_log, dt_bias)
+    dout = laid_out(torch.randn(out.shape), case.layout)
+    opcheck("softplus_gate_backward", (dout, out, A_log, dt_bias is not None, g.dtype))
+
+
 # ---- the log of a decay passed in exponentiated (la_compiler/ir/log_decay.py) ------------------------------------
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_log_decay(case):

@@ -113,14 +113,15 @@ def test_the_recurrence_op_saves_what_the_page_states(accounts, kind, policy, va
 
 
 def test_every_laqat_op_in_the_layer_saves_what_the_page_lists(accounts):
-    """The other laqat ops of the layer (its short convolutions, q and k's l2 norm, its gated output norm): each saved tensor is one of
+    """The other laqat ops of the layer (its short convolutions, q and k's l2 norm, its gate, its gated output norm): each saved tensor is one of
     the op's arguments or outputs, in the page's order; no laqat op saves anything the page does not list."""
     listed = {code(op): re.findall(r"`(\w+)`", saves) for op, saves in doc_table("## The other ops")}
     listed[OP] = list(dict.fromkeys(code(row[1]) for row in doc_table("## `laqat::delta_rule_train`")))
     for kind in ("gdn", "kda"):
         acc, _ = accounts(kind, "state_fp8")
         nodes = {s.node for s in acc.saved if s.node.startswith("laqat::")}
-        assert nodes == {OP, "laqat::causal_conv1d", "laqat::layer_norm_gated", "laqat::l2_norm"}, nodes
+        assert nodes == {OP, "laqat::causal_conv1d", "laqat::layer_norm_gated", "laqat::l2_norm",
+                         "laqat::softplus_gate"}, nodes
         for node in nodes:
             for call in _calls(acc.of(node)):
                 names = [s.name.split(".", 1)[1] if s.name.startswith(node + ".") else s.name for s in call]

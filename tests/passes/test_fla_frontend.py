@@ -271,6 +271,39 @@ def test_layer_norm_gated_op():
     assert_close_rel(y, y_ref, TOL, "y")
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softplus_gate_saves_its_output_not_the_raw_gate(kind, dtype):
+    """laqat::softplus_gate (use_gate_in_kernel's -exp(A_log) softplus(g + dt_bias)) keeps its fp32 output and A_log,
+    not the raw gate: values and the gradients of g, A_log and dt_bias against fp64 autograd of the formula, with
+    gates deep in softplus's tails (u from -30 to 30)."""
+    from la_compiler.passes.frontends.fla.preprocess import gdn_gate, kda_gate
+
+    HV, K = 3, 4
+    shape = (2, 7, HV) if kind == "gdn" else (2, 7, HV, K)
+    g = (torch.linspace(-30, 30, 2 * 7 * HV * (1 if kind == "gdn" else K)).view(shape)
+         + torch.randn(shape)).to(dtype)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV if kind == "gdn" else HV * K)
+    mine = _leaves(dict(g=g, A_log=A_log, dt_bias=dt_bias))
+    ref = _leaves(dict(g=g.double(), A_log=A_log.double(), dt_bias=dt_bias.double()))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = gdn_gate(**mine) if kind == "gdn" else kda_gate(**mine, lower_bound=None)
+    assert out.dtype == torch.float32
+    assert all(t.untyped_storage().data_ptr() != mine["g"].untyped_storage().data_ptr() for t in packed)
+    assert any(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for t in packed)
+    bias = ref["dt_bias"].view(HV) if kind == "gdn" else ref["dt_bias"].view(HV, K)
+    a = ref["A_log"].exp() if kind == "gdn" else ref["A_log"].exp().view(HV, 1)
+    out_ref = -a * F.softplus(ref["g"] + bias)
+    assert_close_rel(out, out_ref, 1e-6, "out")
+    dout = torch.randn(shape, dtype=torch.float64)
+    (out.double() * dout).sum().backward()
+    (out_ref * dout).sum().backward()
+    for name in mine:
+        assert mine[name].grad.dtype == mine[name].dtype, name
+        assert_close_rel(mine[name].grad, ref[name].grad, 1e-5 if dtype == torch.float32 else 1e-2, f"d{name}")
+
+
 # ---- the loss ops, the gated-MLP activations, l2norm --------------------------------------------
 N_TOKENS, VOCAB, HIDDEN = 12, 40, 16
 CE_OPTIONS = {  # FLA's kernels run in Triton's interpreter except with softcapping (libdevice tanh)

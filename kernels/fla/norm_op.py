@@ -203,11 +203,6 @@ layer_norm.register_autograd(_backward_plain, setup_context=_setup_context_plain
 
 
 # ---- with the pre-norm residual add ------------------------------------------------------------
-def _layer_norm_backward(dy, x, weight, bias, eps, is_rms_norm):
-    """(dx, dweight, dbias) of the norm of ``x`` as ``laqat::layer_norm_backward`` computes them."""
-    return torch.ops.laqat.layer_norm_backward(dy, x, weight, bias, eps, is_rms_norm)
-
-
 @torch.library.custom_op("laqat::layer_norm_residual", mutates_args=())
 def layer_norm_residual(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                         is_rms_norm: bool) -> tuple[Tensor, Tensor]:
@@ -235,7 +230,7 @@ def _setup_context_residual(ctx, inputs, output):
 
 def _backward_residual(ctx, dy, dresidual_out):
     residual_out, weight, bias = ctx.saved_tensors
-    dtotal, dw, db = _layer_norm_backward(dy.contiguous(), residual_out, weight, bias, *ctx.options)
+    dtotal, dw, db = torch.ops.laqat.layer_norm_backward(dy.contiguous(), residual_out, weight, bias, *ctx.options)
     dtotal = dtotal.float() if dresidual_out is None else dtotal.float() + dresidual_out.float()
     x_dtype, residual_dtype = ctx.dtypes
     return (dtotal.to(x_dtype), dtotal.to(residual_dtype), dw if weight is not None else None,

@@ -14,6 +14,7 @@ from la_compiler.passes.frontends import GRAPH_FRONTENDS
 from la_compiler.passes.lower import lower
 from la_compiler.passes.module_names import graph_module_names
 from la_compiler.passes.phase import split_phases
+from la_compiler.passes.serving_inputs import rewrite_serving_inputs
 from la_compiler.passes.verify import verify_ir
 from la_compiler.policy.resolution import Policy
 from la_compiler.record import GraphRecord, Match
@@ -40,6 +41,7 @@ def run_pipeline(gm: torch.fx.GraphModule, policy: Policy, record: GraphRecord, 
     timed("verify", verify_ir, gm)
     timed("lower", lower, gm, record)
     timed("phase", split_phases, gm)
+    timed("serving", rewrite_serving_inputs, gm)
     gm.graph.lint()
     gm.recompile()
     _record_matches(gm, record)

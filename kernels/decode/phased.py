@@ -93,6 +93,12 @@ def _loaded_state(spec, plan_: Plan, q, v, initial_state):
     return torch.zeros(shape, dtype=torch.float32, device=q.device)
 
 
+def _chunk_operands(q, k, v):
+    """q, k for the chunk kernels, which take one input dtype: a serving profile's fp32 q, k (passes/serving_inputs.py)
+    hold v's dtype's values on prefix tokens, so the cast to it is exact there."""
+    return (q, k) if q.dtype == v.dtype else (q.to(v.dtype), k.to(v.dtype))
+
+
 def _prefix_forward(spec, plan_: Plan, q, k, v, g, beta, loaded, has_initial_state: bool, scale):
     """(o of the prefix tokens or None, the state after each sequence's prefix [n, ...]: the loaded state where
     there is no prefix)."""
@@ -100,6 +106,7 @@ def _prefix_forward(spec, plan_: Plan, q, k, v, g, beta, loaded, has_initial_sta
     o_prefix = None
     if plan_.prefix_seqs:
         seqs = _index(plan_.prefix_seqs, q.device)
+        q, k = _chunk_operands(q, k, v)
         o_prefix, ht = get_variant("chunk").forward(
             prefill_spec(spec), *(_tokens(x, plan_.prefix_rows) for x in (q, k, v, g, beta)),
             loaded[seqs] if has_initial_state else None, plan_.prefix_cu, scale)
@@ -167,7 +174,7 @@ def phased_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do
     if p.prefix_seqs:
         seqs = _index(p.prefix_seqs, dev)
         *token_grads, dh0 = get_variant("chunk").backward(
-            prefill_spec(spec), *(_tokens(x, p.prefix_rows) for x in (q, k, v, g, beta)),
+            prefill_spec(spec), *(_tokens(x, p.prefix_rows) for x in (*_chunk_operands(q, k, v), v, g, beta)),
             loaded[seqs] if initial_state is not None else None, p.prefix_cu, scale, _tokens(do, p.prefix_rows),
             d_after_prefix[seqs].contiguous())
         for grad, part in zip(grads, token_grads):

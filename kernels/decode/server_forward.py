@@ -97,7 +97,7 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
-    if spec.kind == "gdn" and q.dtype == torch.float32 and any(int(x) > 0 for x in prefill_lengths.tolist()):
+    if spec.kind == "gdn" and v.dtype == torch.float32 and any(int(x) > 0 for x in prefill_lengths.tolist()):
         raise ServerKernelsUnavailable(
             f"spec {spec}: vLLM {SERVING_RELEASES[options.serving]}'s GDN chunk kernel refuses fp32 inputs, and this "
             f"batch has a prefix; set serving.forward: laqat (laqat's reproduction) for an fp32 model")
@@ -114,7 +114,8 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
 
     if p.prefix_seqs:
         slots = torch.tensor([i + 1 for i in p.prefix_seqs], device=dev)
-        args = [tokens(x, p.prefix_rows) for x in (q, k, v, g, beta)]
+        # a serving pass's fp32 q, k hold v's dtype's values on prefix tokens (passes/serving_inputs.py)
+        args = [tokens(x, p.prefix_rows) for x in (q.to(v.dtype), k.to(v.dtype), v, g, beta)]
         chunk = (m["gdn_chunk"].chunk_gated_delta_rule if spec.kind == "gdn" else m["kda_chunk"].chunk_kda)
         o_pre, ht = chunk(*args, scale=scale, initial_state=cache[slots].clone(), output_final_state=True,
                           cu_seqlens=p.prefix_cu)

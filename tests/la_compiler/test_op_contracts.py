@@ -22,6 +22,7 @@ import la_compiler.backend  # noqa: F401  (registers every op the backend can pu
 import la_compiler.ir.delta_rule  # noqa: F401
 import la_compiler.ir.log_decay  # noqa: F401
 import la_compiler.ir.delta_rule_phased  # noqa: F401
+import la_compiler.kernels.decode.serving_inputs  # noqa: F401
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.fla import conv_op, norm_op  # noqa: F401
 
@@ -488,6 +489,38 @@ def test_softplus_gate_backward(case):
     out = torch.ops.laqat.softplus_gate(g, A_log, dt_bias)
     dout = laid_out(torch.randn(out.shape), case.layout)
     opcheck("softplus_gate_backward", (dout, out, A_log, dt_bias is not None, g.dtype))
+
+
+# ---- a GDN serving profile's pre-processing (kernels/decode/serving_inputs.py) ----------------------------------
+def _prefix(B=2, T=5):
+    return (torch.arange(T) < 3).to(torch.int8).expand(B, T).contiguous()
+
+
+def test_serving_prefix():
+    x = torch.randn(2, 9, 3, 4)
+    for cu in (None, torch.tensor([0, 5, 18])):
+        lengths = (torch.tensor([3, 0]), torch.tensor([5, 9])) if cu is None else (torch.tensor([3, 6]),
+                                                                                   torch.tensor([5, 13]))
+        opcheck("serving_prefix", (x, cu, *lengths))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_serving_l2norm(case):
+    x = laid_out((torch.randn(2, 5, 3, D) * 3).to(case.dtype), case.layout, grad=True)
+    opcheck("serving_l2norm", (x, _prefix()))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_serving_gdn_gate(case):
+    a = laid_out((torch.randn(2, 5, 3) * 8).to(case.dtype), case.layout, grad=True)
+    A_log = laid_out(torch.randn(3), "contiguous", time_dim=None, grad=True)
+    dt_bias = laid_out(torch.randn(3), "contiguous", time_dim=None, grad=True) if case.optional else None
+    opcheck("serving_gdn_gate", (a, A_log, dt_bias, _prefix()))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_serving_sigmoid(case):
+    opcheck("serving_sigmoid", (laid_out((torch.randn(2, 5, 3) * 3).to(case.dtype), case.layout, grad=True),))
 
 
 # ---- the log of a decay passed in exponentiated (la_compiler/ir/log_decay.py) ------------------------------------

@@ -10,10 +10,11 @@ from tests.serving.interpreter_as_gpu import interpreter_as_gpu
 
 @pytest.fixture(scope="package")
 def vllm():
-    """vLLM 0.33.0's kernel modules (tests/serving/vllm_oracle.py); skipped only if the wheel can be neither
-    found in the cache nor downloaded from the package index."""
+    """vLLM 0.33.0's kernel modules (tests/serving/vllm_oracle.py), from ``$VLLM_SRC`` where set (a directory
+    ``python -m tests.serving.vllm_oracle --prepare`` wrote, for a machine without the package index); skipped only
+    if the wheel can be neither found in the cache nor downloaded from the package index."""
     try:
-        modules = vllm_oracle.load()
+        modules = vllm_oracle.load(src=os.environ.get("VLLM_SRC") or None)
     except vllm_oracle.IndexUnreachable as e:
         pytest.skip(f"vLLM {vllm_oracle.VERSION} oracle unavailable: {e}")
     yield modules

@@ -33,7 +33,7 @@ def _raw(T, H, HV, K, V, seed=0):
 
 
 def test_prefill_preprocessing_is_vllms_bit_for_bit(vllm, as_gpu):
-    T, H, HV, K, V = 37, 2, 4, 16, 8
+    T, H, HV, K, V = 37, 2, 4, 16, 16  # K = V: vLLM's prep kernel does not compile for K != V on a GPU
     mixed, a, b, A_log, dt_bias = _raw(T, H, HV, K, V)
     q, k, _, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed, a, b, A_log, dt_bias, H, K, V)
     prefix = torch.ones(1, T, dtype=torch.int8, device=DEVICE)
@@ -48,7 +48,7 @@ def test_prefill_preprocessing_is_vllms_bit_for_bit(vllm, as_gpu):
     assert not torch.equal(torch.ops.laqat.serving_l2norm(q_raw, decode)[0], q.float())
 
 
-def _layer_core(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V, chunk):
+def _layer_core(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V, chunk_function):
     """Qwen3.5's GatedDeltaNet forward from the convolution's output to the recurrence's output
     (transformers' modeling_qwen3_next / qwen3_5: split, beta, g, the chunk function with its in-kernel l2 norm)."""
     B, T = mixed_qkv.shape[:2]
@@ -61,7 +61,7 @@ def _layer_core(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V, chunk):
     if HV // H > 1:
         query = query.repeat_interleave(HV // H, dim=2)
         key = key.repeat_interleave(HV // H, dim=2)
-    out, _ = _chunk_function(chunk)(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    out, _ = chunk_function(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     return out
 
 
@@ -104,14 +104,14 @@ def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill):
 
 @pytest.mark.parametrize("H,HV,chunk", [(2, 2, "fla"), (1, 2, "fla"), (1, 2, "torch")])
 def test_a_qwen35_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, H, HV, chunk):
-    T, K, V, prefill = 80, 16, 8, 70  # two chunks of prefix, ten decode steps
+    T, K, V, prefill = 80, 16, 16, 70  # two chunks of prefix, ten decode steps
     mixed, a, b, A_log, dt_bias = _raw(T, H, HV, K, V, seed=1)
     core = torch.compile(_layer_core, backend="laqat", fullgraph=True,
                          options={"policy": "vllm_gdn_state_bf16", "compiler": "eager"})
     with warnings.catch_warnings():
         warnings.simplefilter("error", ServingInputsWarning)
         with la_compiler.phase(prefill_lengths=[prefill]):
-            out = core(mixed[None], a[None], b[None], A_log, dt_bias, H, HV, K, V, chunk)
+            out = core(mixed[None], a[None], b[None], A_log, dt_bias, H, HV, K, V, _chunk_function(chunk))
     rules = [r for g in last_record().graphs for m in g.matches for r in m.policy_rules]
     assert any(r.startswith("serving pre-processing: ") and "q: vLLM's l2 norm" in r
                and "g: vLLM's softplus gate" in r and "beta: sigmoid(b) in fp32" in r for r in rules), rules
@@ -123,8 +123,10 @@ def test_a_qwen35_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, H
 
 
 def test_without_the_servers_formula_the_input_keeps_the_models_own_with_a_warning(vllm):
+    chunk_function = _chunk_function()
+
     def core(q, k, v, g, beta):
-        return _chunk_function()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+        return chunk_function(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     T, H, D = 80, 2, 8
     q, k, v = (torch.randn(1, T, H, D, device=DEVICE).to(BF16) for _ in range(3))

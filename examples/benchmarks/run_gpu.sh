@@ -24,7 +24,8 @@
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
 #              gradients against the fp32 oracle
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
-#              docs/serving.md's section 5 (forward: server and forward: laqat, the decode kernels alone), then the
+#              docs/serving.md's section 5 (forward: server and forward: laqat, the decode kernels alone), the server's
+#              pre-processing and a Qwen3.5 GDN layer compiled with the profile against vLLM's layer calls (layer), then the
 #              profiles' fwd+bwd timings against FLA's; VLLM_SRC= the directory that
 #              `python -m tests.serving.vllm_oracle --prepare DIR` printed (where the package index is reachable)
 #   train      train_fp8_state_gpu.py (a GDN + KDA model trains through the chunk kernels with an FP8 state) and
@@ -122,6 +123,8 @@ suite_model() {
 
 suite_serving() {
   part parity 400 python3 $B/serving_parity_gpu.py --vllm-src "${VLLM_SRC:-out/vllm-oracle/src}" --no-timing
+  part layer 300 VLLM_SRC="${VLLM_SRC:-out/vllm-oracle/src}" python3 -m pytest -q -p no:cacheprovider \
+    tests/serving/test_serving_inputs.py
   part timing 480 python3 $B/serving_parity_gpu.py --quick
 }
 

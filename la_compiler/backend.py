@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from la_compiler.hand_off.cache_key import compile_fingerprint
 from la_compiler.hand_off.ddp_buckets import check_pieces
 import la_compiler.ir.log_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
 from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
@@ -160,7 +161,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         log_graph(record)
         return graph
 
-    hand_off = functools.partial(compile_rewritten, chosen)
+    hand_off = functools.partial(compile_rewritten, chosen, compile_fingerprint(policy, opts.tuning))
     prefixes = root_prefixes(gm, root)
     if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
         compiled = ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)

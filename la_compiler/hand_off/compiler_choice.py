@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from la_compiler.hand_off.cache_key import cache_key_patches
 from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_linear_outputs
 from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
@@ -40,15 +41,16 @@ def choose_hand_off(option: str | None, gm: torch.fx.GraphModule, example_inputs
     return HandOff(CPU_HAND_OFF, "default: every tensor of the graph is on the CPU")
 
 
-def compile_rewritten(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> Callable:
+def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs) -> Callable:
     """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler; a loss that overwrites its
-    logits with their gradient runs after it, outside (loss_tails.py)."""
+    logits with their gradient runs after it, outside (loss_tails.py). ``fingerprint`` (cache_key.py) joins the keys
+    of Inductor's and AOTAutograd's caches."""
     tail = split_loss_tail(graph)
-    compiled = _compile_head(choice, graph, inputs)
+    compiled = _compile_head(choice, fingerprint, graph, inputs)
     return with_loss_tail(compiled, tail) if tail is not None else compiled
 
 
-def _compile_head(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> Callable:
+def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs) -> Callable:
     if choice.compiler == "eager":
         return graph.forward
     from torch._inductor.compile_fx import compile_fx
@@ -60,5 +62,5 @@ def _compile_head(choice: HandOff, graph: torch.fx.GraphModule, inputs) -> Calla
     # offset: the same view of the same storage.
     plan, count = hand_back_linear_outputs(graph)
     with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
-        compiled = compile_fx(graph, inputs)
+        compiled = compile_fx(graph, inputs, config_patches=cache_key_patches(fingerprint))
     return with_linear_outputs(compiled, plan, count) if plan else compiled

@@ -23,7 +23,7 @@ def test_the_hand_off_compiles_without_view_replay(monkeypatch):
         return y, y.transpose(1, 2)
     x = torch.randn(24, requires_grad=True)
     y, yt = torch.compile(fn, backend="laqat", options={"compiler": "inductor"})(x)
-    assert seen == [False]
+    assert seen and not any(seen)  # compile_fx calls itself once more to apply laqat's config patches
     assert torch.equal(y, (x * 2).view(2, 3, 4)) and torch.equal(yt, y.transpose(1, 2))
     assert yt._base is not None or yt.data_ptr() == y.data_ptr()  # still views of one buffer
     (y.sum() + yt.square().sum()).backward()

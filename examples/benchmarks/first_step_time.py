@@ -6,9 +6,11 @@
 
 The model is examples/qat/hf_trainer.py's smoke model (a Qwen3.5 of two GDN layers, hidden 32), fp32, a batch of
 2 x 72 tokens; one process per run, with a fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a temporary
-folder) so that the first call compiles from nothing. A step is a forward with labels, the backward and an AdamW
-step. Prints one JSON line: the hand-off that ran and why, the wall and CPU seconds (this process and the
-compilers it waited for) of the first call's forward, of the first step, and of each later step.
+folder) so that the first call compiles from nothing, unless ``TORCHINDUCTOR_CACHE_DIR`` is set: a second run with
+the first's folder finds its graphs in Inductor's and AOTAutograd's caches. A step is a forward with labels, the
+backward and an AdamW step. Prints one JSON line: the hand-off that ran and why, the wall and CPU seconds (this
+process and the compilers it waited for) of the first call's forward, of the first step, and of each later step,
+and what the compiles found in Inductor's FX graph cache and AOTAutograd's cache (hits, misses, bypasses).
 """
 from __future__ import annotations
 
@@ -87,12 +89,15 @@ def main(argv=None) -> dict:
     first_step = (round(time.perf_counter() - t0, 2), round(cpu_seconds() - c0, 2))
     later = [timed(step) for _ in range(args.steps)]
     graphs = last_record().graphs
+    counters = torch._dynamo.utils.counters
     return {"option": args.compiler or "default", "kernel_family": args.kernel_family,
             "hand_off": sorted({f"{g.hand_off} ({g.hand_off_reason})" for g in graphs}), "graphs": len(graphs),
             "nodes": sum(len(g.matches) for g in graphs),
             "first_forward_s": first_forward[0], "first_forward_cpu_s": first_forward[1],
             "first_step_s": first_step[0], "first_step_cpu_s": first_step[1],
             "later_step_s": [w for w, _ in later], "later_step_cpu_s": [c for _, c in later],
+            "caches": {name: n for group in ("inductor", "aot_autograd") for name, n in sorted(counters[group].items())
+                       if "_cache_" in name},
             "machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "triton": __import__("triton").__version__},

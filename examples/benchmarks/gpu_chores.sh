@@ -8,8 +8,12 @@
 #                                               one detached process per group): later FLA rows find them in Triton's
 #                                               cache. It shares the GPU: time nothing while it runs
 #   examples/benchmarks/gpu_chores.sh pack     the compile caches (Triton's cubins and FLA's autotune choices,
-#                                               laqat's autotune choices) to $OUT/caches.tgz.* in 15 MB pieces:
-#                                               carried back as .gpu-cache/, a later machine skips minutes of compiling
+#                                               laqat's autotune choices, Inductor's FX graph and AOTAutograd entries)
+#                                               to $OUT/caches.tgz.* in 15 MB pieces: carried back as .gpu-cache/, a
+#                                               later machine skips minutes of compiling. Inductor's entries go only
+#                                               while the archive stays within CACHE_MB MB (default 48: a carry holds
+#                                               64 MiB in all); a later process hits them (their keys hold laqat's
+#                                               sources and policy: docs/options.md, "Inductor's caches")
 #   examples/benchmarks/gpu_chores.sh bundle   every log and JSON under $OUT into $OUT/results.tgz (for a device that
 #                                               returns few files)
 # Several chores run in order: `gpu_chores.sh setup warm`. run_gpu.sh sources this file and runs `setup` itself.
@@ -66,10 +70,19 @@ chores_warm() {
   done
 }
 
-chores_pack() {  # cubins, metadata and launchers only (the IR text is 80% of Triton's cache); no Inductor cache
+chores_pack() {  # Triton's cubins, metadata and launchers only (the IR text is 80% of its cache); Inductor's if it fits
   chores_paths
-  tar czf - -C / --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.source' \
-    --exclude=inductor "${CACHE#/}" | split -b 15m - "$OUT/caches.tgz."
+  local archive=$GPU_SCRATCH/caches.tgz mb without
+  for without in "" "--exclude=inductor"; do
+    # shellcheck disable=SC2086
+    tar czf "$archive" -C / --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' \
+      --exclude='*.source' $without "${CACHE#/}"
+    mb=$(( $(stat -c %s "$archive") / 1048576 ))
+    echo "compile caches ($([ -n "$without" ] && echo "without" || echo "with") Inductor's): $mb MB"
+    (( mb <= ${CACHE_MB:-48} )) && break
+  done
+  rm -f "$OUT"/caches.tgz.*
+  split -b 15m "$archive" "$OUT/caches.tgz." && rm -f "$archive"
   ls -l "$OUT"/caches.tgz.*
 }
 
@@ -80,7 +93,7 @@ chores_bundle() {
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
-  [ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+  [ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
   for chore in "$@"; do
     case $chore in
       setup|warm|pack|bundle) "chores_$chore" || exit 1 ;;

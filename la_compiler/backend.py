@@ -12,7 +12,8 @@ keep for the backward) goes into every node's spec (docs/options.md). ``compiler
 
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
-(FLA substitutions) before Dynamo traces anything.
+(FLA substitutions) and registers einops' torch backend (``_register_einops_torch_backend``) before Dynamo traces
+anything.
 
 Logging (``logging.getLogger(__name__)``, under ``la_compiler``; torch's ``TORCH_LOGS="+la_compiler"`` turns it on):
 each rewritten graph logs one DEBUG line per rewrite (module, kind, spec, kernel), per near miss and per policy
@@ -95,6 +96,21 @@ def policy_for(option: Policy | None, root: torch.nn.Module | None) -> tuple[Pol
 
 
 install_trace_frontends()
+
+
+def _register_einops_torch_backend() -> None:
+    """einops registers its torch backend at its first call on a tensor. A model traced before that (FLA's KDA layers
+    call einops) leaves a guard on einops' backend table that the first run itself breaks: one more full Dynamo
+    trace and compile at the second call. Registered here, before Dynamo traces anything, where einops is installed."""
+    try:
+        from einops._backends import get_backend
+    except ImportError:
+        return
+    get_backend(torch.empty(0))
+    get_backend(torch.nn.Parameter(torch.empty(0)))  # a type of its own in einops' table (FLA passes parameters)
+
+
+_register_einops_torch_backend()
 
 # Every compilation's record, newest last; ``explain`` installs its own recorder instead.
 _ACTIVE_RECORD: list[CompileRecord] = [CompileRecord()]

@@ -98,7 +98,7 @@ def chunk_bwd_kernel_dh(
         m_ck = m_c[:, None] & m_k[None, :]
         m_cv = m_c[:, None] & m_v[None, :]
         b_do = tl.load(do + r_hv[:, None] * V + o_v[None, :], mask=m_cv, other=0).to(tl.float32)
-        b_A = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)
+        b_A = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0).to(tl.float32)
         i_last = bos + tl.minimum(i_t * C + C, seq_len) - 1
         # K_d and the chunk decay exp(G_C) of dS
         if KDA:  # K ⊙ exp(G_C - G) from the forward recompute's intra stage (its decayed keys)

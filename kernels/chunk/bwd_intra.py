@@ -96,8 +96,22 @@ def neumann_solve_grad(b_A, b_dT, C: tl.constexpr, DEGREE: tl.constexpr, DOT_PRE
 def load_solved_t(t_solved, r_hv, o_c, m_c, C: tl.constexpr):
     """T stored by the forward recompute (chunk_fwd STORE_T; rows past the sequence end are the identity's, as a
     solve of their zero rows gives)."""
-    b_T = tl.load(t_solved + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)
+    b_T = tl.load(t_solved + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0).to(tl.float32)
     return tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))
+
+
+@triton.jit
+def refined_t(b_T, b_A, REFINE_T: tl.constexpr):
+    """T for the solve's gradient: with REFINE_T (T kept in 16 bits, chunk/residual.py) one Newton step towards
+    (I + A)^-1 from the rounded T, T + T (I - (I + A) T) = 2T - (T + T A) T, which squares its relative error
+    (2^-9 -> ~2^-18, below TF32's 2^-11) for two [C x C] products in three-pass TF32 (fp32-accurate on tensor
+    cores); else T unchanged. A: strict_tril(diag(beta) P) in fp32, zero in rows past the sequence end (whose T
+    rows are the identity's)."""
+    if REFINE_T:
+        b_TA = b_T + tl.dot(b_T, b_A, input_precision="tf32x3")
+        return 2 * b_T - tl.dot(b_TA, b_T, input_precision="tf32x3")
+    else:
+        return b_T
 
 
 @triton.jit

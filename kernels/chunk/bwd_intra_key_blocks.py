@@ -6,11 +6,12 @@ are exact here, and so are key_interaction and output_score. The device function
 """
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.bwd_intra import (exact_solve_grad, gdn_pairs_decay, key_block_value_sums, load_solved_t,
-                                                 output_state_grads, state_update_grads, value_block_grads,
+                                                 output_state_grads, refined_t, state_update_grads, value_block_grads,
                                                  value_operand_amaxes, wy_key_grads, wy_t_operands)
 from la_compiler.kernels.chunk.device import chunk_program, gemm
 from la_compiler.kernels.chunk.launch import launch
@@ -58,6 +59,7 @@ def chunk_bwd_kernel_intra_key_blocks(
     Q_WY_KEY_LHS: tl.constexpr,
     Q_WY_VALUE_LHS: tl.constexpr,
     Q_WY_VALUE_RHS: tl.constexpr,
+    REFINE_T: tl.constexpr,
 ):
     """Every input gradient of one GDN chunk (dq, dk, dv, dbeta, dg); T from the forward recompute (t_solved),
     P, P_qk recomputed over key blocks of BK columns once dA is known."""
@@ -105,9 +107,8 @@ def chunk_bwd_kernel_intra_key_blocks(
             b_X += gemm(b_bk, b_hn, GEMM_PRECISION)
         b_dT -= gemm(b_dvn, tl.trans(b_X), GEMM_PRECISION)
 
-    # dT is complete: dA, then P, P_qk recomputed over key blocks (for dbeta and dG) and the pair products'
+    # dT is complete: P, P_qk recomputed over key blocks (for dA, dbeta and dG), dA, and the pair products'
     # gradients dP ⊙ Γ, dP_qk ⊙ Γ, which each key block multiplies by its K, Q columns
-    b_dA = tl.where(m_strict, exact_solve_grad(b_T, b_dT, DOT_PRECISION), 0.0)
     b_dPqk = tl.where(m_causal, b_dAqk * scale, 0.0)
     # P = (K K^T) ⊙ Γ and P_qk = (Q K^T) ⊙ Γ: GEMM_PRECISION, as the forward's exact pair products
     b_P = tl.zeros([C, C], dtype=tl.float32)
@@ -121,6 +122,9 @@ def chunk_bwd_kernel_intra_key_blocks(
         b_P += gemm(b_k, tl.trans(b_k), GEMM_PRECISION)
         b_Pqk += gemm(b_q, tl.trans(b_k), GEMM_PRECISION)
     b_P, b_Pqk, b_Gam = gdn_pairs_decay(b_P, b_Pqk, b_G, m_causal)
+    # T = solve(A): dA, from T refined against A where it was kept rounded
+    b_T = refined_t(b_T, tl.where(m_strict, b_P * b_beta[:, None], 0.0), REFINE_T)
+    b_dA = tl.where(m_strict, exact_solve_grad(b_T, b_dT, DOT_PRECISION), 0.0)
     b_dbeta += tl.sum(b_dA * b_P, 1)
     b_dP = b_dA * b_beta[:, None]
     b_M = b_dP * b_P + b_dPqk * b_Pqk
@@ -170,4 +174,5 @@ def chunk_bwd_intra_key_blocks(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k
     launch(plan.bwd_intra, dict(q=q, k=k, v=v, beta=beta, g=g, t_solved=t_solved, h=h, dh=dh, v_new=v_new,
                                 dv_new=dv_new, do=do, dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg,
                                 cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices, scale=scale,
-                                T=layout.T))
+                                T=layout.T),
+           REFINE_T=t_solved.dtype != torch.float32)  # T kept in 16 bits (chunk/residual.py): refined

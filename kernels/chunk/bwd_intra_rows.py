@@ -6,6 +6,7 @@ where the Neumann solve needs A, else after it. The device functions: chunk/bwd_
 """
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
@@ -185,6 +186,10 @@ KERNELS = {"intra_rows": chunk_bwd_kernel_intra_rows}
 def chunk_bwd_intra_rows(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, v, beta, g, g_cum, t_solved, h, dh, v_new,
                          dv_new, do, dq, dk, dv, dbeta, dg, scale):
     """Every input gradient of every chunk, over whole key rows. ``t_solved`` is unread under the Neumann solve."""
+    if plan.params.solve == "exact" and t_solved.dtype != torch.float32:
+        # this form runs with the exact solve only where a key-side GEMM operand rounds, hence fp32 GEMMs and an fp32
+        # T; it does not refine a 16-bit one (chunk_bwd_intra_key_blocks, chunk_bwd_intra_split_pairs do)
+        raise ValueError(f"chunk_bwd_intra_rows: T must be fp32 under the exact solve, got {t_solved.dtype}")
     launch(plan.bwd_intra, dict(q=q, k=k, v=v, beta=beta, g=g, g_cum=g_cum, t_solved=t_solved, h=h, dh=dh,
                                 v_new=v_new, dv_new=dv_new, do=do, dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg,
                                 cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices, scale=scale,

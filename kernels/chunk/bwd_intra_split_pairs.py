@@ -5,12 +5,14 @@ The device functions: chunk/bwd_intra.py.
 """
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk.bwd_intra import (exact_solve_grad, key_block_value_sums, load_g_cumsum, load_solved_t,
-                                                 output_state_grads, state_amax, state_update_grads, value_block_grads,
-                                                 value_operand_amaxes, wy_key_grads, wy_key_operand, wy_t_operands)
+                                                 output_state_grads, refined_t, state_amax, state_update_grads,
+                                                 value_block_grads, value_operand_amaxes, wy_key_grads, wy_key_operand,
+                                                 wy_t_operands)
 from la_compiler.kernels.chunk.device import chunk_program, gemm
 from la_compiler.kernels.chunk.launch import launch
 
@@ -62,6 +64,7 @@ def chunk_bwd_kernel_intra_split_pairs(
     Q_WY_KEY_RHS: tl.constexpr,
     Q_WY_VALUE_LHS: tl.constexpr,
     Q_WY_VALUE_RHS: tl.constexpr,
+    REFINE_T: tl.constexpr,
 ):
     """One KDA chunk's dv, dbeta and its shares of dq, dk, dG (fp32, into dq, dk, dg), with dP = dA ⊙ beta and
     dP_qk into dpair ([C | C] per row); T from the forward recompute (t_solved), P from chunk_fwd_kernel_pairs
@@ -118,10 +121,11 @@ def chunk_bwd_kernel_intra_split_pairs(
         tl.store(dg + r_qk_v, b_dG, mask=m_ck)
 
     # T = solve(A): dA; the pair products' gradients run by sub-chunk (chunk_bwd_kernel_pairs): hand over dP, dP_qk
-    b_dA = tl.where(m_strict, exact_solve_grad(b_T, b_dT, DOT_PRECISION), 0.0)
     b_dPqk = tl.where(m_causal, b_dAqk * scale, 0.0)
     # P from the forward recompute (chunk_fwd_kernel_pairs; unwritten above the diagonal)
-    b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_strict, other=0)
+    b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_strict, other=0).to(tl.float32)
+    b_T = refined_t(b_T, b_P * b_beta[:, None], REFINE_T)  # where T was kept rounded
+    b_dA = tl.where(m_strict, exact_solve_grad(b_T, b_dT, DOT_PRECISION), 0.0)
     b_dbeta += tl.sum(b_dA * b_P, 1)
     tl.store(dpair + r_hv[:, None] * (2 * C) + o_c[None, :], b_dA * b_beta[:, None], mask=m_c[:, None])
     tl.store(dpair + r_hv[:, None] * (2 * C) + C + o_c[None, :], b_dPqk, mask=m_c[:, None])
@@ -138,4 +142,5 @@ def chunk_bwd_intra_split_pairs(plan: "ChunkPlan", *, layout: "ChunkLayout", q, 
     launch(plan.bwd_intra, dict(q=q, k=k, v=v, beta=beta, g=g, t_solved=t_solved, p_pairs=p_pairs, h=h, dh=dh,
                                 v_new=v_new, dv_new=dv_new, do=do, dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg, dpair=dpair,
                                 cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices, scale=scale,
-                                T=layout.T))
+                                T=layout.T),
+           REFINE_T=t_solved.dtype != torch.float32)  # T kept in 16 bits (chunk/residual.py): refined

@@ -51,6 +51,17 @@ def cast_for(x, buffer, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def cast_kept(x, buffer, PRECISION: tl.constexpr):
+    """x (fp32) for T, A_qk or KDA's P, in ``buffer``'s element type: a part of the training forward's residual
+    kept in the GEMM operand dtype (16-bit GEMMs, chunk/residual.py) takes x rounded to nearest even, the value
+    every GEMM rounds it to anyway; an fp32 buffer (a recompute's scratch, an fp32 part) takes x unchanged."""
+    if PRECISION == "bf16_rounded":  # the interpreter's stand-in: round on the bits for a bf16 buffer only
+        if buffer.dtype.element_ty == tl.bfloat16:
+            x = round_bf16(x)
+    return x.to(buffer.dtype.element_ty)
+
+
+@triton.jit
 def row_sum(x):
     return tl.sum(x, 1)
 

@@ -64,8 +64,9 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     chunk-start states [chunks, HV, K, V] (tests count rounding flips in w and h): fp32, except W, U, h,
     V_new in the input dtype for 16-bit GEMMs (chunk/precision.py).
     ``need_output=False`` (the backward's recompute) skips the output stage and returns o = None.
-    With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C]):
-    the backward's input-gradient stage loads it instead of solving again.
+    With ``intermediates`` and the exact solve, T = (I + A)^-1 is kept too (t_solved [B, T, HV, C], in W's dtype,
+    as the residual keeps it): the backward's input-gradient stage loads it (and refines a 16-bit one) instead of
+    solving again.
     ``save_to`` (a buffer of ``chunk.residual.residual_size``): the forward also stores there what the backward
     keeps (T, A_qk and G or P; with t.keep_residual=all W, U, h, V_new too). ``saved`` (such a buffer, filled by a
     forward of the same inputs and tuning): the recompute loads them and runs only the W / U half of the intra
@@ -103,26 +104,33 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     kd = take("kd", (B, T, HV, K), mid) if p.kind == "kda" else None  # K ⊙ exp(G_C - G), intra -> h
     o = buffer((B, T, HV, V), q.dtype) if need_output else None
     keep_t = kept or (intermediates is not None and p.solve == "exact")
-    t_solved = take("t_solved", (B, T, HV, C), f32) if keep_t else None
+    # T as the backward reads it: in the GEMM operand dtype (mid), kept or in the recompute's scratch alike, so that
+    # every t.keep_residual computes the same gradients (chunk/residual.py)
+    t_solved = take("t_solved", (B, T, HV, C), mid) if keep_t else None
     p_pairs = take("p_pairs", (B, T, HV, C), f32) if plan.fwd_pairs is not None else None
     # NVFP4 pairwise operands: the chunk-wide amaxes (pk, pq, |K|, |Q|)
     pair_amax = buffer((plan.chunks_per_row, plan.heads, 4), f32) if plan.fwd_pair_amax is not None else None
     ht = buffer(state_shape, f32)
 
-    if layout.NT and plan.fwd_pairs is not None:  # KDA: G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
+    # KDA's pairs kernel writes fp32 P_qk: into A_qk, which the intra stage finishes in place, unless A_qk is a
+    # 16-bit part of the residual (then into scratch, from which the intra stage rounds A_qk into the part)
+    p_qk = A_qk
+    if plan.fwd_pairs is not None and saved is None and A_qk.dtype != f32:
+        p_qk = buffer((B, T, HV, C), f32)
+    if layout.NT and plan.fwd_pairs is not None:  # KDA: G = cumsum(g), then P and P_qk by sub-chunk
         if rerun:
             chunk_fwd_cumsum(plan, layout=layout, g=g, g_cum=g_cum)
         if pair_amax is not None:
             chunk_fwd_pair_amax(plan, layout=layout, q=q, k=k, g_cum=g_cum, pair_amax=pair_amax)
-        if saved is None:  # else P and P_qk (in A_qk, finished by the intra stage) are the forward's
-            chunk_fwd_pairs(plan, layout=layout, q=q, k=k, g_cum=g_cum, p_pairs=p_pairs, p_qk=A_qk,
+        if saved is None:  # else P and A_qk are the forward's
+            chunk_fwd_pairs(plan, layout=layout, q=q, k=k, g_cum=g_cum, p_pairs=p_pairs, p_qk=p_qk,
                             pair_amax=pair_amax)
     if layout.NT and rerun and saved is not None:  # T, A_qk (GDN: and G) from the training forward: W and U alone
         chunk_fwd_wu(plan, layout=layout, q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk,
                      t_solved=t_solved, p_pairs=p_pairs, scale=scale)
     elif layout.NT and rerun and plan.forward_intra_form == "kda":
         chunk_fwd_intra_kda(plan, layout=layout, k=k, v=v, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk,
-                            t_out=t_solved, p_pairs=p_pairs, scale=scale)
+                            t_out=t_solved, p_pairs=p_pairs, scale=scale, p_qk=p_qk)
     elif layout.NT and rerun:
         chunk_fwd_intra_gdn(plan, layout=layout, q=q, k=k, v=v, g=g, beta=beta, g_cum=g_cum, w=w, u=u, A_qk=A_qk,
                             t_out=t_solved, scale=scale)

@@ -270,7 +270,7 @@ def chunk_fwd_kernel_wu(
     else:
         b_G = tl.load(g_cum + r_hv, mask=m_c, other=0)
     # T from the training forward's residual (rows past the sequence end: the identity's, as its solve gives them)
-    b_T = tl.load(t_out + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)
+    b_T = tl.load(t_out + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0).to(tl.float32)
     b_T = tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))
     wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c, r_hv, i_h, i_hv, H, HV, K, V, C,
             BK, BV, GEMM_PRECISION, KDA, Q_WY_KEY_LHS, Q_WY_KEY_RHS, Q_WY_VALUE_LHS, Q_WY_VALUE_RHS, ACC_WY_KEY,

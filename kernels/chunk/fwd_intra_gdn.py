@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.chunk.device import acc_gemm, chunk_program, grid_gemm, grid_operand, qdq_operand
+from la_compiler.kernels.chunk.device import (acc_gemm, cast_kept, chunk_program, grid_gemm, grid_operand,
+                                              qdq_operand)
 from la_compiler.kernels.chunk.fwd_intra import solve, wu_half
 from la_compiler.kernels.chunk.launch import launch
 
@@ -156,11 +157,11 @@ def chunk_fwd_kernel_intra_gdn(
     b_Pqk = b_Pqk * b_Gam
     b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)
     b_Aqk = tl.where(m_causal, b_Pqk * scale, 0.0)
-    tl.store(A_qk + r_hv[:, None] * C + o_c[None, :], b_Aqk, mask=m_c[:, None])
+    tl.store(A_qk + r_hv[:, None] * C + o_c[None, :], cast_kept(b_Aqk, A_qk, GEMM_PRECISION), mask=m_c[:, None])
 
     b_T = solve(b_A, None, None, bos, i_t, seq_len, i_hv, o_c, HV, C, False, SOLVE, DEGREE, DOT_PRECISION)
     if STORE_T:  # the backward's recompute keeps T for the input-gradient stage (no second solve)
-        tl.store(t_out + r_hv[:, None] * C + o_c[None, :], b_T, mask=m_c[:, None])
+        tl.store(t_out + r_hv[:, None] * C + o_c[None, :], cast_kept(b_T, t_out, GEMM_PRECISION), mask=m_c[:, None])
 
     wu_half(k, v, g_cum, w, u, None, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c, r_hv, i_h, i_hv, H, HV, K, V,
             C, BK, BV, GEMM_PRECISION, False, Q_WY_KEY_LHS, Q_WY_KEY_RHS, Q_WY_VALUE_LHS, Q_WY_VALUE_RHS, ACC_WY_KEY,

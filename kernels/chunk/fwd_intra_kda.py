@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.chunk.device import chunk_program
+from la_compiler.kernels.chunk.device import cast_kept, chunk_program
 from la_compiler.kernels.chunk.fwd_intra import solve, wu_half
 from la_compiler.kernels.chunk.launch import launch
 
@@ -28,6 +28,7 @@ def chunk_fwd_kernel_intra_kda(
     A_qk,
     t_out,
     p_pairs,
+    p_qk,
     cu_seqlens,
     chunk_indices,
     scale,
@@ -60,9 +61,9 @@ def chunk_fwd_kernel_intra_kda(
     W_AMAX_PASS: tl.constexpr,
 ):
     """Everything of one KDA chunk that does not depend on the state: A = strict_tril(diag(beta) P);
-    T = (I + A)^-1; W = T diag(beta)(exp(G) ⊙ K); U = T diag(beta) V; A_qk = scale tril(P_qk) (in place);
-    T itself when STORE_T; kd = K ⊙ exp(G_C - G) for the h and dh stages. Keys in blocks of BK columns (W's
-    columns are independent)."""
+    T = (I + A)^-1; W = T diag(beta)(exp(G) ⊙ K); U = T diag(beta) V; A_qk = scale tril(P_qk) (P_qk read from
+    p_qk: A_qk's own buffer (in place) unless A_qk is a 16-bit part of the residual); T itself when STORE_T;
+    kd = K ⊙ exp(G_C - G) for the h and dh stages. Keys in blocks of BK columns (W's columns are independent)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, seq_len, i_chunk, i_h = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
@@ -77,14 +78,14 @@ def chunk_fwd_kernel_intra_kda(
     m_causal = o_c[:, None] >= o_c[None, :]
     # P, P_qk from chunk_fwd_kernel_pairs (the blocks above the diagonal are unwritten: masked here)
     b_P = tl.load(p_pairs + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)
-    b_Pqk = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)
+    b_Pqk = tl.load(p_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None] & m_causal, other=0)
     b_A = tl.where(m_strict, b_P * b_beta[:, None], 0.0)
     b_Aqk = tl.where(m_causal, b_Pqk * scale, 0.0)
-    tl.store(A_qk + r_hv[:, None] * C + o_c[None, :], b_Aqk, mask=m_c[:, None])
+    tl.store(A_qk + r_hv[:, None] * C + o_c[None, :], cast_kept(b_Aqk, A_qk, GEMM_PRECISION), mask=m_c[:, None])
 
     b_T = solve(b_A, p_pairs, beta, bos, i_t, seq_len, i_hv, o_c, HV, C, True, SOLVE, DEGREE, DOT_PRECISION)
     if STORE_T:  # the backward's recompute keeps T for the input-gradient stage (no second solve)
-        tl.store(t_out + r_hv[:, None] * C + o_c[None, :], b_T, mask=m_c[:, None])
+        tl.store(t_out + r_hv[:, None] * C + o_c[None, :], cast_kept(b_T, t_out, GEMM_PRECISION), mask=m_c[:, None])
 
     # G per key block from g_cum (chunk_fwd_kernel_cumsum wrote it)
     wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, None, bos, i_t, seq_len, t_c, m_c, r_hv, i_h, i_hv, H, HV, K, V, C,
@@ -96,10 +97,12 @@ KERNELS = {"intra_kda": chunk_fwd_kernel_intra_kda}
 
 
 def chunk_fwd_intra_kda(plan: "ChunkPlan", *, layout: "ChunkLayout", k, v, beta, g_cum, w, u, kd, A_qk, t_out, p_pairs,
-                        scale):
+                        scale, p_qk=None):
     """A, A_qk and the solve from the pairs kernel's P, P_qk, then W, U and kd, of every KDA chunk;
-    T = (I + A)^-1 into ``t_out`` where it is given."""
+    T = (I + A)^-1 into ``t_out`` where it is given. ``p_qk``: where the pairs kernel left P_qk (default: in
+    A_qk, finished in place)."""
     launch(plan.fwd_intra, dict(k=k, v=v, beta=beta, g_cum=g_cum, w=w, u=u, kd=kd, A_qk=A_qk, t_out=t_out,
-                                p_pairs=p_pairs, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
-                                scale=scale, T=layout.T),
+                                p_pairs=p_pairs, p_qk=A_qk if p_qk is None else p_qk,
+                                cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices, scale=scale,
+                                T=layout.T),
            STORE_T=t_out is not None)

@@ -113,7 +113,7 @@ def chunk_fwd_kernel_o(
         b_h = qdq_operand(b_h, b_gam_h, Q_OUTPUT_STATE_RHS, 0, BK, BV, True)
         b_os = acc_gemm(b_qg, b_h, GEMM_PRECISION, BK, ACC_OUTPUT_STATE, ACC_OUTPUT_STATE_BLOCK)
     b_o = b_os * scale
-    b_A = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0)
+    b_A = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0).to(tl.float32)
     b_v = tl.load(v_new + r_hv[:, None] * V + o_v[None, :], mask=m_cv, other=0)
     if FACTORED_OUTPUT_VALUE:
         b_s_A, b_q_A = grid_operand(b_A, Q_OUTPUT_VALUE_LHS, 1)

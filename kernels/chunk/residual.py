@@ -9,9 +9,18 @@ and its backward read the same mode):
                      forward kernel (FLA's KDA calls this trade ``disable_recompute``)
     none             nothing: the backward recomputes the pairs, the whole intra stage and h
 
-Every part is a view of the buffer at an offset aligned to ALIGN fp32 elements; 16-bit parts (W, U, h, V_new, kd
-with 16-bit GEMMs) reinterpret their share of it. The chunk-start states of a varlen batch are counted up to a
-bound that needs only the number of sequences (a fake tensor has no values): ceil(T / C) + N.
+T and A_qk are kept in the GEMM operand dtype (``intermediate_dtype``: the input dtype for 16-bit GEMMs, else
+fp32), as FLA keeps its solved A and A_qk; G and KDA's P stay fp32. With 16-bit GEMMs every GEMM rounds T
+(W = T (beta e^G K), U = T (beta V), T^T dW, T^T dU) and A_qk (the output stage's A_qk V_new, the dh stage's
+A_qk^T dO) to that dtype anyway, so the forward, the recompute's W, U, and dq, dv, dh0 are unchanged bit for bit.
+The solve's gradient dA = -T^T dT T^T, the one fp32 reader of T, first refines the rounded T against A (one Newton
+step, chunk/bwd_intra.py ``refined_t``; KDA's A from the kept fp32 P). A backward without a residual (``none``)
+keeps its recomputed T in the same dtype (chunk/fwd.py), so every mode computes the same gradients
+(docs/kernels-chunk.md, "What the backward recomputes and what it keeps").
+
+Every part is a view of the buffer at an offset aligned to ALIGN fp32 elements; 16-bit parts (T, A_qk, W, U, h,
+V_new, kd with 16-bit GEMMs) reinterpret their share of it. The chunk-start states of a varlen batch are counted
+up to a bound that needs only the number of sequences (a fake tensor has no values): ceil(T / C) + N.
 
 The buffer is an op's output (``laqat::delta_rule_train``): every element of it is written, so that two calls of
 the same inputs return the same buffer (opcheck, AOTAutograd compare it). The kernels write every part's elements
@@ -65,7 +74,8 @@ def residual_layout(p: ChunkParams, q: torch.Tensor, v: torch.Tensor, cu_seqlens
     C, f32 = p.chunk, torch.float32
     mid = intermediate_dtype(gemm_precision(p, q.dtype), q.dtype)
     rows = (B, T, HV)
-    shapes = [("t_solved", (*rows, C), f32), ("A_qk", (*rows, C), f32)]
+    # T and A_qk in the GEMM operand dtype, P in fp32 (module docstring)
+    shapes = [("t_solved", (*rows, C), mid), ("A_qk", (*rows, C), mid)]
     shapes.append(("g_cum", rows, f32) if p.kind == "gdn" else ("p_pairs", (*rows, C), f32))
     if keep == "all":
         chunks = B * cdiv(T, C) if cu_seqlens is None else cdiv(T, C) + cu_seqlens.shape[0] - 1

@@ -71,15 +71,24 @@ def test_backward_from_the_kept_residual(mode, kind, varlen, quant, extra):
 
 
 def test_bf16_parts_share_the_fp32_buffer():
-    """With 16-bit GEMMs W, U, h, V_new are kept in the input dtype: views of the fp32 buffer reinterpreted, each
-    starting aligned, none overlapping, the buffer no larger than their sum (aligned)."""
+    """With 16-bit GEMMs T, A_qk, W, U, h, V_new are kept in the input dtype (G and KDA's P in fp32): views of the
+    fp32 buffer reinterpreted, each starting aligned, none overlapping, the buffer no larger than their sum
+    (aligned). Where the GEMMs keep fp32 operands (a rounded operand, n.gemm=tf32) every part is fp32."""
     p = ChunkParams.from_spec(RecurrenceSpec(kind="gdn", chunk=16))
     q = torch.randn(1, 40, 2, 16, dtype=torch.bfloat16)
     v = torch.randn(1, 40, 4, 32, dtype=torch.bfloat16)
     cu = torch.tensor([0, 7, 40])
     parts, size = residual_layout(p, q, v, cu, "all")
     by_name = {part.name: part for part in parts}
-    assert by_name["w"].dtype == torch.bfloat16 and by_name["t_solved"].dtype == torch.float32
+    assert all(by_name[name].dtype == torch.bfloat16 for name in ("t_solved", "A_qk", "w", "u", "h", "v_new"))
+    assert by_name["g_cum"].dtype == torch.float32
+    for kind in ("gdn", "kda"):
+        for quant, numerics, want in (({}, {}, torch.bfloat16), ({"w": "fp8_e4m3/row"}, {}, torch.float32),
+                                      ({}, {"gemm": "tf32"}, torch.float32)):
+            spec = RecurrenceSpec(kind=kind, chunk=16).replace(quant=quant, numerics=numerics)
+            kept = residual_layout(ChunkParams.from_spec(spec), q, v, cu, "intra")[0]
+            assert {part.name: part.dtype for part in kept} == {
+                "t_solved": want, "A_qk": want, ("g_cum" if kind == "gdn" else "p_pairs"): torch.float32}
     assert by_name["h"].shape == (5, 4, 16, 32)  # ceil(40 / 16) + 2 sequences: a bound of the chunks (here 1 + 3)
     ends = 0
     for part in parts:
@@ -88,6 +97,47 @@ def test_bf16_parts_share_the_fp32_buffer():
     assert size - ends < 16
     views = residual_views(p, torch.zeros(size), q, v, cu, "all")
     assert views["w"].dtype == torch.bfloat16 and views["w"].shape == (1, 40, 4, 16)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_bf16_residual_gives_every_mode_the_same_gradients(kind):
+    """bf16 inputs, 16-bit GEMMs: T and A_qk are kept in bf16, and the recompute without a residual rounds T the
+    same way (the solve's gradient refines it against A in both), so t.keep_residual=intra, all and none compute
+    every output and gradient bit for bit alike (a packed batch with an empty sequence and grouped value heads);
+    the kept parts hold what the recompute computes, and every gradient stays within FLA's bars against fp64
+    autograd."""
+    from tests.kernels.chunk_inputs import make_inputs
+    from tests.kernels.test_chunk_bf16 import FLA_TOL
+
+    cu = torch.tensor([0, 5, 5, 37, 50])
+    xs = make_inputs(kind, B=1, T=50, H=1, HV=2, K=16, V=16, N=4, dtype=torch.bfloat16)
+    spec = RecurrenceSpec(kind=kind, chunk=16)
+    p = ChunkParams.from_spec(spec)
+    q, v = xs[0], xs[2]
+    do, dht = torch.randn(v.shape).to(torch.bfloat16), torch.randn(xs[5].shape)
+    parts = {}
+    plain = [*chunk_fwd(p, *xs[:5], 0.4, xs[5], cu, intermediates=parts),
+             *chunk_bwd(p, *xs[:5], 0.4, do, dht, xs[5], cu)]
+    assert parts["t_solved"].dtype == torch.bfloat16
+    for mode in ("intra", "all"):
+        tuning = TuningOptions(keep_residual=mode)
+        residual = torch.full((residual_size(p, q, v, cu, mode),), float("nan"))
+        kept = [*chunk_fwd(p, *xs[:5], 0.4, xs[5], cu, save_to=residual, tuning=tuning),
+                *chunk_bwd(p, *xs[:5], 0.4, do, dht, xs[5], cu, saved=residual, tuning=tuning)]
+        for a, b in zip(kept, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        views = residual_views(p, residual, q, v, cu, mode)
+        assert views["t_solved"].dtype == views["A_qk"].dtype == torch.bfloat16
+        torch.testing.assert_close(views["t_solved"], parts["t_solved"], rtol=0, atol=0, equal_nan=True)
+        if kind == "kda":
+            torch.testing.assert_close(views["p_pairs"], parts["p_pairs"], rtol=0, atol=0, equal_nan=True)
+        # A_qk: the recompute's is fp32 scratch; the kept one is it rounded to nearest even
+        torch.testing.assert_close(views["A_qk"], parts["A_qk"].to(torch.bfloat16), rtol=0, atol=0)
+    x64 = [x.double().requires_grad_() for x in xs]
+    o64, ht64 = chunk_delta_rule_reference(*x64[:5], spec=spec, scale=0.4, initial_state=x64[5], cu_seqlens=cu)
+    want = grads_of([o64, ht64], [do.double(), dht.double()], x64)
+    for name, a, b in zip(GRAD_NAMES, plain[2:], want):
+        assert rel_l2(a, b) <= FLA_TOL[name], name
 
 
 def test_kept_residual_is_checked():

@@ -54,7 +54,7 @@ def a(n) -> int:
 
 
 DIMS = dict(B=SETUP.batch, T=SETUP.seq, H=SETUP.heads, HV=SETUP.heads, K=SETUP.head_dim, V=SETUP.head_dim, C=CHUNK,
-            N=SETUP.batch)
+            N=SETUP.batch, e=2 if SETUP.dtype in ("bfloat16", "float16") else 4)  # e: 16-bit GEMMs (state_fp8)
 
 
 def evaluate(expression: str, values: dict):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPassBase
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from la_compiler.options import interpreter
 
@@ -57,11 +57,20 @@ def source_hash() -> str:
     return hash_files(source_files())
 
 
+def _string_keys(x):
+    """x with every dict key a string, so that the keys sort (a policy may key by integers)."""
+    if isinstance(x, dict):
+        return {str(k): _string_keys(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_string_keys(v) for v in x]
+    return x
+
+
 def compile_fingerprint(policy, tuning) -> str:
     """What a compiled laqat graph depends on beyond its own code: laqat's sources, the policy (``Policy``), the
     tuning options (``TuningOptions``) and whether Triton kernels run in the interpreter."""
-    settings = json.dumps({"policy": policy.to_dict(), "tuning": dataclasses.asdict(tuning),
-                           "interpreter": interpreter()}, sort_keys=True, default=str)
+    settings = json.dumps(_string_keys({"policy": policy.to_dict(), "tuning": dataclasses.asdict(tuning),
+                                        "interpreter": interpreter()}), sort_keys=True, default=str)
     return hashlib.sha256(f"{source_hash()}\0{settings}".encode()).hexdigest()
 
 
@@ -79,7 +88,8 @@ class LaqatCacheKey(CustomGraphPass):
     def uuid(self) -> Any:
         if self.inner is None:
             return ("laqat", self.fingerprint)
-        inner = self.inner.uuid() if isinstance(self.inner, CustomPassBase) else None
+        # torch 2.11 has no CustomPassBase: any pass with a uuid() keys the cache
+        inner = self.inner.uuid() if callable(getattr(self.inner, "uuid", None)) else None
         return None if inner is None else ("laqat", self.fingerprint, inner)
 
 

@@ -15,7 +15,7 @@ from tests.la_compiler.test_import_layers import ROOT, project_modules
 
 WARNINGS = {  # the documented warnings (docs/architecture.md, "Errors"): not errors, so not LaqatErrors
     "SlowKernelWarning", "PolicyWarning", "UnmatchedPolicyRuleWarning", "NothingQuantizedWarning",
-    "NothingMatchedWarning",
+    "NothingMatchedWarning", "ServingInputsWarning",
 }
 
 

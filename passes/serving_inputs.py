@@ -103,7 +103,7 @@ def _replay(graph, chain, x):
     return x
 
 
-def _arg_of(node, op, name, index):
+def _arg_of(node, name, index):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
@@ -114,7 +114,7 @@ def _l2norm_operand(node):
         if inner.op == "call_function" and inner.target in (torch.ops.laqat.l2_norm.default,
                                                              torch.ops.laqat.l2_norm):
             return inner.args[0] if _dtype(inner.args[0]) in (*SIXTEEN_BIT, torch.float32) and (
-                _arg_of(inner, None, "output_dtype", 2) in (None, _dtype(inner.args[0]))) else None
+                _arg_of(inner, "output_dtype", 2) in (None, _dtype(inner.args[0]))) else None
     # x * rsqrt(sum(x * x, dim=-1, keepdim=True) + 1e-6), either factor order
     if not (node.op == "call_function" and node.target in (operator.mul, torch.mul)):
         return None

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 from la_compiler.hand_off.cache_key import cache_key_patches
 from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_linear_outputs
 from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
+from la_compiler.hand_off.recompute_tags import tag_recomputed_ops
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
 
 
@@ -61,6 +62,7 @@ def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule
     # T=4096). Without replay it rebuilds the alias with as_strided from the output's own size, stride and
     # offset: the same view of the same storage.
     plan, count = hand_back_linear_outputs(graph)
+    tag_recomputed_ops(graph)
     with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
         compiled = compile_fx(graph, inputs, config_patches=cache_key_patches(fingerprint))
     return with_linear_outputs(compiled, plan, count) if plan else compiled

@@ -224,3 +224,51 @@ def test_the_fla_lm_account_compares_eager_fla_with_laqat():
     table = memory_account.comparison_table("gdn", [eager, exact]).splitlines()
     labels = [line[:50].strip() for line in table[1:]]
     assert set(memory_account.CATEGORIES) <= set(labels) and "chunk_gated_delta_rule (torch ref.)" in labels
+
+
+def _partition_only(graph, inputs, **_):
+    """Inductor's joint-graph partition (AOTAutograd's min-cut partitioner as Inductor calls it) with the partitioned
+    graphs run eagerly: what the Inductor hand-off saves, without Inductor's C++ build."""
+    import functools
+
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    eager = lambda gm, _: make_boxed_func(gm)  # noqa: E731
+    return aot_module_simplified(graph, inputs, fw_compiler=eager, bw_compiler=eager,
+                                 partition_fn=functools.partial(min_cut_rematerialization_partition,
+                                                                compiler="inductor"))
+
+
+@pytest.mark.parametrize("tagged", [True, False])
+def test_the_inductor_hand_off_keeps_the_raw_gate_and_recomputes_the_fp32_decay(monkeypatch, tagged):
+    """Under the Inductor hand-off a bf16 KDA layer's backward recomputes ``laqat::softplus_gate`` from the raw
+    16-bit gate (docs/memory.md, "The other ops"): the compiled function keeps the raw gate and not the fp32
+    decay, and every gradient is the eager hand-off's bit for bit. Without the tag
+    (la_compiler/hand_off/recompute_tags.py) it keeps the fp32 decay."""
+    import torch._inductor.compile_fx as inductor
+
+    from la_compiler.hand_off import compiler_choice
+
+    monkeypatch.setattr(inductor, "compile_fx", _partition_only)
+    if not tagged:
+        monkeypatch.setattr(compiler_choice, "tag_recomputed_ops", lambda graph: 0)
+    setup = dataclasses.replace(SETUP, kind="kda", policy="exact", compiler="inductor")
+    acc, _ = compiled_account(setup)
+    gate = {(s.name.split(".", 1)[1], s.dtype) for s in acc.saved if s.op == "laqat::softplus_gate"}
+    assert (("g", "bfloat16") in gate) == tagged and (("out", "float32") in gate) != tagged, gate
+    if not tagged:
+        return
+
+    def gradients(compiler):
+        model = memory_account.build(setup).to(torch.bfloat16)
+        x = torch.randn(2, 70, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        torch._dynamo.reset()
+        layer = torch.compile(model, backend="laqat", options={"policy": "exact", "compiler": compiler})
+        (layer(x)[0].float() * torch.linspace(-1, 1, 32)).sum().backward()
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    for got, want in zip(gradients("inductor"), gradients("eager"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

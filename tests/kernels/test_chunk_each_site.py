@@ -18,6 +18,9 @@ from tests.kernels.chunk_checks import (MAX_FLIP_FRACTION, OPERAND_SITES, QDQ_TO
 
 SITES = [site for site in OPERAND_SITES if site != "state_read.lhs"]  # state_read.lhs is q.w: its own tests
 FORMATS = ["fp8_e4m3/row", "int8/row", "nvfp4/block16"]
+# Each site's backward: GDN in every format; KDA (twice GDN's time in the interpreter) in the two scalings, per row
+# and per block of 16, as int8/row rounds at the sites fp8_e4m3/row does.
+KDA_BACKWARD_FORMATS = ("fp8_e4m3/row", "nvfp4/block16")
 
 
 def _counted_flips(parts, ref, inputs, cu, C) -> dict:
@@ -51,4 +54,5 @@ def test_each_operand_site_alone(kind, site, fmt):
     o_exact, ht_exact = chunk_delta_rule_reference(*inputs[:5], spec=RecurrenceSpec(kind=kind, chunk=C), scale=0.4,
                                                    initial_state=inputs[5], cu_seqlens=cu)
     assert max(rel_l2(o, o_exact), rel_l2(ht, ht_exact)) > max(1e-5, 100 * error)
-    assert_backward_matches(spec, inputs, cu, QDQ_TOL)
+    if kind == "gdn" or fmt in KDA_BACKWARD_FORMATS:
+        assert_backward_matches(spec, inputs, cu, QDQ_TOL)

@@ -241,34 +241,42 @@ def _partition_only(graph, inputs, **_):
                                                                 compiler="inductor"))
 
 
-@pytest.mark.parametrize("tagged", [True, False])
-def test_the_inductor_hand_off_keeps_the_raw_gate_and_recomputes_the_fp32_decay(monkeypatch, tagged):
-    """Under the Inductor hand-off a bf16 KDA layer's backward recomputes ``laqat::softplus_gate`` from the raw
-    16-bit gate (docs/memory.md, "The other ops"): the compiled function keeps the raw gate and not the fp32
-    decay, and every gradient is the eager hand-off's bit for bit. Without the tag
-    (la_compiler/hand_off/recompute_tags.py) it keeps the fp32 decay."""
-    import torch._inductor.compile_fx as inductor
-
+def _inductor_layer_account(tagged: bool):
+    """A bf16 KDA layer compiled under the Inductor hand-off (its partition only), with or without the recompute
+    tag: what its compiled function saved, and every gradient of one backward."""
     from la_compiler.hand_off import compiler_choice
 
-    monkeypatch.setattr(inductor, "compile_fx", _partition_only)
-    if not tagged:
-        monkeypatch.setattr(compiler_choice, "tag_recomputed_ops", lambda graph: 0)
     setup = dataclasses.replace(SETUP, kind="kda", policy="exact", compiler="inductor")
-    acc, _ = compiled_account(setup)
+    model = memory_account.build(setup).to(torch.bfloat16)
+    x = torch.randn(2, 70, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch._dynamo.reset()
+    layer = torch.compile(model, backend="laqat", options={"policy": "exact", "compiler": "inductor"})
+    outputs = []
+
+    def forward():
+        outputs.append((layer(x)[0].float() * torch.linspace(-1, 1, 32)).sum())
+        return outputs[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not tagged:
+            patch.setattr(compiler_choice, "tag_recomputed_ops", lambda graph: 0)
+        acc = memory_account.account(forward, model)
+    outputs[-1].backward()
     gate = {(s.name.split(".", 1)[1], s.dtype) for s in acc.saved if s.op == "laqat::softplus_gate"}
-    assert (("g", "bfloat16") in gate) == tagged and (("out", "float32") in gate) != tagged, gate
-    if not tagged:
-        return
+    return gate, [x.grad] + [p.grad for p in model.parameters()]
 
-    def gradients(compiler):
-        model = memory_account.build(setup).to(torch.bfloat16)
-        x = torch.randn(2, 70, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1),
-                        requires_grad=True)
-        torch._dynamo.reset()
-        layer = torch.compile(model, backend="laqat", options={"policy": "exact", "compiler": compiler})
-        (layer(x)[0].float() * torch.linspace(-1, 1, 32)).sum().backward()
-        return [x.grad] + [p.grad for p in model.parameters()]
 
-    for got, want in zip(gradients("inductor"), gradients("eager"), strict=True):
+def test_the_inductor_hand_off_keeps_the_raw_gate_and_recomputes_the_fp32_decay(monkeypatch):
+    """Under the Inductor hand-off a bf16 KDA layer's backward recomputes ``laqat::softplus_gate`` from the raw
+    16-bit gate (docs/memory.md, "The gate under Inductor"): the compiled function keeps the raw gate and not the
+    fp32 decay, where without the tag (la_compiler/hand_off/recompute_tags.py) it keeps the fp32 decay; every
+    gradient is the same bit for bit either way."""
+    import torch._inductor.compile_fx as inductor
+
+    monkeypatch.setattr(inductor, "compile_fx", _partition_only)
+    tagged, tagged_grads = _inductor_layer_account(True)
+    untagged, untagged_grads = _inductor_layer_account(False)
+    assert ("g", "bfloat16") in tagged and ("out", "float32") not in tagged, tagged
+    assert ("out", "float32") in untagged and ("g", "bfloat16") not in untagged, untagged
+    for got, want in zip(tagged_grads, untagged_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

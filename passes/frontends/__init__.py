@@ -35,6 +35,8 @@ def install_trace_frontends() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
+    if importlib.util.find_spec("einops") is not None:
+        from la_compiler.passes.frontends import einops_recipes  # noqa: F401  (registers on import)
     if importlib.util.find_spec("fla") is not None:
         from la_compiler.passes.frontends.fla import substitutions  # noqa: F401  (registers on import)
     if importlib.util.find_spec("megatron") is not None:

@@ -35,12 +35,23 @@ def install_trace_frontends() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
-    if importlib.util.find_spec("einops") is not None:
+    if importlib.util.find_spec("einops") is not None and dynamo_traces_einops():
         from la_compiler.passes.frontends import einops_recipes  # noqa: F401  (registers on import)
     if importlib.util.find_spec("fla") is not None:
         from la_compiler.passes.frontends.fla import substitutions  # noqa: F401  (registers on import)
     if importlib.util.find_spec("megatron") is not None:
         _when_imported("megatron.core", _install_megatron)
+
+
+def dynamo_traces_einops() -> bool:
+    """Whether Dynamo traces einops' own code, by torch's own check (``_einops_supports_dynamo_tracing``: einops >=
+    0.8.2 on a torch that has the check). Elsewhere einops registers its functions with ``allow_in_graph``: each
+    call is one op of the graph, cheaper to trace than ``einops_recipes``' substitution (docs/model-bench.md)."""
+    import einops
+    from torch._dynamo import decorators
+
+    supports = getattr(decorators, "_einops_supports_dynamo_tracing", None)
+    return supports is not None and bool(supports(einops))
 
 
 def _install_megatron() -> None:

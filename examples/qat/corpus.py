@@ -1,6 +1,8 @@
-"""Real text every machine has: the Python standard library's own source, as byte-level tokens.
+"""Real text as byte-level tokens: the Python standard library's own source (every machine has it), or English
+prose from a package registry (examples/qat/prose.py).
 
     corpus = load_corpus()                                  # train / held-out split by module name
+    corpus = load_corpus(source="prose")                    # State of the Union addresses and Moby-Dick
     tokens = train_batch(corpus, step=7, seed=0, batch_size=8, seq_len=256)   # [8, 257], deterministic
     batches = eval_batches(corpus, sequences=64, seq_len=256, batch_size=16)  # fixed held-out windows
 
@@ -10,6 +12,7 @@ to ``json``, ``os.py`` to ``os``); a module is held out when the SHA-256 of its 
 fraction, so the split depends on names only, never on file order, sizes or the machine. The regression-test
 package ``test`` (half the bytes, one module) and ``site-packages`` are left out. The text differs between
 Python versions: ``Corpus.fingerprint`` (a hash of both token streams) says which text a result was measured on.
+With ``source="prose"`` a document is one address or one chapter, held out by the SHA-256 of its name the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 BOS = 256  # the start of every file
 VOCAB_SIZE = 257
 EXCLUDED_MODULES = ("test", "site-packages", "__pycache__")
+SOURCES = ("stdlib", "prose")
 
 
 class CorpusError(ValueError):
@@ -38,9 +42,10 @@ class Corpus:
     heldout_modules: tuple[str, ...]
     python: str  # the version whose standard library this is
     fingerprint: str  # sha256 of both streams (first 16 hex digits)
+    source: str = "Python standard library (.py files)"
 
     def describe(self) -> dict:
-        return {"source": "Python standard library (.py files)", "python": self.python,
+        return {"source": self.source, "python": self.python,
                 "train_tokens": int(self.train.numel()), "heldout_tokens": int(self.heldout.numel()),
                 "train_modules": len(self.train_modules), "heldout_modules": list(self.heldout_modules),
                 "fingerprint": self.fingerprint}
@@ -69,9 +74,9 @@ def stdlib_files(root: Path) -> dict[str, list[Path]]:
     return modules
 
 
-def _stream(files: list[Path]) -> torch.Tensor:
-    """The files' bytes, each file preceded by BOS, as one int16 stream."""
-    blobs = [b"\0" + path.read_bytes() for path in files]  # the \0 is each file's BOS slot
+def _stream(blobs: list[bytes]) -> torch.Tensor:
+    """The documents' bytes, each preceded by BOS, as one int16 stream."""
+    blobs = [b"\0" + blob for blob in blobs]  # the \0 is each document's BOS slot
     if not blobs:
         return torch.zeros(0, dtype=torch.int16)
     stream = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(torch.int16)
@@ -80,22 +85,33 @@ def _stream(files: list[Path]) -> torch.Tensor:
     return stream
 
 
-def load_corpus(heldout_fraction: float = 0.1, root: str | Path | None = None) -> Corpus:
+def load_corpus(heldout_fraction: float = 0.1, root: str | Path | None = None, source: str = "stdlib") -> Corpus:
+    """``root``: the standard library's folder (stdlib) or the folder holding prose.py's tarballs (prose; default:
+    fetched into the cache)."""
     if not 0 < heldout_fraction < 1:
         raise CorpusError(f"heldout_fraction must be in (0, 1), got {heldout_fraction!r}")
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    modules = stdlib_files(root)
+    if source == "stdlib":
+        root = Path(root or sysconfig.get_paths()["stdlib"])
+        modules = {m: [f.read_bytes() for f in files] for m, files in stdlib_files(root).items()}
+        what, description = f"no .py files under {str(root)!r}", "Python standard library (.py files)"
+    elif source == "prose":
+        from prose import DESCRIPTION, prose_documents
+
+        modules = {name: [text] for name, text in prose_documents(root).items()}
+        what, description = "no documents", DESCRIPTION
+    else:
+        raise CorpusError(f"source must be one of {SOURCES}, got {source!r}")
     if not modules:
-        raise CorpusError(f"root: no .py files under {str(root)!r}")
+        raise CorpusError(f"root: {what}")
     heldout = sorted(m for m in modules if is_heldout(m, heldout_fraction))
     train = sorted(m for m in modules if m not in heldout)
     if not heldout or not train:
         raise CorpusError(f"heldout_fraction={heldout_fraction} leaves an empty split of {len(modules)} modules")
-    train_stream = _stream([f for m in train for f in modules[m]])
-    heldout_stream = _stream([f for m in heldout for f in modules[m]])
+    train_stream = _stream([b for m in train for b in modules[m]])
+    heldout_stream = _stream([b for m in heldout for b in modules[m]])
     digest = hashlib.sha256(train_stream.numpy().tobytes() + heldout_stream.numpy().tobytes()).hexdigest()[:16]
     return Corpus(train_stream, heldout_stream, tuple(train), tuple(heldout),
-                  f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}", digest)
+                  f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}", digest, description)
 
 
 def _windows(stream: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:

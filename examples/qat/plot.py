@@ -56,3 +56,39 @@ def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_spans(differences: dict[str, dict[str, list]], starts: list[int], path: str | Path, title: str = ""):
+    """One panel per comparison: each policy's difference (mean, 2 sigma band) against the span's first position.
+    ``differences``: comparison -> policy -> [report.Difference per span]."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)", flush=True)
+        return None
+    comparisons = [c for c in differences if differences[c]]
+    if not comparisons:
+        return None
+    fig, axes = plt.subplots(1, len(comparisons), figsize=(5 * len(comparisons), 4), squeeze=False)
+    for axis, comparison in zip(axes[0], comparisons):
+        for policy, values in sorted(differences[comparison].items()):
+            means = [d.mean for d in values]
+            band = [2 * d.sigma for d in values]
+            line, = axis.plot(starts, means, marker="o", markersize=3, linewidth=1, label=policy)
+            axis.fill_between(starts, [m - b for m, b in zip(means, band)], [m + b for m, b in zip(means, band)],
+                              color=line.get_color(), alpha=0.15)
+        axis.axhline(0, color="black", linewidth=0.6)
+        axis.set(xlabel="first position of the span", ylabel="NLL difference (nats / byte)", title=comparison)
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -10,7 +10,9 @@ Definitions (docs/qat-study.md repeats them):
 - recovered = 100 x (control under the policy - QAT) / (control under the policy - control exact), per seed;
 - a difference between two models is paired over the same held-out windows; its uncertainty sigma combines the
   windows' standard error and the seed-to-seed variance, and a difference is inside the noise when
-  |mean| <= 2 sigma.
+  |mean| <= 2 sigma;
+- by position: the same differences over each span of the scored positions (the windows' NLL on that span), so
+  that an error which accumulates along the decode suffix shows as a difference growing with the position.
 """
 from __future__ import annotations
 
@@ -197,6 +199,46 @@ def noise_statements(results: dict) -> list[str]:
     return lines
 
 
+def _span(record: dict, j: int) -> list[float]:
+    return [window[j] for window in record["per_span"]]
+
+
+def span_differences(row: Row) -> dict[str, list[Difference]]:
+    """Per comparison, one difference per position span (empty where the records have no spans)."""
+    spans = range(len((row.exact or {}).get("span_starts") or []))
+    out: dict[str, list[Difference]] = {}
+    if not spans:
+        return out
+    if row.before is not None and row.before.get("per_span"):
+        out["no QAT - exact"] = [Difference(*paired(_span(row.before, j), _span(row.exact, j))) for j in spans]
+    for name, trained, base in (("control under the policy - control exact", row.control, row.control_exact),
+                                ("QAT - control", row.qat, row.control), ("QAD - control", row.qad, row.control)):
+        seeds = sorted(s for s in set(trained) & set(base) if trained[s].get("per_span") and base[s].get("per_span"))
+        if seeds:
+            out[name] = [combine([paired(_span(trained[s], j), _span(base[s], j)) for s in seeds]) for j in spans]
+    return out
+
+
+def span_table(results: dict) -> str:
+    """Differences by position span of the scored window (decode-phase policies: along the suffix)."""
+    lines = []
+    for row in rows(results):
+        diffs = span_differences(row)
+        if not diffs:
+            continue
+        starts = row.exact["span_starts"]
+        if not lines:
+            head = "| policy | difference | " + " | ".join(f"from {s}" for s in starts) + " |"
+            lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for name, values in diffs.items():
+            cells = [(d.text() + ("" if d.inside_noise else " *")) for d in values]
+            lines.append(f"| {row.policy} | {name} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["By position (mean ± 2 sigma, nats per byte; * beyond the noise):", "", *lines])
+
+
 def markdown(results: dict) -> str:
+    spans = span_table(results)
     return "\n".join([table(results), "", "Differences (mean ± 2 sigma, nats per byte):", "",
-                      *noise_statements(results)])
+                      *noise_statements(results), *(["", spans] if spans else [])])

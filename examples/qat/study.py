@@ -33,13 +33,16 @@ from pathlib import Path
 import train as qat  # examples/qat/train.py: sets TRITON_INTERPRET on the CPU before laqat loads
 import torch
 from checkpoint import read_checkpoint, restore_weights, save_checkpoint, weights_of
-from corpus import eval_batches, load_corpus, train_batch
+from corpus import SOURCES, eval_batches, load_corpus, train_batch
 from metrics import MetricsLog, read_records
-from plot import plot_curves
-from report import markdown, rows
+from plot import plot_curves, plot_spans
+from report import markdown, rows, span_differences
 
 POLICIES = ("state_fp8", "decode_token_state_fp8", "state_int8_block32", "state_int8_hadamard32",
             "prefill_operands_fp8", "prefill_operands_nvfp4")
+STATE_POLICIES = ("decode_state_fp8_tile64", "decode_state_int8_block32", "decode_state_int8_head",
+                  "decode_state_int8_hadamard32", "decode_cache_bf16", "decode_cache_fp16")
+POLICY_DIR = Path(__file__).resolve().parent / "policies"  # the study's own policies: <name>.yaml
 MODES = ("qat", "qad")
 
 GPU_DEFAULTS = dict(hidden=384, heads=6, head_dim=64, layers="gdn,kda,gdn,kda", seq_len=512, batch_size=32,
@@ -51,6 +54,14 @@ HELP = {"pretrain_budget_s": "pretraining ends inside this many seconds (its com
         "warm_processes": "pretrain stage on CUDA: processes compiling every policy in the background",
         "seeds": "comma-separated; a seed chooses the fine-tuning batches", "policies": "comma-separated recipes",
         "modes": "comma-separated: qat, qad", "layers": "comma-separated: gdn, kda"}
+# The state-cache study (docs/qat-study.md, "State caches over a long decode"): a ~113M-parameter GDN LM on English
+# prose, 2048-byte windows decoded from the state over their second half, one policy per state format.
+STATE_CACHE = dict(hidden=1024, heads=8, head_dim=128, layers="gdn*12", seq_len=2048, batch_size=16,
+                   eval_sequences=128, pretrain_steps=1000, pretrain_lr=1e-3, pretrain_warmup=100,
+                   pretrain_budget_s=240.0, finetune_steps=60, finetune_lr=2e-4, finetune_warmup=6, seeds="0",
+                   policies=",".join(STATE_POLICIES), modes="qat,qad", budget_s=540.0, warm_processes=3,
+                   corpus="prose")
+PRESETS = {"policies": {}, "state-cache": STATE_CACHE}
 SMOKE = dict(hidden=32, heads=2, head_dim=8, layers="gdn,kda", seq_len=32, batch_size=2, eval_sequences=4,
              pretrain_steps=8, pretrain_lr=3e-3, pretrain_warmup=2, pretrain_budget_s=None, finetune_steps=4,
              finetune_lr=3e-3, finetune_warmup=1, seeds="0,1", policies="decode_token_state_fp8", modes="qat,qad",
@@ -72,6 +83,12 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="the CPU pipeline: tiny model, a few steps, checks")
     p.add_argument("--from", dest="pretrained", default=None, help="finetune: the pretrain stage's checkpoint")
     p.add_argument("--out", default=os.environ.get("OUT", "out/qat-study"))
+    p.add_argument("--preset", default="policies", choices=tuple(PRESETS),
+                   help="policies: the serving recipes on the small hybrid model (the defaults below); state-cache: "
+                        "the state formats over a long decode on a ~113M GDN LM (flags given still win)")
+    p.add_argument("--corpus", default=None, choices=SOURCES, help="default stdlib (state-cache: prose)")
+    p.add_argument("--corpus-dir", default=None,
+                   help="prose: the folder holding examples/qat/prose.py's tarballs (default: fetched into the cache)")
     for name, value in GPU_DEFAULTS.items():
         kind = type(value) if value is not None else float
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
@@ -86,7 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=qat.DTYPES, help="auto: bfloat16 on CUDA, float32 elsewhere")
     args = p.parse_args(argv)
-    defaults = {**GPU_DEFAULTS, "compiler": "inductor", "kernel_family": None, "device": None}
+    defaults = {**GPU_DEFAULTS, "compiler": "inductor", "kernel_family": None, "device": None, "corpus": "stdlib",
+                **PRESETS[args.preset]}
     if args.smoke:
         defaults.update(SMOKE)
     for name, value in defaults.items():
@@ -104,10 +122,11 @@ def parse_args(argv=None):
 def _check(args) -> None:
     from la_compiler.recipes import recipe_names
 
-    unknown = [p for p in args.policy_list if p not in recipe_names() or p == "exact"]
+    unknown = [p for p in args.policy_list if policy_source(p) is None]
     if unknown or not args.policy_list:
         raise StudyError(f"--policies: {unknown or 'none given'}: choose from the recipes "
-                         f"{[r for r in recipe_names() if r != 'exact']} (exact is always evaluated)")
+                         f"{[r for r in recipe_names() if r != 'exact']} and the study's "
+                         f"{sorted(f.stem for f in POLICY_DIR.glob('*.yaml'))} (exact is always evaluated)")
     bad_modes = [m for m in args.mode_list if m not in MODES]
     if bad_modes:
         raise StudyError(f"--modes: {bad_modes} are not modes; choose from {MODES}")
@@ -117,6 +136,16 @@ def _check(args) -> None:
         raise StudyError("--from: the finetune stage starts from the pretrain stage's checkpoint (pretrained.pt)")
     if args.smoke and args.stage != "all":
         raise StudyError("--smoke runs every stage: leave --stage out")
+
+
+def policy_source(name: str):
+    """A recipe's name as it is, a study policy's file (examples/qat/policies/<name>.yaml), else None."""
+    from la_compiler.recipes import recipe_names
+
+    if name in recipe_names() and name != "exact":
+        return name
+    path = POLICY_DIR / f"{name}.yaml"
+    return str(path) if path.is_file() else None
 
 
 def train_config(args, *, stage: str, seed: int, mode: str = "qat", **overrides) -> qat.TrainConfig:
@@ -165,7 +194,8 @@ class Zoo:
         if policy not in self.instances:
             model = qat.build_model(self.model_config, self.args.device, qat.model_dtype(self.args.dtype,
                                                                                          self.args.device))
-            self.instances[policy] = qat.CompiledModel(model, policy, compiler=self.args.compiler,
+            self.instances[policy] = qat.CompiledModel(model, "exact" if policy == "exact" else policy_source(policy),
+                                                       compiler=self.args.compiler,
                                                        kernel_family=self.args.kernel_family)
         return self.instances[policy]
 
@@ -241,8 +271,8 @@ def finish_warm_processes(procs, timeout_s: float = 150.0) -> list[dict]:
 
 def size_flags(args) -> list[str]:
     names = ("hidden", "heads", "head_dim", "layers", "seq_len", "batch_size", "eval_sequences", "compiler",
-             "kernel_family", "device", "dtype", "prefill_fraction")
-    return [x for n in names for x in ("--" + n.replace("_", "-"), str(getattr(args, n)))]
+             "kernel_family", "device", "dtype", "prefill_fraction", "corpus", "corpus_dir")
+    return [x for n in names if getattr(args, n) is not None for x in ("--" + n.replace("_", "-"), str(getattr(args, n)))]
 
 
 def warm(args, corpus) -> None:
@@ -366,7 +396,7 @@ class Study:
     def results(self) -> dict:
         decode = [p for p in self.args.policy_list if self.zoo.get(p).decode]
         return {
-            "config": {"seeds": self.args.seed_list, "policies": self.args.policy_list, "modes": self.args.mode_list,
+            "config": {"preset": self.args.preset, "seeds": self.args.seed_list, "policies": self.args.policy_list, "modes": self.args.mode_list,
                        "finetune_steps": self.args.finetune_steps, "finetune_lr": self.args.finetune_lr,
                        "batch_size": self.args.batch_size, "seq_len": self.args.seq_len,
                        "eval_sequences": self.args.eval_sequences, "prefill_fraction": self.args.prefill_fraction,
@@ -408,6 +438,19 @@ def write_results(results: dict, out: Path, final: bool = True) -> None:
     print(f"\n{head}\n\n{text}{skipped}\n", flush=True)
     records = read_records(out / "runs.jsonl") if (out / "runs.jsonl").exists() else []
     plot_curves(records, out / "curves.png", title="QAT / QAD / control runs")
+    plot_positions(results, out / "positions.png")
+
+
+def plot_positions(results: dict, path: Path):
+    """positions.png: the by-position differences of every decode-phase policy (report.span_differences)."""
+    by_comparison: dict[str, dict[str, list]] = {}
+    starts = None
+    for row in rows(results):
+        for comparison, values in span_differences(row).items():
+            by_comparison.setdefault(comparison, {})[row.policy] = values
+            starts = row.exact["span_starts"]
+    if starts:
+        plot_spans(by_comparison, starts, path, title="NLL differences along the scored positions")
 
 
 # ---- the smoke run's checks ---------------------------------------------------------------------
@@ -459,7 +502,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     qat.prepare_dynamo()
-    corpus = load_corpus().to(args.device)
+    corpus = load_corpus(source=args.corpus, root=args.corpus_dir).to(args.device)
     print(f"corpus: {corpus.describe()}", flush=True)
     if args.stage == "warm":
         return warm(args, corpus)

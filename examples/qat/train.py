@@ -203,6 +203,10 @@ class EvalResult:
     per_sequence: list[float]  # each sequence's mean NLL, for paired comparisons
     tokens: int
     start: int  # the first scored position
+    # the scored positions cut into equal spans (the last ones one shorter where they do not divide): per sequence,
+    # the mean NLL of each span, for where along the decode suffix a difference grows
+    per_span: list[list[float]] = dataclasses.field(default_factory=list)
+    span_starts: list[int] = dataclasses.field(default_factory=list)  # each span's first position
 
     @property
     def ppl(self) -> float:
@@ -210,15 +214,15 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         return {"nll": self.nll, "ppl": self.ppl, "tokens": self.tokens, "start": self.start,
-                "per_sequence": self.per_sequence}
+                "per_sequence": self.per_sequence, "per_span": self.per_span, "span_starts": self.span_starts}
 
 
 def evaluate(compiled: CompiledModel, batches: list[torch.Tensor], prefill: int | None = None,
-             start: int | None = None) -> EvalResult:
+             start: int | None = None, spans: int = 8) -> EvalResult:
     """Held-out NLL through the training graph. ``prefill`` runs a decode phase; ``start`` (default: the
-    prefill length, else 0) is the first scored position."""
+    prefill length, else 0) is the first scored position; ``spans``: how many position spans ``per_span`` has."""
     start = (prefill or 0) if start is None else start
-    per_sequence, total, count = [], 0.0, 0
+    per_sequence, per_span, total, count, span_starts = [], [], 0.0, 0, []
     with torch.enable_grad():
         for tokens in batches:
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -227,9 +231,12 @@ def evaluate(compiled: CompiledModel, batches: list[torch.Tensor], prefill: int 
             nll = F.cross_entropy(logits[:, start:].float().transpose(1, 2), targets[:, start:],
                                   reduction="none").detach()
             per_sequence += nll.mean(1).tolist()
+            pieces = torch.tensor_split(nll, min(spans, nll.shape[1]), dim=1)
+            per_span += torch.stack([piece.mean(1) for piece in pieces], dim=1).tolist()
+            span_starts = [start + int(s) for s in torch.tensor([0] + [p.shape[1] for p in pieces[:-1]]).cumsum(0)]
             total += nll.sum().item()
             count += nll.numel()
-    return EvalResult(total / count, per_sequence, count, start)
+    return EvalResult(total / count, per_sequence, count, start, per_span, span_starts)
 
 
 # ---- optimizer and schedule ---------------------------------------------------------------------
@@ -400,12 +407,23 @@ MODEL_FLAGS = {"hidden": ("hidden_size", 256), "heads": ("num_heads", 4), "head_
                "layers": ("layers", "gdn,kda,gdn,kda")}
 
 
+def layer_kinds(text) -> list[str]:
+    """``"gdn,kda"`` -> ["gdn", "kda"]; ``"gdn*12"`` (or ``"gdn*2,kda"``) repeats an entry."""
+    kinds = []
+    for entry in str(text).split(","):
+        kind, _, times = entry.partition("*")
+        if times and not (times.isdigit() and int(times) > 0):
+            raise TrainConfigError(f"--layers: {entry!r}: write kind*N with N a positive integer")
+        kinds += [kind] * int(times or 1)
+    return kinds
+
+
 def model_config_of(args, stored: dict | None = None) -> dict:
     """The model's size from the flags, or the checkpoint's (``stored``), which a given flag may not contradict."""
     given = {flag: getattr(args, flag) for flag in MODEL_FLAGS if getattr(args, flag, None) is not None}
     values = {flag: given.get(flag, default) for flag, (_, default) in MODEL_FLAGS.items()}
     config = {"vocab_size": VOCAB_SIZE, "hidden_size": values["hidden"], "num_heads": values["heads"],
-              "head_dim": values["head_dim"], "layers": list(str(values["layers"]).split(",")), "use_short_conv": True}
+              "head_dim": values["head_dim"], "layers": layer_kinds(values["layers"]), "use_short_conv": True}
     if stored is None:
         return config
     for flag in given:

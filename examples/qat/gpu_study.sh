@@ -10,6 +10,13 @@
 #                                        .gpu-cache/pretrained.pt: the table, study.json, study.md, runs.jsonl,
 #                                        curves.png, study.log.
 #
+#   examples/qat/gpu_study.sh state      the state-cache study (study.py --preset state-cache) in one command: set-up,
+#                                        pretraining and the first seed's runs, inside STATE_BUDGET_S (default 470) s;
+#                                        the prose tarballs from .gpu-cache/prose/ (examples/qat/prose.py --fetch). Its
+#                                        working folder out/state-study/ stays on the machine (pretrained.pt)
+#   examples/qat/gpu_study.sh state-seed N   the finetune stage of seed N from out/state-study/pretrained.pt, on
+#                                        the same machine while it is still held (within its idle time)
+#
 # Between the two, copy what the first returned (pretrained.pt and caches.tgz.*) into .gpu-cache/ (git-ignored:
 # `echo /.gpu-cache/ >> .git/info/exclude`) and carry .whl and .gpu-cache (64 MiB in all: the checkpoint is ~11 MB).
 # Extra arguments go to study.py (e.g. --finetune-steps 300). OUT defaults to ./out.
@@ -59,8 +66,31 @@ case $stage in
     echo "command seconds: $SECONDS"
     exit "$status"
     ;;
+  state|state-seed)
+    chores_setup || exit 1
+    work=out/state-study
+    if [ "$stage" = state ]; then
+      args=(--stage all --out "$work")
+    else
+      seed=${1:?state-seed: give the seed}; shift
+      [ -f "$work/pretrained.pt" ] || { echo "$work/pretrained.pt: not on this machine (run the state stage)"; exit 2; }
+      args=(--stage finetune --from "$work/pretrained.pt" --seeds "$seed" --out "$work-seed$seed")
+      work=$work-seed$seed
+    fi
+    timeout $(( ${STATE_BUDGET_S:-470} + 60 )) python3 examples/qat/study.py --preset state-cache \
+      --corpus-dir .gpu-cache/prose --budget-s "${STATE_BUDGET_S:-470}" "${args[@]}" "$@" 2>&1 | tee "$OUT/study.log"
+    status=${PIPESTATUS[0]}
+    cp "$work"/study.json "$work"/study.md "$work"/positions.png "$work"/curves.png "$work"/pretrain.json "$OUT"/ \
+      2>/dev/null
+    out=$(realpath "$OUT")
+    (cd "$work" && tar czf "$out/logs.tgz" $(ls pretrain.jsonl pretrain.png runs.jsonl warm*.log 2>/dev/null) \
+      -C "$out" study.log machine.json) && rm -f "$out"/study.log "$out"/machine.json "$out"/install.log
+    ls -l "$OUT"
+    echo "command seconds: $SECONDS"
+    exit "$status"
+    ;;
   *)
-    sed -n '2,15p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
     ;;
 esac

@@ -411,8 +411,8 @@ def layer_kinds(text) -> list[str]:
     """``"gdn,kda"`` -> ["gdn", "kda"]; ``"gdn*12"`` (or ``"gdn*2,kda"``) repeats an entry."""
     kinds = []
     for entry in str(text).split(","):
-        kind, _, times = entry.partition("*")
-        if times and not (times.isdigit() and int(times) > 0):
+        kind, star, times = entry.partition("*")
+        if star and not (times.isdigit() and int(times) > 0):
             raise TrainConfigError(f"--layers: {entry!r}: write kind*N with N a positive integer")
         kinds += [kind] * int(times or 1)
     return kinds

@@ -288,3 +288,137 @@ def test_paired_differences_and_their_combination():
     d = report.combine([(1.0, 0.1), (3.0, 0.1)])
     assert d.mean == 2.0 and d.sigma == pytest.approx(math.sqrt(0.02 / 4 + 2.0 / 2))
     assert report.Difference(0.1, 0.05).inside_noise and not report.Difference(0.11, 0.05).inside_noise
+
+
+# ---- the state-cache preset: prose, layer lists, position spans, the study's policies -------------
+
+def _npm_tarball(path: Path, files: dict[str, str]) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as archive:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"package/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+def _fake_prose(folder: Path, monkeypatch) -> None:
+    import hashlib
+
+    import prose
+
+    speeches = {f"data/{1790 + i}_speaker_{i}.txt": f"Address {i}. " * (40 + i) for i in range(40)}
+    speeches |= {f"data/{1790 + i}_speaker_{i}.json": "{}" for i in range(3)}
+    chapters = {f"data/chapter_{i}.txt": f"Chapter {i}. Call me Ishmael. " * 30 for i in range(1, 21)}
+    chapters |= {"data/data.txt": "the whole book again", "data/contents.txt": "CONTENTS", "README.md": "readme"}
+    tarballs = []
+    for base, files in ((prose.TARBALLS[0], speeches), (prose.TARBALLS[1], chapters)):
+        _npm_tarball(folder / base.filename, files)
+        digest = hashlib.sha256((folder / base.filename).read_bytes()).hexdigest()
+        tarballs.append(prose.NpmTarball(base.package, base.version, digest, base.prefix, base.skip))
+    monkeypatch.setattr(prose, "TARBALLS", tuple(tarballs))
+
+
+def test_prose_documents_are_the_data_texts_and_split_by_name(tmp_path, monkeypatch):
+    import prose
+
+    _fake_prose(tmp_path, monkeypatch)
+    documents = prose.prose_documents(tmp_path)
+    assert len(documents) == 60 and "sotu/1790_speaker_0" in documents and "moby_dick/chapter_7" in documents
+    assert not any(name.endswith(("/data", "/contents", "README")) for name in documents)
+    assert documents["moby_dick/chapter_3"] == ("Chapter 3. Call me Ishmael. " * 30).encode()
+    data = corpus.load_corpus(heldout_fraction=0.2, root=tmp_path, source="prose")
+    assert set(data.heldout_modules) == {m for m in documents if corpus.is_heldout(m, 0.2)}
+    assert data.train_modules and data.heldout_modules and data.describe()["source"] == prose.DESCRIPTION
+    assert int((data.train == corpus.BOS).sum()) == len(data.train_modules)
+    assert data.train.numel() + data.heldout.numel() == sum(len(t) + 1 for t in documents.values())
+
+
+def test_a_prose_tarball_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
+    import prose
+
+    _fake_prose(tmp_path, monkeypatch)
+    moby = tmp_path / prose.TARBALLS[1].filename
+    moby.write_bytes(moby.read_bytes()[:-1] + b"x")
+    with pytest.raises(prose.ProseError, match="SHA-256"):
+        prose.prose_documents(tmp_path)
+    with pytest.raises(prose.ProseError, match="not found.*--fetch"):
+        prose.prose_documents(tmp_path / "empty")
+    with pytest.raises(corpus.CorpusError, match="source"):
+        corpus.load_corpus(source="wiki")
+
+
+def test_a_layer_list_repeats_an_entry_with_a_count():
+    assert train.layer_kinds("gdn*3,kda") == ["gdn", "gdn", "gdn", "kda"]
+    assert train.layer_kinds("gdn,kda") == ["gdn", "kda"]
+    for bad in ("gdn*", "gdn*0", "gdn*x"):
+        with pytest.raises(train.TrainConfigError, match="--layers"):
+            train.layer_kinds(bad)
+
+
+class _FixedLogits:
+    """A stand-in for a compiled model: returns given logits."""
+
+    def __init__(self, logits):
+        self._logits = logits
+
+    def phase(self, prefill):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def logits(self, inputs):
+        return self._logits[: inputs.shape[0]]
+
+
+def test_the_position_spans_partition_the_scored_positions():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 11, (3, 14))
+    logits = torch.randn(3, 13, 11)
+    result = train.evaluate(_FixedLogits(logits), [tokens], start=3, spans=4)
+    nll = torch.nn.functional.cross_entropy(logits[:, 3:].transpose(1, 2), tokens[:, 4:], reduction="none")
+    assert result.span_starts == [3, 6, 9, 11]  # 10 positions: spans of 3, 3, 2, 2
+    expected = [[row[a - 3:b - 3].mean().item() for a, b in zip([3, 6, 9, 11], [6, 9, 11, 13])] for row in nll]
+    assert torch.allclose(torch.tensor(result.per_span), torch.tensor(expected), rtol=1e-6)
+    assert result.per_sequence == pytest.approx(nll.mean(1).tolist(), rel=1e-6)
+
+
+def test_the_position_table_finds_a_difference_that_grows_along_the_suffix():
+    def record(model, under, per_span, seed=None, trained_under=None):
+        per_sequence = [sum(w) / len(w) for w in per_span]
+        return {"model": model, "under": under, "scoring": "suffix", "seed": seed, "trained_under": trained_under,
+                "nll": sum(per_sequence) / len(per_sequence), "ppl": 1.0, "per_sequence": per_sequence,
+                "per_span": per_span, "span_starts": [8, 12]}
+
+    windows = [[2.0 + 0.01 * i, 2.0 - 0.01 * i] for i in range(8)]
+    growing = [[a + 0.0001 * (-1) ** i, b + 0.2 + 0.001 * i] for i, (a, b) in enumerate(windows)]
+    results = {"config": {"seeds": [0], "policies": ["int8"]}, "decode_policies": ["int8"], "runs": [],
+               "evals": [record("pretrained", "exact", windows), record("pretrained", "int8", growing),
+                         record("control", "int8", growing, 0, "exact"), record("control", "exact", windows, 0, "exact"),
+                         record("qat", "int8", windows, 0, "int8")]}
+    (row,) = report.rows(results)
+    diffs = report.span_differences(row)
+    first, second = diffs["no QAT - exact"]
+    assert first.inside_noise and not second.inside_noise and second.mean == pytest.approx(0.2035, abs=1e-6)
+    assert diffs["QAT - control"][1].mean == pytest.approx(-0.2035, abs=1e-6)
+    text = report.markdown(results)
+    assert "| policy | difference | from 8 | from 12 |" in text
+    assert re.search(r"\| int8 \| no QAT - exact \| [+-]0\.0000 ± 0\.0001 \| \+0\.2035 ± 0\.0017 \* \|", text), text
+
+
+@pytest.mark.parametrize("name, block_v, state_dtype", [
+    ("decode_state_fp8_tile64", 64, None), ("decode_state_int8_block32", 64, None),
+    ("decode_state_int8_head", 128, None), ("decode_state_int8_hadamard32", 64, None),
+    ("decode_cache_bf16", 64, "bfloat16"), ("decode_cache_fp16", 64, "float16")])
+def test_the_study_policies_decode_token_by_token_from_their_state_format(name, block_v, state_dtype):
+    import study
+
+    policy = la_compiler.load_policy(study.policy_source(name))
+    (rule,) = policy.linear_attention
+    assert policy.name == name and rule.cfg.decode.mode == "token" and train.is_decode_policy(policy)
+    assert rule.cfg.state.block_v == block_v
+    assert (rule.cfg.serving.state_dtype if rule.cfg.serving else None) == state_dtype
+    assert name in study.STATE_POLICIES and study.parse_args(["--preset", "state-cache"]).policy_list == list(
+        study.STATE_POLICIES)

@@ -497,7 +497,29 @@ def check_resume(study: Study) -> None:
     path.unlink()
 
 
+def merge_command(paths: list[str], out: Path) -> None:
+    """``study.py --merge A/study.json B/study.json --out C``: one table from commands that fine-tuned the same
+    checkpoint (report.merge), written as a study's files (study.json, study.md, positions.png)."""
+    from report import merge
+
+    results = merge(*(json.loads(Path(p).read_text()) for p in paths))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps(results))
+    env = results["environment"]
+    head = (f"{env['device']}, torch {env['torch']}, Triton {env['triton']}, FLA {env['fla']}, Python "
+            f"{env['python']}, commit {env['commit']}; {len(paths)} commands, {results['seconds']:.0f} s")
+    skipped = "".join(f"\n- skipped (budget): {s['run']}" for s in results["skipped"])
+    (out / "study.md").write_text(f"{head}\n\n{markdown(results)}\n{skipped}\n")
+    plot_positions(results, out / "positions.png")
+    print((out / "study.md").read_text())
+
+
 def main(argv=None) -> None:
+    if argv is None and sys.argv[1:2] == ["--merge"]:
+        *paths, flag, out = sys.argv[2:]
+        if flag != "--out" or not paths:
+            raise StudyError("--merge: write study.py --merge A/study.json B/study.json ... --out FOLDER")
+        return merge_command(paths, Path(out))
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -422,3 +422,27 @@ def test_the_study_policies_decode_token_by_token_from_their_state_format(name, 
     assert (rule.cfg.serving.state_dtype if rule.cfg.serving else None) == state_dtype
     assert name in study.STATE_POLICIES and study.parse_args(["--preset", "state-cache"]).policy_list == list(
         study.STATE_POLICIES)
+
+
+def test_merging_two_commands_on_one_checkpoint_gives_the_table_of_one_run():
+    whole = _results()
+    for r in (whole,):
+        r.update(corpus={"fingerprint": "f"}, pretrain={"steps": 9}, skipped=[], command="whole", seconds=1.0)
+        r["config"]["modes"] = ["qat", "qad"]
+
+    def part(modes, skipped=()):
+        keep = [e for e in whole["evals"] if e["model"] in ("pretrained", "control") or e["model"] in modes]
+        return {**whole, "evals": [dict(e) for e in keep], "config": {**whole["config"], "modes": list(modes)},
+                "runs": [r for r in whole["runs"] if r["mode"] in modes], "command": "+".join(modes),
+                "skipped": [{"run": s} for s in skipped]}
+
+    first, second = part(["qat"], skipped=["big/qad/seed0"]), part(["qad"])
+    for e in second["evals"]:  # the second command's own control: a repeat the merge drops
+        if e["model"] == "control":
+            e["per_sequence"] = [x + 1.0 for x in e["per_sequence"]]
+    merged = report.merge(first, second)
+    assert report.markdown(merged) == report.markdown(whole)
+    assert merged["skipped"] == [] and merged["config"]["modes"] == ["qat", "qad"]
+    assert [m["command"] for m in merged["merged_from"]] == ["qat", "qad"]
+    with pytest.raises(ValueError, match="another corpus or pretrained model"):
+        report.merge(first, {**second, "pretrain": {"steps": 10}})

@@ -4,6 +4,8 @@
     python examples/qat/study.py --stage pretrain --out $OUT                     # H200, command 1
     python examples/qat/study.py --stage finetune --from $OUT/pretrained.pt --out $OUT   # H200, command 2
     python examples/qat/study.py --out $OUT                                      # both stages in one process
+    python examples/qat/study.py --preset state-cache --out $OUT                 # the state formats, 114M GDN LM
+    python examples/qat/study.py --merge A/study.json B/study.json --out C        # commands on one checkpoint
 
 1. pretrain: the model (la_compiler.tiny_models.TinyHybridLM: FLA GatedDeltaNet / KimiDeltaAttention blocks)
    learns the standard library's source with exact numerics, compiled with laqat's backend, for

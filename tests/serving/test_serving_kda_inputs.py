@@ -191,7 +191,8 @@ def test_a_kda_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, chun
     rules = [r for g in last_record().graphs for m in g.matches for r in m.policy_rules]
     assert any(r.startswith("serving pre-processing: ") and "q: vLLM's l2 norm" in r and "k: vLLM's l2 norm" in r
                and "g: vLLM's KDA gate" in r and "beta: sigmoid(b) in fp32" in r for r in rules), rules
-    assert any(("forward: the server's kernels" if forward == "auto" else "forward: laqat's") in r for r in rules), rules
+    said = "forward: the server's kernels" if forward == "auto" else "forward: laqat's"
+    assert any(said in r for r in rules), rules
     expected = _vllm_layer(vllm, mixed, raw_g, raw_b, gate.A_log.view(-1), gate.dt_bias, H, K, prefill)
     assert out.dtype == BF16
     if forward == "auto":  # vLLM's kernels on the server's pre-processing: its layer

@@ -241,7 +241,7 @@ def serving_summary(profile: str, kind: str, state_dtype: str, forward: str) -> 
     release = SERVING_RELEASES[profile]
     cache = {"auto": "auto (GDN: the model's dtype; KDA: float32)"}.get(state_dtype, state_dtype)
     kernels = ("prefill: Triton chunk_gated_delta_rule, decode: Triton fused_recurrent packed decode" if kind == "gdn"
-               else "prefill: Triton chunk_kda, decode: Triton fused_recurrent_kda")
+               else "prefill: Triton chunk_kda_with_fused_gate, decode: Triton fused_recurrent_kda packed decode")
     return (f"{engine} {release} {kind.upper()} ({kernels}); --mamba-ssm-cache-dtype {cache}; "
             f"{'; '.join(SERVING_PINS[profile, kind])}; forward: {forward}")
 

@@ -6,8 +6,8 @@ decode-phase serving op's forward runs vLLM's Triton kernels as vLLM's serving l
 1. the state cache ``[slots, HV, V, K]`` in the cache dtype, slot 0 vLLM's NULL block; an initial state is
    written into it with ``.to(cache dtype)``;
 2. the prefixes of every sequence with one, packed, through vLLM's chunk kernel (``chunk_gated_delta_rule``,
-   vLLM's copy of FLA, or Kimi's ``chunk_kda``) from the cached states; the final states go back into the cache
-   with ``.to(cache dtype)``;
+   vLLM's copy of FLA, or Kimi's ``chunk_kda_with_fused_gate`` stages, ``kda_prefill_with_fused_gate``) from the
+   cached states; the final states go back into the cache with ``.to(cache dtype)``;
 3. one launch of vLLM's recurrent kernel per decode step (``fused_recurrent_gated_delta_rule`` /
    ``fused_recurrent_kda_fwd``), every sequence still decoding in it, reading and writing the cache in place.
 
@@ -88,6 +88,22 @@ def _shared_token_stride(*xs):
     return out
 
 
+def kda_prefill_with_fused_gate(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens):
+    """Kimi's prefill as its layers run it (``chunk_kda_with_fused_gate``), from the log-decay g: the fused gate
+    kernel's cumsum (``tl.cumsum`` within each 64-token chunk, times 1 / ln 2) fed the raw gate -g with A_log 0 and
+    a softplus linear everywhere (threshold -inf), so that its gate ``-exp(0) * -g`` is g exactly; then its later
+    stages. (``chunk_kda``, the canonical-gate entry no layer calls, sums G with a masked dot: other fp32 bits.)"""
+    chunk = _modules()["kda_chunk"]
+    chunk_indices = chunk.prepare_chunk_indices(cu_seqlens, chunk.FLA_CHUNK_SIZE)
+    g_cum, _ = chunk.fused_kda_gate_chunk_cumsum(
+        -g, raw_beta=beta, A_log=g.new_zeros(g.shape[2], dtype=torch.float32), g_bias=None, threshold=float("-inf"),
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk.FLA_CHUNK_SIZE)
+    return chunk._chunk_kda_fwd_with_cumulative_g(
+        q=q, k=k, v=v, g=g_cum, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        chunk_size=chunk.FLA_CHUNK_SIZE)
+
+
 def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths, valid_lengths):
     """(o [B, T, HV, V] in q's dtype, zero past each valid length; final states fp32 in the spec's layout): what
     the server computes for these tokens (module docstring)."""
@@ -116,7 +132,7 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
         slots = torch.tensor([i + 1 for i in p.prefix_seqs], device=dev)
         # a serving pass's fp32 q, k hold v's dtype's values on prefix tokens (passes/serving_inputs.py)
         args = [tokens(x, p.prefix_rows) for x in (q.to(v.dtype), k.to(v.dtype), v, g, beta)]
-        chunk = (m["gdn_chunk"].chunk_gated_delta_rule if spec.kind == "gdn" else m["kda_chunk"].chunk_kda)
+        chunk = (m["gdn_chunk"].chunk_gated_delta_rule if spec.kind == "gdn" else kda_prefill_with_fused_gate)
         o_pre, ht = chunk(*args, scale=scale, initial_state=cache[slots].clone(), output_final_state=True,
                           cu_seqlens=p.prefix_cu)
         o[p.prefix_rows] = o_pre[0].to(q.dtype)

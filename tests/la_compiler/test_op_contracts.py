@@ -23,6 +23,7 @@ import la_compiler.ir.delta_rule  # noqa: F401
 import la_compiler.ir.log_decay  # noqa: F401
 import la_compiler.ir.delta_rule_phased  # noqa: F401
 import la_compiler.kernels.decode.serving_inputs  # noqa: F401
+import la_compiler.kernels.decode.serving_kda_inputs  # noqa: F401
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.fla import conv_op, norm_op  # noqa: F401
 
@@ -521,6 +522,21 @@ def test_serving_gdn_gate(case):
 @pytest.mark.parametrize("case", FLA_CASES, ids=str)
 def test_serving_sigmoid(case):
     opcheck("serving_sigmoid", (laid_out((torch.randn(2, 5, 3) * 3).to(case.dtype), case.layout, grad=True),))
+
+
+# ---- a KDA serving profile's pre-processing (kernels/decode/serving_kda_inputs.py) ----------------------------------
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_serving_kda_l2norm(case):
+    x = laid_out((torch.randn(2, 5, 3, D) * 3).to(case.dtype), case.layout, grad=True)
+    opcheck("serving_kda_l2norm", (x, _prefix()))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=str)
+def test_serving_kda_gate(case):
+    g = laid_out((torch.randn(2, 5, 3, 4) * 8).to(case.dtype), case.layout, grad=True)
+    A_log = laid_out(torch.randn(3), "contiguous", time_dim=None, grad=True)
+    dt_bias = laid_out(torch.randn(12), case.layout, time_dim=None, grad=True) if case.optional else None
+    opcheck("serving_kda_gate", (g, A_log, dt_bias))
 
 
 # ---- the log of a decay passed in exponentiated (la_compiler/ir/log_decay.py) ------------------------------------

@@ -7,8 +7,9 @@ canonical operands (q, k after l2norm, the log-decay g, beta after its sigmoid):
 1. the state cache: one slot per sequence (slot 0 is vLLM's NULL block), ``[slots, HV, V, K]`` in the cache
    dtype (``mamba_ssm_cache_dtype``); an initial state is written into it (``.to(cache dtype)``);
 2. prefill: the prefixes of every sequence with one, packed, through the chunk kernel
-   (``chunk_gated_delta_rule`` / ``chunk_kda``) with the cached states as initial states; the final states
-   go back into the cache with ``.to(cache dtype)`` (``ssm_state[idx] = last_recurrent_state.to(...)``);
+   (``chunk_gated_delta_rule`` / ``chunk_kda_with_fused_gate``'s stages) with the cached states as initial
+   states; the final states go back into the cache with ``.to(cache dtype)``
+   (``ssm_state[idx] = last_recurrent_state.to(...)``);
 3. decode: one token per sequence per step, every active sequence in one launch of the recurrent kernel
    (``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda_fwd``) reading and writing the cache in
    place; the kernel stores the state with ``b_h.to(cache dtype)`` after the output is read from the fp32
@@ -46,6 +47,19 @@ def _shared_token_stride(*xs):
     return out
 
 
+def _kda_prefill(chunk, q, k, v, g, beta, *, scale, initial_state, cu_seqlens):
+    """Kimi's layers prefill through ``chunk_kda_with_fused_gate``, whose gate kernel sums the gate within each chunk
+    (``tl.cumsum``, times 1 / ln 2) where ``chunk_kda`` sums it with a masked dot. From the log-decay g: that kernel
+    on the raw gate -g with A_log 0 and a softplus linear everywhere (threshold -inf), its gate ``-exp(0) * -g`` = g
+    exactly, then the chunk stages it feeds."""
+    chunk_indices = chunk.prepare_chunk_indices(cu_seqlens, 64)
+    g_cum, _ = chunk.fused_kda_gate_chunk_cumsum(-g, raw_beta=beta, A_log=torch.zeros(g.shape[2], device=g.device),
+                                                 threshold=float("-inf"), cu_seqlens=cu_seqlens,
+                                                 chunk_indices=chunk_indices)
+    return chunk._chunk_kda_fwd_with_cumulative_g(q, k, v, g_cum, beta, scale, initial_state, True,
+                                                  cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+
+
 def serve(vllm, kind, q, k, v, g, beta, *, prefill_lengths, valid_lengths, cache_dtype, scale=None,
           initial_state=None, cu_seqlens=None):
     B, T, H, K = q.shape
@@ -73,8 +87,7 @@ def serve(vllm, kind, q, k, v, g, beta, *, prefill_lengths, valid_lengths, cache
             o_pre, ht = vllm.gdn_chunk.chunk_gated_delta_rule(*args, scale=scale, initial_state=h0,
                                                                output_final_state=True, cu_seqlens=cu)
         else:
-            o_pre, ht = vllm.kda_chunk.chunk_kda(*args, scale=scale, initial_state=h0, output_final_state=True,
-                                                 cu_seqlens=cu)
+            o_pre, ht = _kda_prefill(vllm.kda_chunk, *args, scale=scale, initial_state=h0, cu_seqlens=cu)
         o[rows] = o_pre[0].to(q.dtype)
         cache[slots] = ht.to(cache_dtype)
 

@@ -1,0 +1,260 @@
+"""KDA's server pre-processing (kernels/decode/serving_kda_inputs.py, passes/serving_inputs.py) against vLLM 0.33.0's
+own Kimi-K3 kernels in Triton's interpreter (as the GPU rounds): the prefill's ``l2norm_fwd`` and
+``fused_kda_gate_chunk_cumsum`` and the packed decode's in-kernel pre-processing, bit for bit; one KDA layer (FLA's
+``chunk_kda`` with its in-kernel gate, and transformers' Kimi-Linear forget gate with its torch chunk fallback),
+compiled with ``vllm_kda_state_bf16`` in a decode phase, against vLLM's layer's kernel calls on the raw projections
+(``chunk_kda_with_fused_gate`` over the prefix, the bf16 cache write, ``fused_recurrent_kda_packed_decode`` per decode
+token): outputs equal bit for bit. Plus the ops' gradients against fp64 autograd and the pass's warning."""
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+
+import la_compiler
+from la_compiler.backend import last_record
+from la_compiler.kernels.chunk.fwd_pairs import chunk_fwd_kernel_cumsum
+from la_compiler.kernels.decode import serving_kda_inputs  # noqa: F401  (registers the ops)
+from la_compiler.passes.serving_inputs import ServingInputsWarning
+
+BF16 = torch.bfloat16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: vLLM's kernels compiled, as the server runs them
+RCP_LN2 = 1.4426950216293335  # vllm/utils/math_utils.py
+
+
+def _raw(T, H, K, seed=0):
+    """vLLM's KDA operands after the convolution: packed q|k|v, the raw gate [T, H, K], raw beta [T, H]."""
+    g = torch.Generator().manual_seed(seed)
+    mixed = (torch.randn(T, 3 * H * K, generator=g) * 2).to(BF16)
+    raw_g = (torch.randn(T, H, K, generator=g) * 4).to(BF16)  # softplus on both sides of 0 and past its threshold
+    raw_g[0, 0, :3] = 25.0
+    raw_b = (torch.randn(T, H, generator=g) * 2).to(BF16)
+    A_log = torch.rand(H, generator=g).mul(3).log().float()
+    dt_bias = torch.rand(H * K, generator=g).float()
+    return (x.to(DEVICE) for x in (mixed, raw_g, raw_b, A_log, dt_bias))
+
+
+def _laqat_chunk_cumsum(g, C=64):
+    """G = cumsum(g) within each chunk of C tokens, as laqat's chunk kernels compute it (chunk_fwd_kernel_cumsum)."""
+    B, T, HV, K = g.shape
+    g_cum = torch.empty_like(g)
+    BK = triton.next_power_of_2(K)
+    chunk_fwd_kernel_cumsum[(triton.cdiv(T, C), B * HV, 1)](
+        g=g, g_cum=g_cum, cu_seqlens=None, chunk_indices=None, T=T, H=HV, HV=HV, K=K, C=C, BK=BK, IS_VARLEN=False,
+        INDEX_64=False)
+    return g_cum
+
+
+def test_prefill_preprocessing_is_vllms_bit_for_bit(vllm, as_gpu):
+    from vllm.third_party.flash_linear_attention.ops.l2norm import l2norm_fwd
+
+    T, H, K = 100, 2, 16  # two chunks of 64
+    mixed, raw_g, raw_b, A_log, dt_bias = _raw(T, H, K)
+    q = mixed[:, :H * K].reshape(1, T, H, K)
+    k = mixed[:, H * K:2 * H * K].reshape(1, T, H, K)
+    prefix = torch.ones(1, T, dtype=torch.int8, device=DEVICE)
+    for x in (q, k):
+        assert torch.equal(torch.ops.laqat.serving_kda_l2norm(x, prefix), l2norm_fwd(x.contiguous()).float())
+    g_cum, beta = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[None], raw_beta=raw_b[None], A_log=A_log,
+                                                             g_bias=dt_bias)
+    gate = torch.ops.laqat.serving_kda_gate(raw_g[None], A_log, dt_bias)
+    # what laqat's chunk kernel sums of it is what vLLM's fused kernel sums, before its 1 / ln 2 (exp2) scaling
+    assert torch.equal(_laqat_chunk_cumsum(gate) * RCP_LN2, g_cum)
+    assert torch.equal(torch.ops.laqat.serving_sigmoid(raw_b[None]), beta)
+    # the decode's l2 norm is another formula (fp32, not rounded, x / sqrt, not x * rsqrt)
+    assert not torch.equal(torch.ops.laqat.serving_kda_l2norm(q, torch.zeros_like(prefix)),
+                           l2norm_fwd(q.contiguous()).float())
+
+
+def test_decode_preprocessing_is_the_packed_decodes_bit_for_bit(vllm, as_gpu):
+    """One packed decode step from the raw projections equals vLLM's recurrent kernel fed laqat's fp32 q, k, gate
+    and beta (no in-kernel norm or gate): so they are the values the packed kernel computes in the step."""
+    N, H, K = 5, 2, 16
+    mixed, raw_g, raw_b, A_log, dt_bias = _raw(N, H, K, seed=2)
+    state = (torch.randn(N + 1, H, K, K, generator=torch.Generator().manual_seed(4)) * 0.3).to(BF16).to(DEVICE)
+    slots = torch.arange(1, N + 1, dtype=torch.int32, device=DEVICE)
+    packed_state = state.clone()
+    out, _ = vllm.kda_recurrent.fused_recurrent_kda_packed_decode(
+        mixed_qkv=mixed, raw_g=raw_g[None], raw_beta=raw_b[None], A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+        initial_state=packed_state, state_indices=slots)
+    decode = torch.zeros(1, N, dtype=torch.int8, device=DEVICE)
+    q, k = (torch.ops.laqat.serving_kda_l2norm(mixed[:, i * H * K:(i + 1) * H * K].reshape(N, 1, H, K),
+                                               decode.view(N, 1)).view(1, N, H, K) for i in (0, 1))
+    v = mixed[:, 2 * H * K:].reshape(1, N, H, K)
+    g = torch.ops.laqat.serving_kda_gate(raw_g[None], A_log, dt_bias)
+    beta = torch.ops.laqat.serving_sigmoid(raw_b[None])
+    plain_state = state.clone()
+    cu = torch.arange(N + 1, dtype=torch.int32, device=DEVICE)
+    out_plain, _ = vllm.kda_recurrent.fused_recurrent_kda_fwd(
+        q, k, v.float(), g, beta, scale=K ** -0.5, initial_state=plain_state, inplace_final_state=True,
+        cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=False)
+    assert torch.equal(out_plain.to(BF16), out)
+    assert torch.equal(plain_state, packed_state)
+
+
+def _kda_layer_core(mixed, raw_g, raw_b, forget_gate, H, K, chunk):
+    """Kimi's KDA layer from the convolution's output to the recurrence's output: FLA's layer (``fla``: chunk_kda with
+    the gate, beta's sigmoid and the l2 norm in its kernels) or transformers' Kimi-Linear (``torch``: its forget gate
+    module on the hidden states, ``torch.sigmoid(b)``, its torch chunk fallback with the l2 norm in fp32)."""
+    B, T = mixed.shape[:2]
+    q, k, v = (x.reshape(B, T, H, K) for x in torch.split(mixed, [H * K] * 3, dim=-1))
+    if chunk == "fla":
+        from fla.ops.kda import chunk_kda
+
+        out, _ = chunk_kda(q, k, v, g=raw_g, beta=raw_b, A_log=forget_gate.A_log.view(-1),
+                           dt_bias=forget_gate.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                           use_beta_sigmoid_in_kernel=True)
+        return out
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+
+    g = forget_gate(raw_g)  # raw_g: the hidden states here
+    beta = torch.sigmoid(raw_b)
+    out, _ = inspect.unwrap(m.chunk_kimi_delta_attention)(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    return out
+
+
+def _forget_gate(H, K, hidden, seed=5):
+    """transformers' KimiLinearForgetGate, bf16 projections, fp32 A_log [1, 1, H, 1] and dt_bias [H K]."""
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForgetGate
+
+    config = KimiLinearConfig(hidden_size=hidden, num_hidden_layers=1, linear_num_heads=H, linear_head_dim=K)
+    torch.manual_seed(seed)
+    gate = KimiLinearForgetGate(config).to(DEVICE)
+    with torch.no_grad():
+        for lin in (gate.f_a_proj, gate.f_b_proj):
+            lin.weight.copy_(torch.randn_like(lin.weight) * 2 / lin.weight.shape[1] ** 0.5)
+        gate.A_log.copy_(torch.rand(gate.A_log.shape).mul(3).log())
+        gate.dt_bias.copy_(torch.rand(gate.dt_bias.shape))
+    gate.f_a_proj.to(BF16)
+    gate.f_b_proj.to(BF16)
+    return gate
+
+
+def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill):
+    """What vLLM's Kimi-K3 KDA layer (``_forward``, Triton backends) computes for one sequence: the prefix through
+    ``chunk_kda_with_fused_gate``, its state cached in bf16, then one packed decode launch per later token."""
+    T = mixed.shape[0]
+    q, k, v = (x.reshape(1, T, H, K)[:, :prefill] for x in torch.split(mixed, [H * K] * 3, dim=-1))
+    o_pre, ht = vllm.kda_chunk.chunk_kda_with_fused_gate(
+        q=q, k=k, v=v, raw_g=raw_g[None, :prefill], raw_beta=raw_b[None, :prefill], A_log=A_log, g_bias=dt_bias,
+        lower_bound=None, initial_state=torch.zeros(1, H, K, K, device=DEVICE), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
+    cache = torch.zeros(2, H, K, K, dtype=BF16, device=DEVICE)
+    cache[1:] = ht.to(BF16)
+    outs = [o_pre[0].to(BF16)]
+    slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    for t in range(prefill, T):
+        out, _ = vllm.kda_recurrent.fused_recurrent_kda_packed_decode(
+            mixed_qkv=mixed[t:t + 1].contiguous(), raw_g=raw_g[None, t:t + 1].contiguous(),
+            raw_beta=raw_b[None, t:t + 1].contiguous(), A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+            initial_state=cache, state_indices=slot)
+        outs.append(out[0])
+    return torch.cat(outs)
+
+
+def _policy(forward):
+    """The recipe (``forward: auto``: vLLM's kernels once the oracle's package is importable) or the recipe's serving
+    cfg with ``forward`` set."""
+    if forward == "auto":
+        return "vllm_kda_state_bf16"
+    serving = {"state_dtype": "bfloat16", "model": "kimi_k3", "forward": forward}
+    return {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]}
+
+
+def _bf16_row_units(a, b):
+    """|a - b| in units of the last bf16 place of each token's largest |b| (per token and head)."""
+    a, b = a.float(), b.float()
+    scale = b.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((a - b).abs() / torch.exp2(torch.floor(torch.log2(scale)) - 7)).max().item()
+
+
+@pytest.mark.parametrize("chunk,forward", [("fla", "auto"), ("torch", "auto"), ("fla", "laqat")])
+def test_a_kda_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, chunk, forward):
+    T, H, K, prefill, hidden = 80, 2, 16, 70, 24  # two chunks of prefix, ten decode steps
+    mixed, raw_g, raw_b, _, _ = _raw(T, H, K, seed=1)
+    gate = _forget_gate(H, K, hidden)
+    if chunk == "torch":  # the model computes the raw gate from the hidden states; vLLM is handed it
+        gate_input = (torch.randn(T, hidden, generator=torch.Generator().manual_seed(6)) * 2).to(BF16).to(DEVICE)
+        with torch.no_grad():
+            raw_g = gate.f_b_proj(gate.f_a_proj(gate_input[None]))[0].view(T, H, K)
+    else:
+        gate_input = raw_g
+    core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True,
+                         options={"policy": _policy(forward), "compiler": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ServingInputsWarning)
+        with la_compiler.phase(prefill_lengths=[prefill]), torch.no_grad():
+            out = core(mixed[None], gate_input[None], raw_b[None], gate, H, K, chunk)
+    rules = [r for m in last_record().graphs[-1].matches for r in m.policy_rules]
+    assert any(r.startswith("serving pre-processing: ") and "q: vLLM's l2 norm" in r and "k: vLLM's l2 norm" in r
+               and "g: vLLM's KDA gate" in r and "beta: sigmoid(b) in fp32" in r for r in rules), rules
+    said = "forward: the server's kernels" if forward == "auto" else "forward: laqat's"
+    assert any(said in r for r in rules), rules
+    expected = _vllm_layer(vllm, mixed, raw_g, raw_b, gate.A_log.view(-1), gate.dt_bias, H, K, prefill)
+    assert out.dtype == BF16
+    if forward == "auto":  # vLLM's kernels on the server's pre-processing: its layer
+        assert torch.equal(out[0], expected), (out[0].float() - expected.float()).abs().max()
+        return
+    # laqat's chunk kernels: exp(G), where vLLM's take exp2(G / ln 2), and another order of the pair products: the
+    # prefix outputs differ by a unit in the last bf16 place at a few tokens; the state handed off to the bf16
+    # cache does not, so every decode step is vLLM's
+    assert torch.equal(out[0, prefill:], expected[prefill:])
+    assert _bf16_row_units(out[0, :prefill], expected[:prefill]) <= 1
+
+
+def test_without_the_servers_formula_the_input_keeps_the_models_own_with_a_warning(vllm):
+    from fla.ops.kda import chunk_kda
+
+    def core(q, k, v, g, beta):
+        return chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    T, H, D = 80, 2, 8
+    q, k, v = (torch.randn(1, T, H, D, device=DEVICE).to(BF16) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, T, H, D, device=DEVICE))  # not the softplus gate
+    beta = torch.rand(1, T, H, device=DEVICE)  # no sigmoid
+    compiled = torch.compile(core, backend="laqat", options={"policy": "vllm_kda_state_bf16", "compiler": "eager"})
+    with pytest.warns(ServingInputsWarning, match=r"g \(not -exp\(A_log\).*beta \(not sigmoid\(b\)\)"):
+        with la_compiler.phase(prefill_lengths=[70]):
+            out = compiled(q, k, v, g, beta)
+    assert out.shape == v.shape and torch.isfinite(out.float()).all()
+    rules = [r for m in last_record().graphs[-1].matches for r in m.policy_rules]
+    assert any("q: vLLM's l2 norm" in r for r in rules) and not any("g: vLLM's KDA gate" in r for r in rules), rules
+
+
+@pytest.fixture
+def on_device():
+    with torch.device(DEVICE):
+        yield
+
+
+def test_the_ops_gradients_against_fp64(on_device):
+    torch.manual_seed(3)
+    x = torch.randn(2, 9, 3, 16, dtype=torch.float32, requires_grad=True)
+    prefix = (torch.arange(9) < 4).to(torch.int8).expand(2, 9).contiguous()
+    y = torch.ops.laqat.serving_kda_l2norm(x, prefix)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6)
+    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
+
+    for with_bias in (True, False):
+        g = (torch.randn(2, 9, 3, 4) * 8).requires_grad_()
+        A_log = torch.randn(3).requires_grad_()
+        dt_bias = torch.randn(12).requires_grad_() if with_bias else None
+        out = torch.ops.laqat.serving_kda_gate(g, A_log, dt_bias)
+        dout = torch.randn_like(out)
+        leaves = [t for t in (g, A_log, dt_bias) if t is not None]
+        grads = torch.autograd.grad(out, leaves, dout)
+        leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+        u = leaves64[0] + (leaves64[2].view(3, 4) if with_bias else 0)
+        out64 = -leaves64[1].exp().view(3, 1) * F.softplus(u)
+        grads64 = torch.autograd.grad(out64, leaves64, dout.double())
+        torch.testing.assert_close(out.double(), out64, rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, grads64):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)

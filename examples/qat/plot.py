@@ -17,7 +17,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path | None:
+def _pyplot(path):
     try:
         import matplotlib
 
@@ -25,6 +25,22 @@ def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path 
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)", flush=True)
+        return None
+    return plt
+
+
+def _save(plt, fig, path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path | None:
+    plt = _pyplot(path)
+    if plt is None:
         return None
     train, heldout = defaultdict(list), defaultdict(list)
     for r in records:
@@ -50,24 +66,14 @@ def plot_curves(records: list[dict], path: str | Path, title: str = "") -> Path 
         left.legend(fontsize=5, ncol=1 + len(runs) // 12)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_spans(differences: dict[str, dict[str, list]], starts: list[int], path: str | Path, title: str = ""):
     """One panel per comparison: each policy's difference (mean, 2 sigma band) against the span's first position.
     ``differences``: comparison -> policy -> [report.Difference per span]."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)", flush=True)
+    plt = _pyplot(path)
+    if plt is None:
         return None
     comparisons = [c for c in differences if differences[c]]
     if not comparisons:
@@ -86,9 +92,4 @@ def plot_spans(differences: dict[str, dict[str, list]], starts: list[int], path:
     axes[0][0].legend(fontsize=6)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -32,6 +32,7 @@ import triton
 from la_compiler.kernels.decode import serving_inputs
 from la_compiler.kernels.decode import serving_inputs_kernels
 from la_compiler.kernels.decode import serving_kda_inputs_kernels as kernels
+from la_compiler.kernels.fla import softplus_gate_op
 
 Tensor = torch.Tensor
 PREFILL_MBLOCK = 32  # l2norm_fwd's MBLOCK
@@ -87,20 +88,5 @@ def _(g, A_log, dt_bias):
     return torch.empty_like(g, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
-def _gate_setup(ctx, inputs, output):
-    g, A_log, dt_bias = inputs
-    ctx.save_for_backward(output, A_log)
-    ctx.options = (dt_bias is not None, g.dtype)
-    ctx.dt_bias_meta = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype)
-
-
-def _gate_backward(ctx, dout):
-    out, A_log = ctx.saved_tensors
-    dg, dA_log, ddt_bias = torch.ops.laqat.softplus_gate_backward(dout, out, A_log, *ctx.options)
-    if ctx.dt_bias_meta is None:
-        return dg, dA_log, None
-    shape, dtype = ctx.dt_bias_meta
-    return dg, dA_log, ddt_bias.reshape(shape).to(dtype)
-
-
-serving_kda_gate.register_autograd(_gate_backward, setup_context=_gate_setup)
+# the same formula as laqat::softplus_gate: its backward, from the output
+serving_kda_gate.register_autograd(softplus_gate_op.gate_backward, setup_context=softplus_gate_op.gate_setup_context)

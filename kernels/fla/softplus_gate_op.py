@@ -71,14 +71,14 @@ def _(dout, out, A_log, has_dt_bias, g_dtype):
             out.new_empty((HV,) if has_dt_bias else (0,)))
 
 
-def _setup_context(ctx, inputs, output):
+def gate_setup_context(ctx, inputs, output):
     g, A_log, dt_bias = inputs
     ctx.save_for_backward(output, A_log)
     ctx.options = (dt_bias is not None, g.dtype)
     ctx.dt_bias_meta = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype)
 
 
-def _backward(ctx, dout):
+def gate_backward(ctx, dout):
     out, A_log = ctx.saved_tensors
     dg, dA_log, ddt_bias = torch.ops.laqat.softplus_gate_backward(dout, out, A_log, *ctx.options)
     if ctx.dt_bias_meta is None:
@@ -87,4 +87,4 @@ def _backward(ctx, dout):
     return dg, dA_log, ddt_bias.reshape(shape).to(dtype)
 
 
-softplus_gate.register_autograd(_backward, setup_context=_setup_context)
+softplus_gate.register_autograd(gate_backward, setup_context=gate_setup_context)

@@ -101,14 +101,10 @@ def test_fla_path_fullgraph_inductor(megatron):
     data = megatron.batch(1, T, seed=10)
     expected = _eager(model, data)
     compiled, graphs = _compile(model, fullgraph=True, options={"compiler": "inductor"})  # the CPU's default: eager
-    # No worker pool for Inductor's own kernels. Not ``cpp.vec_isa_ok=False`` here: Inductor caches the valid ISA
-    # list per process on its first call, so patched it would leave this pytest worker unable to compile the
-    # vectorized kernels that another worker's FX-graph cache entries hold (tests/models' runner may: it is a
-    # process of its own).
-    with torch._inductor.config.patch({"compile_threads": 1}):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = _run(model, compiled, *data)
+    # Inductor's own kernels compile as scalar C++ without a worker pool (tests/conftest.py, for every test)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _run(model, compiled, *data)
     _check(got, expected)
     assert len(graphs()) == 1 and not graphs()[0].graph_break
     assert _matches(graphs()) == _layers(1, "fla")

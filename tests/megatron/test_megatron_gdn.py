@@ -223,8 +223,9 @@ def test_decode_phase_token_mode_fp8_state(megatron):
 def test_kda_test_layer(megatron, deterministic):
     """Megatron-Core 0.19.2 has no KDA layer: the test layer is Megatron's GatedDeltaNet with KDA's per-key-channel
     gate (megatron_models.KimiDeltaAttentionTestLayer), run through FLA's ``chunk_kda`` or, in deterministic
-    mode, FLA's torch ``naive_chunk_kda`` (T a multiple of 64: 128). One layer, one KDA node."""
-    length = 128 if deterministic else T
+    mode, FLA's torch ``naive_chunk_kda`` in chunks of 16 (T a multiple of the chunk, two chunks or more for the
+    torch frontend: 32). One layer, one KDA node."""
+    length = 2 * megatron.NAIVE_KDA_CHUNK if deterministic else T
     model = megatron.tiny_gpt(megatron.tiny_config(layers=1, deterministic=deterministic), kda=True)
     data = megatron.batch(1, length, seed=15)
     expected = _eager(model, data)

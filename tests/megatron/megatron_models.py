@@ -11,11 +11,13 @@ with KDA's gate: the ``alpha`` section of the input projection widens from one v
 one per (value head, key channel), ``dt_bias`` with it, and the decay becomes
 ``g = -exp(A_log[h]) * softplus(alpha[h, c] + dt_bias[h, c])`` per key channel (FLA's KDA gate,
 ``fla.ops.kda.gate.naive_kda_gate``); the recurrence is FLA's ``chunk_kda`` or, with
-``deterministic_mode=True``, FLA's torch reference ``naive_chunk_kda``. Everything else (projections,
+``deterministic_mode=True``, FLA's torch reference ``naive_chunk_kda`` (in chunks of 16). Everything else (projections,
 convolution, l2norm, grouped heads, the gated output norm, TP sharding, the sharded state dict) is
 Megatron's GDN code, inherited.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 VOCAB = 64
+NAIVE_KDA_CHUNK = 16  # the KDA test layer's deterministic mode: FLA's naive_chunk_kda in chunks of 16
 
 
 def tiny_config(*, tp: int = 1, cp: int = 1, layers: int = 2, deterministic: bool = False, key_heads: int = 1,
@@ -71,7 +74,8 @@ class KimiDeltaAttentionTestLayer(GatedDeltaNet):
         if self.config.deterministic_mode:
             from fla.ops.kda.naive import naive_chunk_kda
 
-            self.gated_delta_rule = _without_cu_seqlens(naive_chunk_kda)
+            # chunks of 16 (FLA's default is 64): Dynamo unrolls a 15-row triangular loop per chunk, not 63
+            self.gated_delta_rule = _without_cu_seqlens(functools.partial(naive_chunk_kda, chunk_size=NAIVE_KDA_CHUNK))
         else:
             from fla.ops.kda import chunk_kda
 

@@ -11,7 +11,7 @@ it:
   TOL of eager fp32; every parameter's gradient within TOL of eager fp32, or of the fp64 run where eager
   fp32 itself is farther than TOL / 10 from it (sums over tokens that cancel: A_log, dt_bias);
 - ``{"policy": "state_fp8", "compiler": "eager"}``: the same nodes, with an FP8 state in their spec; the
-  per-token losses move away from the exact ones, and three AdamW steps lower the loss.
+  per-token losses move away from the exact ones, and an AdamW step lowers the loss.
 - no run raises a laqat warning (a shipped recipe meets all its rules on a GDN-only and a KDA-only model).
 
 All failed checks of a model are reported together. ``LAQAT_MODELS_RESULTS=<dir>`` keeps each model's

@@ -62,6 +62,7 @@ def spec_constexprs(p: ChunkParams) -> dict:
     values["W_AMAX_PASS"] = w is not None and (w.format == "nvfp4" or w.group == "row")
     values["SOLVE"] = "neumann" if p.solve == "neumann" else forms.solve_form(p)
     values["DEGREE"] = p.degree or 0
+    values["GATE_EXP2"] = p.gate_exp2  # KDA's G in log2 units, exp2 decays (ChunkParams.gate_exp2)
     values["SUB_CHUNK"] = p.sub_chunk  # KDA's sub-chunk rows (ChunkParams.sub_chunk)
     values.update(forms.stage_forms(p))
     return values

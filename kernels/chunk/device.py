@@ -16,8 +16,6 @@ from la_compiler.kernels.common.qdq import (amax_abs, fp8_scale, grid_dot, int8_
                                             qdq_rows_3d, quant_fp8_e4m3, quant_int8)
 
 
-# fp32 -> bf16 -> fp32, round to nearest even, written on the bits: Triton's interpreter truncates in
-# .to(tl.bfloat16) (GPUs round to nearest even), so the cast is not used.
 RCP_LN2 = tl.constexpr(1.4426950216293335)  # 1 / ln 2 in fp32, as vLLM's vllm/utils/math_utils.py writes it
 
 
@@ -31,6 +29,8 @@ def gate_exp(x, GATE_EXP2: tl.constexpr):
         return tl.exp(x)
 
 
+# fp32 -> bf16 -> fp32, round to nearest even, written on the bits: Triton's interpreter truncates in
+# .to(tl.bfloat16) (GPUs round to nearest even), so the cast is not used.
 @triton.jit
 def round_bf16(x):
     b_bits = x.to(tl.int32, bitcast=True)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.chunk.device import acc_gemm, cast_for, gate_exp, gemm, grid_gemm, grid_operand, qdq_operand, qdq_state
+from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, gate_exp, gemm, grid_gemm, grid_operand, qdq_operand,
+                                              qdq_state)
 from la_compiler.kernels.chunk.launch import launch
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk import forms
-from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, chunk_program, gate_exp, grid_gemm, grid_operand, qdq_operand,
-                                              qdq_w, tile_amax)
+from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, chunk_program, gate_exp, grid_gemm, grid_operand,
+                                              qdq_operand, qdq_w, tile_amax)
 from la_compiler.kernels.chunk.launch import launch
 from la_compiler.kernels.common.qdq import amax_abs
 

@@ -16,6 +16,19 @@ from la_compiler.kernels.common.qdq import (amax_abs, fp8_scale, grid_dot, int8_
                                             qdq_rows_3d, quant_fp8_e4m3, quant_int8)
 
 
+RCP_LN2 = tl.constexpr(1.4426950216293335)  # 1 / ln 2 in fp32, as vLLM's vllm/utils/math_utils.py writes it
+
+
+@triton.jit
+def gate_exp(x, GATE_EXP2: tl.constexpr):
+    """A decay from KDA's cumulative gate: exp2(x) where G is in log2 units (GATE_EXP2, vLLM's Kimi-K3 chunk
+    kernels: G / ln 2 summed, then exp2 of its differences), else exp(x)."""
+    if GATE_EXP2:
+        return tl.exp2(x)
+    else:
+        return tl.exp(x)
+
+
 # fp32 -> bf16 -> fp32, round to nearest even, written on the bits: Triton's interpreter truncates in
 # .to(tl.bfloat16) (GPUs round to nearest even), so the cast is not used.
 @triton.jit

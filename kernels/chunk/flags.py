@@ -14,6 +14,8 @@ its value here. Names:
   N: blocks of N columns); ``W_AMAX_PASS``: W's row amax spans every key block (row scales, NVFP4);
 * ``SOLVE`` ("blocked", "rows" (exact) or "neumann") and ``DEGREE`` (the Neumann degree, else 0);
 * ``SUB_CHUNK``: KDA's sub-chunk rows (``ChunkParams.sub_chunk``; the whole-row pair products' blocks);
+* ``GATE_EXP2``: KDA's G in log2 units and its decays exp2 (``ChunkParams.gate_exp2``: a serving profile's prefix
+  forward, vLLM's Kimi-K3 chunk kernels' order of operations; no spec field);
 * the stage forms decided by the spec (``chunk/forms.py``): ``FACTORED_*``, ``GDN_DECAYS_VALUES``,
   ``PAIRS_ROUNDED``, ``PAIRS_NVFP4``, ``COLUMN_SIDE_BY_PRODUCTS``, ``SHARES_PAIR_RHS``, ``H_FULL_V``. The intra
   stages' forms are no constexprs: each is a kernel of its own, named in the stage key (``forms.fwd_intra_form``,
@@ -62,6 +64,7 @@ def spec_constexprs(p: ChunkParams) -> dict:
     values["W_AMAX_PASS"] = w is not None and (w.format == "nvfp4" or w.group == "row")
     values["SOLVE"] = "neumann" if p.solve == "neumann" else forms.solve_form(p)
     values["DEGREE"] = p.degree or 0
+    values["GATE_EXP2"] = p.gate_exp2  # KDA's G in log2 units, exp2 decays (ChunkParams.gate_exp2)
     values["SUB_CHUNK"] = p.sub_chunk  # KDA's sub-chunk rows (ChunkParams.sub_chunk)
     values.update(forms.stage_forms(p))
     return values

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.chunk.device import acc_gemm, cast_for, gemm, grid_gemm, grid_operand, qdq_operand, qdq_state
+from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, gate_exp, gemm, grid_gemm, grid_operand, qdq_operand,
+                                              qdq_state)
 from la_compiler.kernels.chunk.launch import launch
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def chunk_fwd_kernel_h(
     STATE_Q: tl.constexpr,
     STATE_TS: tl.constexpr,
     STATE_BLOCK: tl.constexpr,
+    GATE_EXP2: tl.constexpr = False,
 ):
     """The state recurrence over the chunks of one sequence (one program per value block x sequence x
     value head): h_n is stored (rounded) for the output stage; V_new = U - W h_n;
@@ -129,7 +131,7 @@ def chunk_fwd_kernel_h(
             if KDA:  # K ⊙ exp(G_C - G) from the intra stage (its decayed keys)
                 b_kd = tl.load(kd + ((bos + t_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_ck, other=0)
                 b_glast = tl.load(g_cum + (i_last * HV + i_hv) * K + o_k, mask=m_k, other=0)
-                b_h *= tl.exp(b_glast)[:, None]
+                b_h *= gate_exp(b_glast, GATE_EXP2)[:, None]
             else:
                 b_k = tl.load(k + ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :], mask=m_ck,
                               other=0).to(tl.float32)

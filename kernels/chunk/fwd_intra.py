@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from la_compiler.kernels.chunk import forms
-from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, chunk_program, grid_gemm, grid_operand, qdq_operand,
-                                              qdq_w, tile_amax)
+from la_compiler.kernels.chunk.device import (acc_gemm, cast_for, chunk_program, gate_exp, grid_gemm, grid_operand,
+                                              qdq_operand, qdq_w, tile_amax)
 from la_compiler.kernels.chunk.launch import launch
 from la_compiler.kernels.common.qdq import amax_abs
 
@@ -101,7 +101,7 @@ def solve(b_A, p_pairs, beta, bos, i_t, seq_len, i_hv, o_c, HV: tl.constexpr, C:
 def wy_key_block(k, g_cum, i_k, b_Tw, b_s_Tw, b_beta, b_G, bos, t_c, i_h, r_hv, m_c, H: tl.constexpr,
                  K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, GEMM_PRECISION: tl.constexpr, KDA: tl.constexpr,
                  Q_WY_KEY_RHS: tl.constexpr, ACC_WY_KEY: tl.constexpr, ACC_WY_KEY_BLOCK: tl.constexpr,
-                 FACTORED_WY: tl.constexpr):
+                 FACTORED_WY: tl.constexpr, GATE_EXP2: tl.constexpr):
     """Key block i_k of W = Q(T) Q(beta exp(G) ⊙ K) (before the W quantizer): (o_k, m_k, m_ck, b_k, b_G, b_w),
     b_G that block's [C x BK] G for KDA (from g_cum), GDN's [C] one unchanged."""
     o_k = i_k * BK + tl.arange(0, BK)
@@ -110,7 +110,10 @@ def wy_key_block(k, g_cum, i_k, b_Tw, b_s_Tw, b_beta, b_G, bos, t_c, i_h, r_hv, 
     b_k = tl.load(k + ((bos + t_c) * H + i_h)[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
     if KDA:
         b_G = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)
-        b_bk = b_k * (b_beta[:, None] * tl.exp(b_G))
+        if GATE_EXP2:  # vLLM's recompute_w_u_fwd: (K diag(beta)) exp2(G)
+            b_bk = (b_k * b_beta[:, None]) * tl.exp2(b_G)
+        else:
+            b_bk = b_k * (b_beta[:, None] * tl.exp(b_G))
     else:
         b_bk = b_k * (b_beta[:, None] * tl.exp(b_G)[:, None])
     if FACTORED_WY:
@@ -129,7 +132,7 @@ def wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c
             Q_WY_KEY_LHS: tl.constexpr, Q_WY_KEY_RHS: tl.constexpr, Q_WY_VALUE_LHS: tl.constexpr,
             Q_WY_VALUE_RHS: tl.constexpr, ACC_WY_KEY: tl.constexpr, ACC_WY_KEY_BLOCK: tl.constexpr,
             ACC_WY_VALUE: tl.constexpr, ACC_WY_VALUE_BLOCK: tl.constexpr, FACTORED_WY: tl.constexpr,
-            W_Q: tl.constexpr, W_BLOCK: tl.constexpr, W_AMAX_PASS: tl.constexpr):
+            W_Q: tl.constexpr, W_BLOCK: tl.constexpr, W_AMAX_PASS: tl.constexpr, GATE_EXP2: tl.constexpr):
     """From T: W = T diag(beta)(exp(G) ⊙ K) (+ the W quantizer) into w, U = T diag(beta) V into u, KDA's
     decayed keys into kd. b_G: GDN's [C] cumulative decay (KDA: None, its G is read per key block).
     FACTORED_WY: W = Q(T) Q(beta e^G K) and U = Q(T) Q(beta V) on grid values (both or neither, T is shared)."""
@@ -156,14 +159,14 @@ def wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c
         for i_k in range(0, tl.cdiv(K, BK) if K > BK else 0):
             o_k, m_k, m_ck, b_k, b_Gk, b_w = wy_key_block(
                 k, g_cum, i_k, b_Tw, b_s_Tw, b_beta, b_G, bos, t_c, i_h, r_hv, m_c, H, K, C, BK, GEMM_PRECISION,
-                KDA, Q_WY_KEY_RHS, ACC_WY_KEY, ACC_WY_KEY_BLOCK, FACTORED_WY)
+                KDA, Q_WY_KEY_RHS, ACC_WY_KEY, ACC_WY_KEY_BLOCK, FACTORED_WY, GATE_EXP2)
             b_wamax = tl.maximum(b_wamax, tl.max(amax_abs(b_w), axis=1))
     else:
         b_wamax = None
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k, m_k, m_ck, b_k, b_Gk, b_w = wy_key_block(
             k, g_cum, i_k, b_Tw, b_s_Tw, b_beta, b_G, bos, t_c, i_h, r_hv, m_c, H, K, C, BK, GEMM_PRECISION,
-            KDA, Q_WY_KEY_RHS, ACC_WY_KEY, ACC_WY_KEY_BLOCK, FACTORED_WY)
+            KDA, Q_WY_KEY_RHS, ACC_WY_KEY, ACC_WY_KEY_BLOCK, FACTORED_WY, GATE_EXP2)
         if W_Q != "":
             b_w = qdq_w(b_w, b_wamax, W_Q, W_BLOCK, C, BK)
         tl.store(w + r_hv[:, None] * K + o_k[None, :], cast_for(b_w, w, GEMM_PRECISION), mask=m_ck)
@@ -173,7 +176,7 @@ def wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c
             # and exponentiate it again (docs/kernels-chunk.md, "Decayed keys")
             b_glast = tl.load(g_cum + ((bos + tl.minimum(i_t * C + C, seq_len) - 1) * HV + i_hv) * K + o_k,
                               mask=m_k, other=0)
-            b_kd = b_k * tl.where(m_ck, tl.exp(b_glast[None, :] - b_Gk), 0.0)
+            b_kd = b_k * tl.where(m_ck, gate_exp(b_glast[None, :] - b_Gk, GATE_EXP2), 0.0)
             tl.store(kd + r_hv[:, None] * K + o_k[None, :], cast_for(b_kd, kd, GEMM_PRECISION), mask=m_ck)
 
     # NVFP4 wy_value.rhs: the global amax of beta V over every value block (the U loop sees one at a time)
@@ -246,6 +249,7 @@ def chunk_fwd_kernel_wu(
     W_Q: tl.constexpr,
     W_BLOCK: tl.constexpr,
     W_AMAX_PASS: tl.constexpr,
+    GATE_EXP2: tl.constexpr = False,
 ):
     """The intra stage's second half, for the backward's recompute from a kept residual:
     W = T diag(beta)(exp(G) ⊙ K) (+ W quantizer), U = T diag(beta) V, KDA's decayed keys, from the T (and GDN's G)
@@ -274,7 +278,7 @@ def chunk_fwd_kernel_wu(
     b_T = tl.where(m_c[:, None], b_T, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0))
     wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c, r_hv, i_h, i_hv, H, HV, K, V, C,
             BK, BV, GEMM_PRECISION, KDA, Q_WY_KEY_LHS, Q_WY_KEY_RHS, Q_WY_VALUE_LHS, Q_WY_VALUE_RHS, ACC_WY_KEY,
-            ACC_WY_KEY_BLOCK, ACC_WY_VALUE, ACC_WY_VALUE_BLOCK, FACTORED_WY, W_Q, W_BLOCK, W_AMAX_PASS)
+            ACC_WY_KEY_BLOCK, ACC_WY_VALUE, ACC_WY_VALUE_BLOCK, FACTORED_WY, W_Q, W_BLOCK, W_AMAX_PASS, GATE_EXP2)
 
 
 KERNELS = {"wu": chunk_fwd_kernel_wu}

@@ -165,7 +165,7 @@ def chunk_fwd_kernel_intra_gdn(
 
     wu_half(k, v, g_cum, w, u, None, b_T, b_beta, b_G, bos, i_t, seq_len, t_c, m_c, r_hv, i_h, i_hv, H, HV, K, V,
             C, BK, BV, GEMM_PRECISION, False, Q_WY_KEY_LHS, Q_WY_KEY_RHS, Q_WY_VALUE_LHS, Q_WY_VALUE_RHS, ACC_WY_KEY,
-            ACC_WY_KEY_BLOCK, ACC_WY_VALUE, ACC_WY_VALUE_BLOCK, FACTORED_WY, W_Q, W_BLOCK, W_AMAX_PASS)
+            ACC_WY_KEY_BLOCK, ACC_WY_VALUE, ACC_WY_VALUE_BLOCK, FACTORED_WY, W_Q, W_BLOCK, W_AMAX_PASS, False)
 
 
 KERNELS = {"intra_gdn": chunk_fwd_kernel_intra_gdn}

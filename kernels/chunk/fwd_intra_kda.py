@@ -59,6 +59,7 @@ def chunk_fwd_kernel_intra_kda(
     W_Q: tl.constexpr,
     W_BLOCK: tl.constexpr,
     W_AMAX_PASS: tl.constexpr,
+    GATE_EXP2: tl.constexpr = False,
 ):
     """Everything of one KDA chunk that does not depend on the state: A = strict_tril(diag(beta) P);
     T = (I + A)^-1; W = T diag(beta)(exp(G) ⊙ K); U = T diag(beta) V; A_qk = scale tril(P_qk) (P_qk read from
@@ -90,7 +91,7 @@ def chunk_fwd_kernel_intra_kda(
     # G per key block from g_cum (chunk_fwd_kernel_cumsum wrote it)
     wu_half(k, v, g_cum, w, u, kd, b_T, b_beta, None, bos, i_t, seq_len, t_c, m_c, r_hv, i_h, i_hv, H, HV, K, V, C,
             BK, BV, GEMM_PRECISION, True, Q_WY_KEY_LHS, Q_WY_KEY_RHS, Q_WY_VALUE_LHS, Q_WY_VALUE_RHS, ACC_WY_KEY,
-            ACC_WY_KEY_BLOCK, ACC_WY_VALUE, ACC_WY_VALUE_BLOCK, FACTORED_WY, W_Q, W_BLOCK, W_AMAX_PASS)
+            ACC_WY_KEY_BLOCK, ACC_WY_VALUE, ACC_WY_VALUE_BLOCK, FACTORED_WY, W_Q, W_BLOCK, W_AMAX_PASS, GATE_EXP2)
 
 
 KERNELS = {"intra_kda": chunk_fwd_kernel_intra_kda}

@@ -67,8 +67,10 @@ def chunk_fwd_kernel_o(
     ACC_OUTPUT_VALUE: tl.constexpr,
     ACC_OUTPUT_VALUE_BLOCK: tl.constexpr,
     FACTORED_OUTPUT_VALUE: tl.constexpr,
+    GATE_EXP2: tl.constexpr = False,
 ):
-    """O = scale (Q ⊙ exp G) h_n + A_qk V_new (one program per value block x chunk x value head)."""
+    """O = scale (Q ⊙ exp G) h_n + A_qk V_new (one program per value block x chunk x value head). GATE_EXP2 (KDA, G
+    in log2 units): vLLM's chunk_gla_fwd_o_gk, ((scale Q in q's dtype) ⊙ exp2 G) h_n + A_qk V_new."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, seq_len, i_chunk, i_h = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
@@ -89,7 +91,11 @@ def chunk_fwd_kernel_o(
     b_q = tl.load(q + r_qk, mask=m_ck, other=0).to(tl.float32)
     if KDA:
         b_g = tl.load(g_cum + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0)
-        b_qg = b_q * tl.exp(b_g)
+        if GATE_EXP2:
+            b_q = cast_for(b_q * scale, q, GEMM_PRECISION).to(tl.float32)
+            b_qg = b_q * tl.exp2(b_g)
+        else:
+            b_qg = b_q * tl.exp(b_g)
     else:
         b_g = tl.load(g_cum + r_hv, mask=m_c, other=0)
         b_qg = b_q * tl.exp(b_g)[:, None]
@@ -112,7 +118,10 @@ def chunk_fwd_kernel_o(
         b_qg = qdq_operand(b_qg, 0.0, Q_OUTPUT_STATE_LHS, 1, C, BK, False)
         b_h = qdq_operand(b_h, b_gam_h, Q_OUTPUT_STATE_RHS, 0, BK, BV, True)
         b_os = acc_gemm(b_qg, b_h, GEMM_PRECISION, BK, ACC_OUTPUT_STATE, ACC_OUTPUT_STATE_BLOCK)
-    b_o = b_os * scale
+    if GATE_EXP2:  # scale is in Q
+        b_o = b_os
+    else:
+        b_o = b_os * scale
     b_A = tl.load(A_qk + r_hv[:, None] * C + o_c[None, :], mask=m_c[:, None], other=0).to(tl.float32)
     b_v = tl.load(v_new + r_hv[:, None] * V + o_v[None, :], mask=m_cv, other=0)
     if FACTORED_OUTPUT_VALUE:

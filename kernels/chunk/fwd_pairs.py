@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
-from la_compiler.kernels.chunk.device import acc_row_sum, chunk_program, qdq_operand, sub_dot, tile_amax
+from la_compiler.kernels.chunk.device import (RCP_LN2, acc_row_sum, chunk_program, gate_exp, qdq_operand, sub_dot,
+                                              tile_amax)
 from la_compiler.kernels.chunk.launch import launch
 
 if TYPE_CHECKING:
@@ -35,8 +36,10 @@ def chunk_fwd_kernel_cumsum(
     BK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     INDEX_64: tl.constexpr,
+    GATE_EXP2: tl.constexpr = False,
 ):
-    """G = cumsum(g) within each chunk, channel by channel (grid: chunks, value heads, key blocks)."""
+    """G = cumsum(g) within each chunk, channel by channel (grid: chunks, value heads, key blocks); in log2 units
+    (times 1 / ln 2 after the sum, as vLLM's fused_kda_gate_chunk_cumsum) where GATE_EXP2."""
     i_c, i_bh, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     _, i_t, bos, seq_len, _, _ = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
@@ -47,7 +50,10 @@ def chunk_fwd_kernel_cumsum(
     o_k = i_kb * BK + tl.arange(0, BK)
     m_ck = m_c[:, None] & (o_k < K)[None, :]
     b_g = tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
-    tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], tl.cumsum(b_g, 0), mask=m_ck)
+    b_G = tl.cumsum(b_g, 0)
+    if GATE_EXP2:
+        b_G = b_G * RCP_LN2
+    tl.store(g_cum + r_hv[:, None] * K + o_k[None, :], b_G, mask=m_ck)
 
 
 @triton.jit
@@ -129,6 +135,7 @@ def chunk_fwd_kernel_pairs(
     INDEX_64: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIAG_DOT_MAX_RANGE: tl.constexpr,
+    GATE_EXP2: tl.constexpr = False,
 ):
     """KDA's pair products P_ij = sum_d k_id k_jd exp(G_id - G_jd) and P_qk (q_i for k_i), j <= i, for the
     rows of one sub-chunk of BC rows (grid: chunks x sub-chunks, value heads), summed over key blocks of BK
@@ -138,7 +145,9 @@ def chunk_fwd_kernel_pairs(
     them, and finishes p_qk, A_qk, itself). Every pair goes through the sub-chunk's first real row f (exp(G_i - G_j) =
     exp(G_i - G_f) exp(G_f - G_j)): where the sub-chunk's decay range is at most DIAG_DOT_MAX_RANGE its whole
     row block is one product per key block; else the blocks before it one product each (both factors <= 1)
-    and the diagonal block column by column."""
+    and the diagonal block column by column. GATE_EXP2 (g_cum in log2 units): exp2 throughout, and the plan sets
+    DIAG_DOT_MAX_RANGE below 0, so every diagonal block is column by column, as vLLM's Kimi-K3 kernels form them
+    (chunk_kda_fwd_kernel_intra_token_parallel, then chunk_kda_fwd_kernel_inter_solve_fused off the diagonal)."""
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_s = i_cs // (C // BC), i_cs % (C // BC)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -179,10 +188,10 @@ def chunk_fwd_kernel_pairs(
             m_jka = m_col[:, None] & m_k[None, :]
             x_b = ((x_c + r_b) * H + i_h)[:, None] * K + o_k[None, :]
             b_gf = tl.load(g_cum + ((x_c + r_f) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-            b_el = tl.exp(tl.where(m_bk, tl.load(g_cum + ((x_c + r_b) * HV + i_hv)[:, None] * K + o_k[None, :],
-                                                 mask=m_bk, other=0) - b_gf[None, :], 0.0))
-            b_era = tl.exp(tl.where(m_jka, b_gf[None, :] - tl.load(
-                g_cum + ((x_c + o_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jka, other=0), 0.0))
+            b_Gb = tl.load(g_cum + ((x_c + r_b) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_bk, other=0)
+            b_el = gate_exp(tl.where(m_bk, b_Gb - b_gf[None, :], 0.0), GATE_EXP2)
+            b_Ga = tl.load(g_cum + ((x_c + o_c) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jka, other=0)
+            b_era = gate_exp(tl.where(m_jka, b_gf[None, :] - b_Ga, 0.0), GATE_EXP2)
             b_kra = tl.load(k + ((x_c + o_c) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jka,
                             other=0).to(tl.float32) * b_era
             b_Pr += sub_dot(tl.load(k + x_b, mask=m_bk, other=0).to(tl.float32) * b_el, tl.trans(b_kra),
@@ -206,10 +215,10 @@ def chunk_fwd_kernel_pairs(
                 m_jk = m_j[:, None] & m_k[None, :]
                 x_b = ((x_c + r_b) * H + i_h)[:, None] * K + o_k[None, :]
                 b_gf = tl.load(g_cum + ((x_c + r_f) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-                b_el = tl.exp(tl.where(m_b[:, None], tl.load(g_cum + ((x_c + r_b) * HV + i_hv)[:, None] * K
-                                                             + o_k[None, :], mask=m_bk, other=0) - b_gf[None, :], 0.0))
-                b_er = tl.exp(tl.where(m_j[:, None], b_gf[None, :] - tl.load(
-                    g_cum + ((x_c + r_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0), 0.0))
+                b_Gb = tl.load(g_cum + ((x_c + r_b) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_bk, other=0)
+                b_el = gate_exp(tl.where(m_b[:, None], b_Gb - b_gf[None, :], 0.0), GATE_EXP2)
+                b_Gj = tl.load(g_cum + ((x_c + r_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
+                b_er = gate_exp(tl.where(m_j[:, None], b_gf[None, :] - b_Gj, 0.0), GATE_EXP2)
                 b_kr = tl.load(k + ((x_c + r_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk,
                                other=0).to(tl.float32) * b_er
                 b_P += sub_dot(tl.load(k + x_b, mask=m_bk, other=0).to(tl.float32) * b_el, tl.trans(b_kr),
@@ -233,7 +242,8 @@ def chunk_fwd_kernel_pairs(
                 m_jk = m_k & (r_j + 0 * o_k < n_real)  # a [BK] mask: the interpreter refuses a scalar one in &
                 b_kj = tl.load(k + ((x_c + r_j) * H + i_h) * K + o_k, mask=m_jk, other=0).to(tl.float32)
                 b_gj = tl.load(g_cum + ((x_c + r_j) * HV + i_hv) * K + o_k, mask=m_jk, other=0)
-                b_kje = b_kj[None, :] * tl.exp(tl.where((m_b & (o_r >= jj))[:, None], b_G - b_gj[None, :], 0.0))
+                b_kje = b_kj[None, :] * gate_exp(tl.where((m_b & (o_r >= jj))[:, None], b_G - b_gj[None, :], 0.0),
+                                                 GATE_EXP2)
                 m_jj = o_r[None, :] == jj
                 b_P += tl.where(m_jj, tl.sum(b_k * b_kje, 1)[:, None], 0.0)
                 b_Pq += tl.where(m_jj, tl.sum(b_q * b_kje, 1)[:, None], 0.0)

@@ -35,6 +35,9 @@ class ChunkParams:
     operands: tuple[tuple[str, str], ...] = ()  # ("<gemm site>.lhs|rhs", format), sorted
     acc: tuple[tuple[str, str], ...] = ()  # ("<gemm site>", "fp16:16"), sorted: accumulator emulation
     numerics: NumericsOptions = NumericsOptions()  # the spec's n.<name> fields
+    # KDA's gate in log2 units (a serving profile's prefix, forward only): G = cumsum(g) / ln 2 and every decay
+    # exp2 of it, vLLM's order of operations (chunk/device.py, gate_exp); no spec field, set by decode_serving
+    gate_exp2: bool = False
     formats: ChunkFormats = dataclasses.field(init=False, repr=False, compare=False)  # the strings above, parsed
 
     def __post_init__(self):

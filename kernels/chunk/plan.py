@@ -97,7 +97,8 @@ def _plan(p: ChunkParams, shape: ChunkShape, dtype: torch.dtype, tuning: TuningO
                            tuning.autotune)
 
     def pairs_stage(direction, grid, config, **constexprs) -> StageLaunch:  # KDA's pair products / gradients
-        diag = {} if pairs_rounded else {"DIAG_DOT_MAX_RANGE": forms.DIAG_DOT_MAX_RANGE}
+        # GATE_EXP2: every diagonal block column by column, as vLLM's token-parallel kernel (no dot through a row)
+        diag = {} if pairs_rounded else {"DIAG_DOT_MAX_RANGE": -1.0 if p.gate_exp2 else forms.DIAG_DOT_MAX_RANGE}
         return stage(direction, "pairs_rounded" if pairs_rounded else "pairs", grid, config, **layout, BC=p.sub_chunk,
                      INDEX_64=index_64, DOT_PRECISION=precisions["DOT_PRECISION"], **constexprs, **diag)
 

@@ -9,6 +9,7 @@ a spec fixes in them: ``chunk/stages.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from la_compiler.ir.spec import RecurrenceSpec
@@ -35,10 +36,14 @@ def _tuning(spec) -> TuningOptions:
     return spec.tuning_options
 
 
-def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None):
+def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None, gate_exp2=False):
+    """``gate_exp2``: KDA's decays in log2 units, as vLLM's Kimi-K3 prefill computes them (ChunkParams.gate_exp2; a
+    serving profile's prefix forward, kernels/decode/phased.py)."""
     spec = spec_of(spec)
-    return chunk_fwd(_params(spec), q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to,
-                     tuning=_tuning(spec))
+    p = _params(spec)
+    if gate_exp2:
+        p = dataclasses.replace(p, gate_exp2=True)
+    return chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to, tuning=_tuning(spec))
 
 
 def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, saved=None):

@@ -25,6 +25,7 @@ import torch
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.decode_phase import require_lengths
 from la_compiler.kernels.decode import suffix
+from la_compiler.kernels.chunk.variant import chunk_forward
 from la_compiler.kernels.registry import get_variant, spec_of
 
 
@@ -99,6 +100,12 @@ def _chunk_operands(q, k, v):
     return (q, k) if q.dtype == v.dtype else (q.to(v.dtype), k.to(v.dtype))
 
 
+def _server_gate(spec) -> bool:
+    """A serving profile's KDA prefix runs its decays as vLLM's Kimi-K3 prefill does: G / ln 2, exp2 (forward only;
+    the backward's recompute keeps laqat's exp, docs/serving.md section 3)."""
+    return spec.kind == "kda" and suffix.options_of(spec).serving is not None
+
+
 def _prefix_forward(spec, plan_: Plan, q, k, v, g, beta, loaded, has_initial_state: bool, scale):
     """(o of the prefix tokens or None, the state after each sequence's prefix [n, ...]: the loaded state where
     there is no prefix)."""
@@ -107,9 +114,9 @@ def _prefix_forward(spec, plan_: Plan, q, k, v, g, beta, loaded, has_initial_sta
     if plan_.prefix_seqs:
         seqs = _index(plan_.prefix_seqs, q.device)
         q, k = _chunk_operands(q, k, v)
-        o_prefix, ht = get_variant("chunk").forward(
+        o_prefix, ht = chunk_forward(
             prefill_spec(spec), *(_tokens(x, plan_.prefix_rows) for x in (q, k, v, g, beta)),
-            loaded[seqs] if has_initial_state else None, plan_.prefix_cu, scale)
+            loaded[seqs] if has_initial_state else None, plan_.prefix_cu, scale, gate_exp2=_server_gate(spec))
         after_prefix = after_prefix.index_copy(0, seqs, ht.to(torch.float32))
     return o_prefix, after_prefix
 

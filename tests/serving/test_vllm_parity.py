@@ -11,7 +11,8 @@ What is bit-identical, and why the rest is not:
   the tile's contiguous axis) and the same round-to-nearest-even cache writes, so outputs and states of the
   suffix are bit-identical whenever the state handed off is;
 - KDA's chunked prefill with bf16 inputs, outputs and states, and GDN's prefill states: laqat's chunk kernels
-  keep FLA's bf16 intermediates at the same points and reduce in the same order as vLLM's copy of FLA;
+  keep FLA's bf16 intermediates at the same points and reduce in the same order as vLLM's copy of FLA (KDA: with
+  G in log2 units and exp2 decays, as vLLM's Kimi-K3 kernels, ChunkParams.gate_exp2);
 - GDN's prefill outputs differ where a chunk starts from a non-zero state (an initial state, or a chunk
   before it): laqat's output stage multiplies the state by ``Q ⊙ exp(G)`` rounded to bf16, vLLM's
   ``chunk_fwd_kernel_o`` multiplies it by Q and scales the fp32 product by ``exp(G)`` after, so each term of

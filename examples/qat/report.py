@@ -252,27 +252,30 @@ def merge(first: dict, *others: dict) -> dict:
     """Study results of several commands that fine-tuned the same pretrained weights (the same checkpoint) as one:
     policies, seeds and modes are the union; an evaluation or run that an earlier result already holds is kept from
     the earlier one (a later command's repeat of the control of a seed is dropped); ``merged_from`` lists each
-    command's line and the records it contributed."""
-    merged = {**first, "evals": list(first["evals"]), "runs": list(first["runs"]), "skipped": [],
-              "config": {**first["config"]}, "merged_from": []}
-    for results in (first, *others):
+    command's line and the records it contributed. The inputs are not modified."""
+    def contribution(results: dict, evals: list, runs: list) -> dict:
+        return {"command": results.get("command"), "seconds": results.get("seconds"), "evals": len(evals),
+                "runs": len(runs)}
+
+    merged = {**first, "evals": list(first["evals"]), "runs": list(first["runs"]), "skipped": list(first["skipped"]),
+              "decode_policies": list(first["decode_policies"]),
+              "config": {**first["config"], **{k: list(first["config"][k]) for k in ("policies", "modes", "seeds")}},
+              "merged_from": [contribution(first, first["evals"], first["runs"])]}
+    for results in others:
         if results["corpus"]["fingerprint"] != first["corpus"]["fingerprint"] or (
                 results.get("pretrain") or {}).get("steps") != (first.get("pretrain") or {}).get("steps"):
             raise ValueError(f"{results.get('command')!r}: another corpus or pretrained model than the first result's")
-        seen = {_key(e) for e in merged["evals"]} if results is not first else set()
-        evals = [e for e in results["evals"] if _key(e) not in seen] if results is not first else results["evals"]
-        ran = {(r["policy"], r["mode"], r["seed"]) for r in merged["runs"]} if results is not first else set()
-        runs = [r for r in results["runs"] if (r["policy"], r["mode"], r["seed"]) not in ran] \
-            if results is not first else results["runs"]
-        if results is not first:
-            merged["evals"] += evals
-            merged["runs"] += runs
-            for key in ("policies", "modes", "seeds"):
-                merged["config"][key] += [x for x in results["config"][key] if x not in merged["config"][key]]
-            merged["decode_policies"] += [p for p in results["decode_policies"] if p not in merged["decode_policies"]]
+        seen = {_key(e) for e in merged["evals"]}
+        ran = {(r["policy"], r["mode"], r["seed"]) for r in merged["runs"]}
+        evals = [e for e in results["evals"] if _key(e) not in seen]
+        runs = [r for r in results["runs"] if (r["policy"], r["mode"], r["seed"]) not in ran]
+        merged["evals"] += evals
+        merged["runs"] += runs
+        for key in ("policies", "modes", "seeds"):
+            merged["config"][key] += [x for x in results["config"][key] if x not in merged["config"][key]]
+        merged["decode_policies"] += [p for p in results["decode_policies"] if p not in merged["decode_policies"]]
         merged["skipped"] += results["skipped"]
-        merged["merged_from"].append({"command": results.get("command"), "seconds": results.get("seconds"),
-                                      "evals": len(evals), "runs": len(runs)})
+        merged["merged_from"].append(contribution(results, evals, runs))
     merged["seconds"] = sum(r.get("seconds") or 0 for r in (first, *others))
     # a skipped run that a later command ran is not skipped
     done = {f"{r['policy']}/{r['mode']}/seed{r['seed']}" for r in merged["runs"]}

@@ -518,10 +518,10 @@ def merge_command(paths: list[str], out: Path) -> None:
 
 def main(argv=None) -> None:
     if argv is None and sys.argv[1:2] == ["--merge"]:
-        *paths, flag, out = sys.argv[2:]
-        if flag != "--out" or not paths:
+        rest = sys.argv[2:]
+        if len(rest) < 3 or rest[-2] != "--out":
             raise StudyError("--merge: write study.py --merge A/study.json B/study.json ... --out FOLDER")
-        return merge_command(paths, Path(out))
+        return merge_command(rest[:-2], Path(rest[-1]))
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -440,7 +440,9 @@ def test_merging_two_commands_on_one_checkpoint_gives_the_table_of_one_run():
     for e in second["evals"]:  # the second command's own control: a repeat the merge drops
         if e["model"] == "control":
             e["per_sequence"] = [x + 1.0 for x in e["per_sequence"]]
+    before = json.dumps([first, second])
     merged = report.merge(first, second)
+    assert json.dumps([first, second]) == before, "the merge changed its inputs"
     assert report.markdown(merged) == report.markdown(whole)
     assert merged["skipped"] == [] and merged["config"]["modes"] == ["qat", "qad"]
     assert [m["command"] for m in merged["merged_from"]] == ["qat", "qad"]

@@ -118,6 +118,11 @@ def parity(vllm, kind, cfg, cache, T=4096, H=16, D=128, prefix=2048, device="cud
             "prefix_rel_l2": rel_l2(pre, pre_ref)}
     row["server_forward"] = server_forward_check(kind, policy, q, k, v, g, beta, o_ref, h_ref, prefix, device)
     try:
+        row["one_step"] = one_step(vllm, kind, spec, cache, H=H, D=D, device=device)
+    except Exception as e:  # noqa: BLE001 (reported in the table)
+        traceback.print_exc()
+        row["one_step"] = {"error": repr(e)}
+    try:
         row["decode_only"] = decode_only(vllm, kind, spec, cache, H=H, D=D, device=device)
     except Exception as e:  # noqa: BLE001 (reported in the table)
         traceback.print_exc()
@@ -139,6 +144,45 @@ def decode_only(vllm, kind, spec, cache, T=256, H=16, D=128, device="cuda") -> d
     return {"steps": T, "outputs_equal": bool(torch.equal(o, o_ref)), "outputs_differ": int((o != o_ref).sum()),
             "state_equal": bool(torch.equal(ht, h_ref)), "state_differ": int((ht != h_ref).sum()),
             "outputs_rel_l2": rel_l2(o, o_ref)}
+
+
+def one_step(vllm, kind, spec, cache, N=64, H=16, D=128, device="cuda") -> dict:
+    """One decode step of N sequences, each from its own random state (stored in the cache dtype by both): whether
+    a single step of laqat's decode kernel equals one launch of vLLM's, before any difference can accumulate."""
+    q, k, v, g, beta = _inputs(kind, N, 1, H, D, device)
+    h0 = 0.1 * torch.randn(N, H, D, D, device=device)
+    lengths = dict(prefill_lengths=[0] * N, valid_lengths=[1] * N)
+    o_ref, h_ref = serve(vllm, kind, q, k, v, g, beta, cache_dtype=cache, initial_state=h0, **lengths)
+    o, ht = get_variant("decode_serving").forward(spec, q, k, v, g, beta, h0.transpose(-1, -2).contiguous(), None,
+                                                  D ** -0.5, prefill_lengths=torch.zeros(N, dtype=torch.int32, device=device),
+                                                  valid_lengths=torch.ones(N, dtype=torch.int32, device=device))
+    ht = ht.transpose(-1, -2).to(cache).float()  # vLLM's cache holds the stored state
+    return {"sequences": N, "outputs_differ": int((o != o_ref).sum()), "outputs": o.numel(),
+            "state_differ": int((ht != h_ref).sum()), "states": ht.numel()}
+
+
+def dump_asm(directory: Path, *kernels) -> list[str]:
+    """Every compiled specialization of ``kernels`` (JIT functions, or heuristics/autotuners around them): TTGIR,
+    LLVM IR, PTX and SASS where Triton can disassemble, one file each, to compare the GPU's code of two kernels."""
+    import triton
+
+    written = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for kernel in kernels:
+        fn = kernel
+        while not isinstance(fn, triton.runtime.jit.JITFunction):
+            fn = fn.fn
+        for caches in fn.device_caches.values():
+            for i, compiled in enumerate(caches[0].values()):
+                for ext in ("ttgir", "llir", "ptx", "sass"):
+                    try:
+                        text = compiled.asm[ext]
+                    except Exception as e:  # noqa: BLE001 (no disassembler on this machine)
+                        text = f"unavailable: {e!r}"
+                    path = directory / f"{fn.__name__}.{i}.{ext}"
+                    path.write_text(text if isinstance(text, str) else text.decode(errors="replace"))
+                    written.append(path.name)
+    return written
 
 
 def server_forward_check(kind, policy, q, k, v, g, beta, o_ref, h_ref, prefix, device) -> dict:
@@ -226,16 +270,24 @@ def main():
                              "default: fetch the wheel (needs the package index)")
     parser.add_argument("--quick", action="store_true", help="timing only")
     parser.add_argument("--no-timing", action="store_true", help="parity only (no FLA kernels needed)")
+    parser.add_argument("--tokens", type=int, default=4096, help="T of the parity cases (the prefix is half)")
+    parser.add_argument("--cases", default="", help="comma-separated kind:cache cases of PARITY (default: all)")
+    parser.add_argument("--asm", type=Path, default=None,
+                        help="write the compiled decode kernels (laqat's and vLLM's: TTGIR, LLVM IR, PTX, SASS) here")
     args = parser.parse_args()
     out, result = start_cuda_run("serving_parity_gpu.py", "parity", "timing")
     torch.backends.cuda.matmul.allow_tf32 = False
 
     if not args.quick:
         vllm = vllm_oracle.load(args.vllm_src)
-        print("parity with vLLM 0.33.0, [1, 4096, 16, 128] bf16, prefix 2048 (suffix: 2048 decode steps)")
+        T = args.tokens
+        print(f"parity with vLLM 0.33.0, [1, {T}, 16, 128] bf16, prefix {T // 2} (suffix: {T - T // 2} decode steps)")
+        wanted = {c for c in args.cases.split(",") if c}
         for kind, cfg, cache in PARITY:
+            if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
+                continue
             try:
-                row = parity(vllm, kind, cfg, cache)
+                row = parity(vllm, kind, cfg, cache, T=T, prefix=T // 2)
             except Exception as e:
                 traceback.print_exc()
                 row = {"kind": kind, "cache": str(cache), "error": repr(e)}
@@ -249,6 +301,10 @@ def main():
                       f"({r['suffix_differ']} differ, {r['suffix_row_ulps']:.1f} row-ulps), state "
                       f"{'==' if r['state_equal'] else '!='} ({r['state_differ']} differ, {r['state_ulps']:.1f} ulps), "
                       f"prefix {r['prefix_row_ulps']:.1f} row-ulps rel {r['prefix_rel_l2']:.1e}", flush=True)
+            d = row.get("one_step", {})
+            print(f"  {kind} cache {row['cache']:<8} one step ({d.get('sequences')} states): "
+                  + (f"outputs {d['outputs_differ']} of {d['outputs']} differ, stored states {d['state_differ']} of "
+                     f"{d['states']}" if "error" not in d else d["error"]), flush=True)
             d = row.get("decode_only", {})
             print(f"  {kind} cache {row['cache']:<8} decode only ({d.get('steps')} steps from one state): "
                   + (f"outputs {'==' if d['outputs_equal'] else '!='} ({d['outputs_differ']} differ), state "
@@ -260,6 +316,14 @@ def main():
                       f"{'==' if s['outputs_equal'] else '!='} vLLM, state {'==' if s['state_equal'] else '!='} vLLM, "
                       f"gradients {'==' if all(s['grads_equal'].values()) else '!='} forward: laqat's "
                       f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
+
+        if args.asm is not None:
+            from la_compiler.kernels.decode import kernels as decode_kernels
+
+            result["asm"] = dump_asm(args.asm, decode_kernels.decode_fwd_kernel,
+                                     vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_fwd_kernel,
+                                     vllm.kda_recurrent.fused_recurrent_kda_fwd_kernel)
+            print(f"compiled kernels: {len(result['asm'])} files in {args.asm}")
 
     if not args.no_timing:
         timing_table(result)

@@ -39,6 +39,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir.delta_rule_phased  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401
+from la_compiler.kernels.decode import serving_inputs, serving_kda_inputs  # noqa: E402,F401  (the serving ops)
 from la_compiler.ir.spec import RecurrenceSpec  # noqa: E402
 from la_compiler.kernels.decode import suffix as decode_suffix  # noqa: E402
 from la_compiler.kernels.registry import get_variant  # noqa: E402
@@ -118,6 +119,11 @@ def parity(vllm, kind, cfg, cache, T=4096, H=16, D=128, prefix=2048, device="cud
             "prefix_rel_l2": rel_l2(pre, pre_ref)}
     row["server_forward"] = server_forward_check(kind, policy, q, k, v, g, beta, o_ref, h_ref, prefix, device)
     try:
+        row["packed_step"] = packed_step(vllm, kind, cfg, cache, H=H, D=D, device=device)
+    except Exception as e:  # noqa: BLE001 (reported in the table)
+        traceback.print_exc()
+        row["packed_step"] = {"error": repr(e)}
+    try:
         row["one_step"] = one_step(vllm, kind, spec, cache, H=H, D=D, device=device)
     except Exception as e:  # noqa: BLE001 (reported in the table)
         traceback.print_exc()
@@ -159,6 +165,60 @@ def one_step(vllm, kind, spec, cache, N=64, H=16, D=128, device="cuda") -> dict:
     ht = ht.transpose(-1, -2).to(cache).float()  # vLLM's cache holds the stored state
     return {"sequences": N, "outputs_differ": int((o != o_ref).sum()), "outputs": o.numel(),
             "state_differ": int((ht != h_ref).sum()), "states": ht.numel()}
+
+
+def _raw_decode_inputs(kind, N, H, D, device):
+    """Raw projections of N decode tokens as vLLM's layers hand them to the packed decode: q|k|v packed, the raw gate
+    (GDN: a [N, H]; KDA: [N, H, D]), raw beta [N, H], A_log, dt_bias."""
+    gen = torch.Generator().manual_seed(3)
+    mixed = (torch.randn(N, 3 * H * D, generator=gen) * 2).bfloat16()
+    raw_g = (torch.randn((N, H) if kind == "gdn" else (N, H, D), generator=gen) * 4).bfloat16()
+    raw_b = (torch.randn(N, H, generator=gen) * 2).bfloat16()
+    A_log = torch.rand(H, generator=gen).mul(3).log()
+    dt_bias = torch.rand(H if kind == "gdn" else H * D, generator=gen)
+    return (x.to(device) for x in (mixed, raw_g, raw_b, A_log, dt_bias))
+
+
+def packed_step(vllm, kind, cfg, cache, N=64, H=16, D=128, device="cuda") -> dict:
+    """One decode step of N sequences from their own random cached states, as the server runs it: vLLM's packed
+    decode kernel (``fused_recurrent_gated_delta_rule_packed_decode`` / ``fused_recurrent_kda_packed_decode``: the l2
+    norm and the gate computed in the kernel from the raw projections) against laqat's serving pre-processing ops and
+    the profile's decode step, under ``forward: laqat`` and ``forward: server``."""
+    mixed, raw_g, raw_b, A_log, dt_bias = _raw_decode_inputs(kind, N, H, D, device)
+    cache_state = torch.zeros(N + 1, H, D, D, dtype=cache, device=device)
+    cache_state[1:] = (0.1 * torch.randn(N, H, D, D, device=device)).to(cache)
+    h0 = cache_state[1:].float()  # [N, H, V, K]: the spec's "vk" layout
+    slots = torch.arange(1, N + 1, dtype=torch.int32, device=device)
+    served = cache_state.clone()
+    if kind == "gdn":
+        o_ref = torch.empty(N, 1, H, D, dtype=torch.bfloat16, device=device)
+        vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode(
+            mixed, raw_g, raw_b, A_log, dt_bias, D ** -0.5, served, o_ref, slots, use_qk_l2norm_in_kernel=True)
+    else:
+        o_ref, _ = vllm.kda_recurrent.fused_recurrent_kda_packed_decode(
+            mixed_qkv=mixed, raw_g=raw_g[None], raw_beta=raw_b[None], A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+            initial_state=served, state_indices=slots)
+    o_ref = o_ref.reshape(N, 1, H, D)
+    decode = torch.zeros(N, 1, dtype=torch.int8, device=device)
+    norm = torch.ops.laqat.serving_l2norm if kind == "gdn" else torch.ops.laqat.serving_kda_l2norm
+    q, k = (norm(mixed[:, i * H * D:(i + 1) * H * D].reshape(N, 1, H, D), decode) for i in (0, 1))
+    v = mixed[:, 2 * H * D:].reshape(N, 1, H, D)
+    if kind == "gdn":
+        g = torch.ops.laqat.serving_gdn_gate(raw_g[:, None], A_log, dt_bias, decode)
+    else:
+        g = torch.ops.laqat.serving_kda_gate(raw_g[:, None], A_log, dt_bias)
+    beta = torch.ops.laqat.serving_sigmoid(raw_b[:, None])
+    policy = Policy.from_dict({"linear_attention": [{"module_name": "*", "cfg": cfg}]})
+    row = {"sequences": N, "outputs": o_ref.numel(), "states": h0.numel()}
+    for forward in ("laqat", "server"):
+        spec = _spec(kind, policy, forward)
+        o, ht = get_variant("decode_serving").forward(
+            spec, q, k, v, g, beta, h0, None, D ** -0.5, prefill_lengths=torch.zeros(N, dtype=torch.int32,
+                                                                                      device=device),
+            valid_lengths=torch.ones(N, dtype=torch.int32, device=device))
+        row[forward] = {"outputs_differ": int((o.to(o_ref.dtype) != o_ref).sum()),
+                        "state_differ": int((ht.to(cache) != served[1:]).sum())}
+    return row
 
 
 def dump_asm(directory: Path, *kernels) -> list[str]:
@@ -301,6 +361,11 @@ def main():
                       f"({r['suffix_differ']} differ, {r['suffix_row_ulps']:.1f} row-ulps), state "
                       f"{'==' if r['state_equal'] else '!='} ({r['state_differ']} differ, {r['state_ulps']:.1f} ulps), "
                       f"prefix {r['prefix_row_ulps']:.1f} row-ulps rel {r['prefix_rel_l2']:.1e}", flush=True)
+            d = row.get("packed_step", {})
+            print(f"  {kind} cache {row['cache']:<8} packed decode step from raw projections ({d.get('sequences')} "
+                  "states): " + ("; ".join(f"forward {f}: outputs {d[f]['outputs_differ']} of {d['outputs']} differ, "
+                                           f"states {d[f]['state_differ']} of {d['states']}" for f in ("laqat", "server"))
+                                 if "error" not in d else d["error"]), flush=True)
             d = row.get("one_step", {})
             print(f"  {kind} cache {row['cache']:<8} one step ({d.get('sequences')} states): "
                   + (f"outputs {d['outputs_differ']} of {d['outputs']} differ, stored states {d['state_differ']} of "
@@ -322,7 +387,9 @@ def main():
 
             result["asm"] = dump_asm(args.asm, decode_kernels.decode_fwd_kernel,
                                      vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_fwd_kernel,
-                                     vllm.kda_recurrent.fused_recurrent_kda_fwd_kernel)
+                                     vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode_kernel,
+                                     vllm.kda_recurrent.fused_recurrent_kda_fwd_kernel,
+                                     vllm.kda_recurrent.fused_recurrent_kda_packed_decode_kernel)
             print(f"compiled kernels: {len(result['asm'])} files in {args.asm}")
 
     if not args.no_timing:

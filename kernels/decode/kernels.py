@@ -84,7 +84,7 @@ def decode_fwd_kernel(
         if SAVE_CKPT:
             if t % CK == 0:
                 i_tile = ((first_block + t // CK) * HV + i_hv) * NV + i_v
-                tl.store(ckpt + i_tile * BK * BV + o_c, b_h)
+                tl.store(ckpt + i_tile * BK * BV + o_c, b_h.to(ckpt.dtype.element_ty))
         i_tok = bos + t
         b_q = b_q * scale
         b_ha, b_w, b_kf, b_uf, b_hb = token_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA, REPLAY, FACTOR, VFIRST)
@@ -98,7 +98,7 @@ def decode_fwd_kernel(
         tl.store(o + (i_tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         b_h = b_new
         b_q, b_k, b_v, b_beta, b_g = n_q, n_k, n_v, n_beta, n_g
-    tl.store(ht + i_nh * K * V + o_h, b_h, mask=m_h)
+    tl.store(ht + i_nh * K * V + o_h, b_h.to(ht.dtype.element_ty), mask=m_h)
 
 
 @triton.jit
@@ -187,7 +187,7 @@ def decode_bwd_kernel(
         m_v = o_v < V
         i_tile = ((i_blk.to(tl.int64) * HV + i_hv) * NV + i_v) * BK * BV
         # the block's states (entering each of its tokens), from its checkpoint
-        b_h = tl.load(ckpt + i_tile + o_c)
+        b_h = tl.load(ckpt + i_tile + o_c).to(tl.float32)
         for t in range(t0, t1):
             tl.store(p_sc + (t - t0) * BK * BV + o_c, b_h)
             b_q, b_k, b_v, b_beta, b_g = load_token(q, k, v, g, beta, bos + t, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV,

@@ -116,6 +116,16 @@ def tiles(K: int, V: int, opts: DecodeOptions) -> tuple[int, int]:
     return triton.next_power_of_2(K), BV if V >= BV else triton.next_power_of_2(V)
 
 
+def state_io_dtype(p: DecodeParams) -> torch.dtype:
+    """The dtype the forward's state tiles enter and leave the kernel in (the handoff, the final state, the
+    checkpoints): a serving profile's 16-bit cache dtype where no codec rounds first (every such state is already
+    rounded to it), else fp32. The width of these loads and stores decides Triton's register layout of the tile,
+    and so the order of its sums over K: the server's kernel loads and stores its 16-bit cache (docs/serving.md)."""
+    if p.vfirst and p.codec is None and p.cache != "float32":
+        return getattr(torch, p.cache)
+    return torch.float32
+
+
 def _codec_groups(p: DecodeParams) -> str:
     return "none" if p.codec is None else "block" if p.codec_block else "tile"
 
@@ -215,19 +225,22 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = decay_on_grid(g.contiguous(), opts.decay_log_step)
     cu = cu_seqlens.to(torch.int32).contiguous()
+    params = DecodeParams.from_spec(spec, v.dtype)
+    io = state_io_dtype(params)
+    handoff = handoff.to(io).contiguous()  # exact where io is 16-bit: the kernel rounds the handoff to it on load
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
-    ht = torch.empty(handoff.shape, dtype=torch.float32, device=dev)
+    ht = torch.empty(handoff.shape, dtype=io, device=dev)
     blocks = blocks_of(_lengths(cu), dev) if checkpoints is not None else None
     if blocks is not None:  # the op returns the buffer: no element of it left unwritten
         checkpoints[blocks.count * HV * triton.cdiv(V, BV) * BK * BV:].zero_()
-    params = DecodeParams.from_spec(spec, v.dtype)
+        checkpoints = checkpoints.view(io)
     if n:
         kernels.decode_fwd_kernel[(triton.cdiv(V, BV), n * HV)](
-            q, k, v, g, beta, handoff.contiguous(), o, ht, checkpoints if checkpoints is not None else o,
+            q, k, v, g, beta, handoff, o, ht, checkpoints if checkpoints is not None else o,
             cu, blocks.offsets if blocks is not None else cu, float(scale), opts.window,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=checkpoints is not None,
             **_constants(params, "decode_fwd_kernel"), num_warps=_forward_warps(params))
-    return o, ht
+    return o, ht.float()
 
 
 def _backward_programs(work: int, state_bytes: int, device) -> int:
@@ -275,7 +288,7 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
         programs = _backward_programs(work, CHECKPOINT_EVERY * BK * BV * 4, dev)
         scratch = torch.empty(programs * CHECKPOINT_EVERY * BK * BV, dtype=f32, device=dev)
         kernels.decode_bwd_kernel[(programs,)](
-            q, k, v, g, beta, checkpoints, dh_end, scratch, cu, blocks.offsets, blocks.sequence, do,
+            q, k, v, g, beta, checkpoints.view(state_io_dtype(params)), dh_end, scratch, cu, blocks.offsets, blocks.sequence, do,
             dq, dk, dv, dg, dbeta, float(scale), opts.window, total, blocks.count,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_constants(params, "decode_bwd_kernel"),
             num_warps=_backward_warps(params))

@@ -221,6 +221,57 @@ def packed_step(vllm, kind, cfg, cache, N=64, H=16, D=128, device="cuda") -> dic
     return row
 
 
+def _kda_layer_core(mixed, raw_g, raw_b, A_log, dt_bias, H, K):
+    """FLA's KDA layer from the convolution's output to the recurrence's output (the gate, beta's sigmoid and the
+    l2 norm in FLA's kernels), as tests/serving/test_serving_kda_inputs.py's, without transformers' forget gate."""
+    from fla.ops.kda import chunk_kda
+
+    B, T = mixed.shape[:2]
+    q, k, v = (x.reshape(B, T, H, K) for x in torch.split(mixed, [H * K] * 3, dim=-1))
+    out, _ = chunk_kda(q, k, v, g=raw_g, beta=raw_b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    return out
+
+
+def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
+    """One layer from the raw projections (tests/serving's layer cases at a model's head size): laqat compiles it
+    with the profile (bf16 cache, ``forward`` set) in a decode phase; vLLM's layer runs its own kernels on the same
+    projections (the prefill's pre-processing and chunk kernel, the bf16 cache write, one packed decode launch per
+    later token). Differing outputs of the prefix and of the decode tokens."""
+    import la_compiler
+    from tests.serving import test_serving_inputs as gdn_case
+    from tests.serving import test_serving_kda_inputs as kda_case
+
+    serving = {"state_dtype": "bfloat16", "forward": forward, **({"model": "kimi_k3"} if kind == "kda" else {})}
+    options = {"policy": {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]},
+               "compiler": "eager"}
+    row = {"kind": kind, "forward": forward, "T": T, "prefix": prefix, "H": H, "D": D}
+    if kind == "gdn":
+        mixed, a, b, A_log, dt_bias = gdn_case._raw(T, H, H, D, D, seed=1)
+        core = torch.compile(gdn_case._layer_core, backend="laqat", fullgraph=True, options=options)
+        with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
+            out = core(mixed[None], a[None], b[None], A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"))
+        expected = gdn_case._vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, H, D, D, prefix)
+    else:
+        mixed, raw_g, raw_b, A_log, dt_bias = kda_case._raw(T, H, D, seed=1)
+        core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)
+        with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
+            out = core(mixed[None], raw_g[None], raw_b[None], A_log, dt_bias, H, D)
+        expected = kda_case._vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, D, prefix)
+        g_cum, _ = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[None, :prefix], raw_beta=raw_b[None, :prefix],
+                                                              A_log=A_log, g_bias=dt_bias)
+        gate = torch.ops.laqat.serving_kda_gate(raw_g[None, :prefix], A_log, dt_bias)
+        ours = kda_case._laqat_chunk_cumsum(gate) * kda_case.RCP_LN2
+        row["gate_cumsum_differ"] = int((ours != g_cum).sum())
+        row["gate_cumsum_values"] = g_cum.numel()
+    out = out[0]
+    row.update({"prefix_differ": int((out[:prefix] != expected[:prefix]).sum()),
+                "decode_differ": int((out[prefix:] != expected[prefix:]).sum()),
+                "outputs_each": expected[:prefix].numel(), "decode_outputs": expected[prefix:].numel(),
+                "max_abs_diff": (out.float() - expected.float()).abs().max().item()})
+    return row
+
+
 def dump_asm(directory: Path, *kernels) -> list[str]:
     """Every compiled specialization of ``kernels`` (JIT functions, or heuristics/autotuners around them): TTGIR,
     LLVM IR, PTX and SASS where Triton can disassemble, one file each, to compare the GPU's code of two kernels."""
@@ -332,6 +383,7 @@ def main():
     parser.add_argument("--no-timing", action="store_true", help="parity only (no FLA kernels needed)")
     parser.add_argument("--tokens", type=int, default=4096, help="T of the parity cases (the prefix is half)")
     parser.add_argument("--cases", default="", help="comma-separated kind:cache cases of PARITY (default: all)")
+    parser.add_argument("--layers-only", action="store_true", help="the layer rows only (no PARITY cases)")
     parser.add_argument("--asm", type=Path, default=None,
                         help="write the compiled decode kernels (laqat's and vLLM's: TTGIR, LLVM IR, PTX, SASS) here")
     args = parser.parse_args()
@@ -344,6 +396,8 @@ def main():
         print(f"parity with vLLM 0.33.0, [1, {T}, 16, 128] bf16, prefix {T // 2} (suffix: {T - T // 2} decode steps)")
         wanted = {c for c in args.cases.split(",") if c}
         for kind, cfg, cache in PARITY:
+            if args.layers_only:
+                break
             if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
                 continue
             try:
@@ -382,6 +436,22 @@ def main():
                       f"gradients {'==' if all(s['grads_equal'].values()) else '!='} forward: laqat's "
                       f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
 
+        print("one layer from the raw projections (prefix 512, 128 decode tokens, 16 heads of 128, bf16 cache) "
+              "against vLLM's layer's kernel calls")
+        result["layer"] = []
+        for kind in ("gdn", "kda"):
+            for forward in ("laqat", "server"):
+                try:
+                    row = layer_parity(vllm, kind, forward)
+                except Exception as e:  # noqa: BLE001 (reported in the table)
+                    traceback.print_exc()
+                    row = {"kind": kind, "forward": forward, "error": repr(e)}
+                result["layer"].append(row)
+                print(f"  {kind} forward {forward:<7} " + (
+                    f"prefix outputs {row['prefix_differ']} of {row['outputs_each']} differ, decode outputs "
+                    f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
+                    + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
+                       if "gate_cumsum_differ" in row else "") if "error" not in row else row["error"]), flush=True)
         if args.asm is not None:
             from la_compiler.kernels.decode import kernels as decode_kernels
 

@@ -8,10 +8,16 @@ decode-phase serving op's forward runs vLLM's Triton kernels as vLLM's serving l
 2. the prefixes of every sequence with one, packed, through vLLM's chunk kernel (``chunk_gated_delta_rule``,
    vLLM's copy of FLA, or Kimi's ``chunk_kda_with_fused_gate`` stages, ``kda_prefill_with_fused_gate``) from the
    cached states; the final states go back into the cache with ``.to(cache dtype)``;
-3. one launch of vLLM's recurrent kernel per decode step (``fused_recurrent_gated_delta_rule`` /
-   ``fused_recurrent_kda_fwd``), every sequence still decoding in it, reading and writing the cache in place.
+3. the decode steps through laqat's decode kernels (kernels/decode/kernels.py) from the cached states. vLLM's
+   layers decode with its packed kernels (``fused_recurrent_gated_delta_rule_packed_decode``,
+   ``fused_recurrent_kda_packed_decode``), which take the raw projections and compute the l2 norm, the gate and
+   beta themselves; the serving op receives those already computed (passes/serving_inputs.py). vLLM's kernels that
+   take them computed (``fused_recurrent_gated_delta_rule``, ``fused_recurrent_kda_fwd``) sum in another register
+   layout on a GPU and differ from the packed kernels in the last bits of some states, where laqat's decode kernels,
+   laid out as the packed kernels, equal them bit for bit (docs/serving.md, "The GPU check").
 
-The outputs and the final states (the cache, widened to fp32) are vLLM's bit for bit. The backward is laqat's
+The outputs and the final states (the cache, widened to fp32) are then what vLLM's layers compute, bit for bit,
+wherever the prefix's inputs are (docs/serving.md says where they are not). The backward is laqat's
 reproduction's (kernels/decode/phased.py) at the same inputs: a training forward runs laqat's forward as well, for
 the residuals its backward reads (the decode phase's checkpoints), and returns the server's outputs.
 
@@ -24,14 +30,13 @@ import importlib
 import torch
 
 from la_compiler.error_base import LaqatError
+from la_compiler.kernels.decode import suffix
 from la_compiler.options import SERVING_RELEASES, decode_options
 
 # vLLM's kernel modules, by role (the same names in vLLM's package and in the tests' stand-in of it).
 VLLM_MODULES = {
     "gdn_chunk": "vllm.third_party.flash_linear_attention.ops.chunk",
-    "gdn_recurrent": "vllm.third_party.flash_linear_attention.ops.fused_recurrent",
     "kda_chunk": "vllm.models.kimi_k3.nvidia.ops.third_party.kda.chunk",
-    "kda_recurrent": "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent",
 }
 
 
@@ -74,18 +79,6 @@ def _vllm_envs():
 
 def _modules():
     return {role: importlib.import_module(name) for role, name in VLLM_MODULES.items()}
-
-
-def _shared_token_stride(*xs):
-    """The tensors side by side in one buffer, as vLLM's packed q|k|v projection: views with one token stride
-    (Kimi's recurrent kernel reads q, k and v with the stride of that buffer)."""
-    flat = torch.cat([x.flatten(2) for x in xs], dim=-1)
-    out, at = [], 0
-    for x in xs:
-        width = x.shape[2] * x.shape[3]
-        out.append(flat[..., at:at + width].unflatten(-1, x.shape[2:]))
-        at += width
-    return out
 
 
 def kda_prefill_with_fused_gate(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens):
@@ -138,28 +131,14 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
         o[p.prefix_rows] = o_pre[0].to(q.dtype)
         cache[slots] = ht.to(cache_dtype)
 
-    if cu_seqlens is None:
-        starts = [b * T for b in range(B)]
-    else:
-        starts = [int(x) for x in cu_seqlens.tolist()[:-1]]
-    pre = [int(x) for x in prefill_lengths.tolist()]
-    val = [int(x) for x in valid_lengths.tolist()]
-    for step in range(max((val[i] - pre[i] for i in range(p.n)), default=0)):
-        active = [i for i in range(p.n) if pre[i] + step < val[i]]
-        rows = torch.tensor([starts[i] + pre[i] + step for i in active], device=dev)
-        cu = torch.arange(len(active) + 1, dtype=torch.int32, device=dev)
-        slots = torch.tensor([i + 1 for i in active], dtype=torch.int32, device=dev)
-        q_t, k_t, v_t, g_t, beta_t = (tokens(x, rows) for x in (q, k, v, g, beta))
-        if spec.kind == "gdn":
-            o_t, _ = m["gdn_recurrent"].fused_recurrent_gated_delta_rule(
-                q_t, k_t, v_t, g_t, beta_t, scale=scale, initial_state=cache, inplace_final_state=True,
-                cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=False)
-        else:
-            q_t, k_t, v_t = _shared_token_stride(q_t, k_t, v_t)
-            o_t, _ = m["kda_recurrent"].fused_recurrent_kda_fwd(
-                q_t, k_t, v_t, g_t, beta_t, scale=scale, initial_state=cache, inplace_final_state=True,
-                cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=False)
-        o[rows] = o_t[0].to(q.dtype)
+    if p.suffix_seqs:  # the decode steps: laqat's kernels, bit for bit vLLM's packed decode (module docstring)
+        seqs = torch.tensor(p.suffix_seqs, device=dev)
+        handoff = cache[1:][seqs]
+        handoff = handoff if spec.state == "vk" else handoff.transpose(-1, -2)
+        o_suf, ht = suffix.suffix_forward(spec, *(tokens(x, p.suffix_rows) for x in (q, k, v, g, beta)), handoff,
+                                          p.suffix_cu, scale)
+        o[p.suffix_rows] = o_suf[0].to(q.dtype)
+        cache[1:][seqs] = (ht if spec.state == "vk" else ht.transpose(-1, -2)).to(cache_dtype)
     final = cache[1:].float()
     final = final if spec.state == "vk" else final.transpose(-1, -2)
     return o.view(B, T, HV, V), final.contiguous()

@@ -252,6 +252,14 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
         with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
             out = core(mixed[None], a[None], b[None], A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"))
         expected = gdn_case._vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, H, D, D, prefix)
+        q, k, v, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed[:prefix], a[:prefix], b[:prefix], A_log,
+                                                                    dt_bias, H, D, D)
+        finals = [vllm.gdn_chunk.chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, output_final_state=True,
+            initial_state=torch.zeros(1, H, D, D, dtype=dtype, device=q.device),
+            cu_seqlens=torch.tensor([0, prefix], dtype=torch.int32, device=q.device))[1]
+            for dtype in (torch.float32, torch.bfloat16)]
+        row["final_state_by_initial_dtype_differ"] = int((finals[0] != finals[1]).sum())
     else:
         mixed, raw_g, raw_b, A_log, dt_bias = kda_case._raw(T, H, D, seed=1)
         core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)

@@ -79,15 +79,15 @@ def _chunk_function(chunk="fla"):
 
 
 def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill):
-    """What vLLM's GDN layer computes for one sequence: the prefix prefilled, its state cached in bf16, then one
-    packed decode launch per later token."""
+    """What vLLM's GDN layer computes for one sequence: the prefix prefilled from its zeroed cache slot (the cache's
+    dtype, as vLLM's layer reads it), its state cached in bf16, then one packed decode launch per later token."""
     T = mixed.shape[0]
     scale = K ** -0.5
     q, k, v, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed[:prefill], a[:prefill], b[:prefill], A_log,
                                                                 dt_bias, H, K, V)
     o_pre, ht = vllm.gdn_chunk.chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None], scale=scale,
-        initial_state=torch.zeros(1, HV, V, K, device=DEVICE), output_final_state=True,
+        initial_state=torch.zeros(1, HV, V, K, dtype=BF16, device=DEVICE), output_final_state=True,
         cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
     cache = torch.zeros(2, HV, V, K, dtype=BF16, device=DEVICE)
     cache[1] = ht[0].to(BF16)

@@ -459,7 +459,11 @@ def main():
                     f"prefix outputs {row['prefix_differ']} of {row['outputs_each']} differ, decode outputs "
                     f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
                     + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
-                       if "gate_cumsum_differ" in row else "") if "error" not in row else row["error"]), flush=True)
+                       if "gate_cumsum_differ" in row else "")
+                    + (f"; vLLM's final state with a bf16 and an fp32 zero initial state: "
+                       f"{row['final_state_by_initial_dtype_differ']} values differ"
+                       if "final_state_by_initial_dtype_differ" in row else "")
+                    if "error" not in row else row["error"]), flush=True)
         if args.asm is not None:
             from la_compiler.kernels.decode import kernels as decode_kernels
 

@@ -260,6 +260,12 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
             cu_seqlens=torch.tensor([0, prefix], dtype=torch.int32, device=q.device))[1]
             for dtype in (torch.float32, torch.bfloat16)]
         row["final_state_by_initial_dtype_differ"] = int((finals[0] != finals[1]).sum())
+        mask = (torch.arange(T, device=q.device) < prefix).to(torch.int8)[None]
+        ours = [torch.ops.laqat.serving_l2norm(mixed[None, :, i * H * D:(i + 1) * H * D].reshape(1, T, H, D), mask)
+                for i in (0, 1)] + [torch.ops.laqat.serving_gdn_gate(a[None], A_log, dt_bias, mask),
+                                    torch.ops.laqat.serving_sigmoid(b[None])]
+        row["prefix_inputs_differ"] = {name: int((x[0, :prefix].reshape(y.shape) != y.float()).sum())
+                                       for name, x, y in zip("q k g beta".split(), ours, (q, k, g, beta))}
     else:
         mixed, raw_g, raw_b, A_log, dt_bias = kda_case._raw(T, H, D, seed=1)
         core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)
@@ -273,6 +279,8 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
         row["gate_cumsum_differ"] = int((ours != g_cum).sum())
         row["gate_cumsum_values"] = g_cum.numel()
     out = out[0]
+    differ = (out[prefix:] != expected[prefix:]).flatten(1).any(1).nonzero()
+    row["first_differing_decode_token"] = int(differ[0]) if differ.numel() else None
     row.update({"prefix_differ": int((out[:prefix] != expected[:prefix]).sum()),
                 "decode_differ": int((out[prefix:] != expected[prefix:]).sum()),
                 "outputs_each": expected[:prefix].numel(), "decode_outputs": expected[prefix:].numel(),
@@ -460,6 +468,9 @@ def main():
                     f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
                     + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
                        if "gate_cumsum_differ" in row else "")
+                    + f"; first differing decode token {row['first_differing_decode_token']}"
+                    + (f"; prefix inputs differing from fused_post_conv_prep's {row['prefix_inputs_differ']}"
+                       if "prefix_inputs_differ" in row else "")
                     + (f"; vLLM's final state with a bf16 and an fp32 zero initial state: "
                        f"{row['final_state_by_initial_dtype_differ']} values differ"
                        if "final_state_by_initial_dtype_differ" in row else "")

@@ -264,6 +264,26 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
         ours = [torch.ops.laqat.serving_l2norm(mixed[None, :, i * H * D:(i + 1) * H * D].reshape(1, T, H, D), mask)
                 for i in (0, 1)] + [torch.ops.laqat.serving_gdn_gate(a[None], A_log, dt_bias, mask),
                                     torch.ops.laqat.serving_sigmoid(b[None])]
+        # the decode alone from vLLM's handoff: the packed decode per token against laqat's ops and decode kernels
+        cache_state = torch.zeros(2, H, D, D, dtype=torch.bfloat16, device=q.device)
+        cache_state[1] = finals[1][0].to(torch.bfloat16)
+        handoff = cache_state[1:].float()
+        slot = torch.tensor([1], dtype=torch.int32, device=q.device)
+        packed = []
+        for t in range(prefix, T):
+            o_t = torch.empty(1, 1, H, D, dtype=torch.bfloat16, device=q.device)
+            vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode(
+                mixed[t:t + 1].contiguous(), a[t:t + 1].contiguous(), b[t:t + 1].contiguous(), A_log, dt_bias,
+                D ** -0.5, cache_state, o_t, slot, use_qk_l2norm_in_kernel=True)
+            packed.append(o_t[0])
+        packed = torch.cat(packed)
+        policy = Policy.from_dict({"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]})
+        o_dec, _ = decode_suffix.suffix_forward(
+            _spec("gdn", policy, forward), *(x[:, prefix:].contiguous() for x in ours[:2]),
+            mixed[None, prefix:, 2 * H * D:].reshape(1, T - prefix, H, D), *(x[:, prefix:].contiguous() for x in ours[2:]),
+            handoff, torch.tensor([0, T - prefix], dtype=torch.int32, device=q.device), D ** -0.5)
+        row["decode_alone_differ"] = int((o_dec[0].to(packed.dtype) != packed).sum())
+        row["layer_reference_decode_differ"] = int((packed != expected[prefix:]).sum())
         row["prefix_inputs_differ"] = {name: int((x[0, :prefix].reshape(y.shape) != y.float()).sum())
                                        for name, x, y in zip("q k g beta".split(), ours, (q, k, g, beta))}
     else:
@@ -469,6 +489,9 @@ def main():
                     + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
                        if "gate_cumsum_differ" in row else "")
                     + f"; first differing decode token {row['first_differing_decode_token']}"
+                    + (f"; from vLLM's handoff, decode alone: {row['decode_alone_differ']} outputs differ (the layer "
+                       f"reference's decode against the packed decode from that handoff: "
+                       f"{row['layer_reference_decode_differ']})" if "decode_alone_differ" in row else "")
                     + (f"; prefix inputs differing from fused_post_conv_prep's {row['prefix_inputs_differ']}"
                        if "prefix_inputs_differ" in row else "")
                     + (f"; vLLM's final state with a bf16 and an fp32 zero initial state: "

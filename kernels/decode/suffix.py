@@ -116,6 +116,17 @@ def tiles(K: int, V: int, opts: DecodeOptions) -> tuple[int, int]:
     return triton.next_power_of_2(K), BV if V >= BV else triton.next_power_of_2(V)
 
 
+def kernel_params(spec, model_dtype) -> tuple[DecodeParams, bool]:
+    """The params the kernels run with, and whether the spec's states are transposed around them: a V-first register
+    tile (a serving profile) takes its states V-first in memory too, K contiguous, whatever the spec's layout. Triton
+    lays a tile out from its loads and stores; only a K-contiguous one gets the layout of vLLM's kernels, and with it
+    their order of the sums over K (docs/serving.md)."""
+    params = DecodeParams.from_spec(spec, model_dtype)
+    if params.vfirst and params.state == "kv":
+        return dataclasses.replace(params, state="vk"), True
+    return params, False
+
+
 def state_io_dtype(p: DecodeParams) -> torch.dtype:
     """The dtype the forward's state tiles enter and leave the kernel in (the handoff, the final state, the
     checkpoints): a serving profile's 16-bit cache dtype where no codec rounds first (every such state is already
@@ -225,8 +236,9 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = decay_on_grid(g.contiguous(), opts.decay_log_step)
     cu = cu_seqlens.to(torch.int32).contiguous()
-    params = DecodeParams.from_spec(spec, v.dtype)
+    params, transposed = kernel_params(spec, v.dtype)
     io = state_io_dtype(params)
+    handoff = handoff.transpose(-1, -2) if transposed else handoff
     handoff = handoff.to(io).contiguous()  # exact where io is 16-bit: the kernel rounds the handoff to it on load
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
     ht = torch.empty(handoff.shape, dtype=io, device=dev)
@@ -240,7 +252,8 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
             cu, blocks.offsets if blocks is not None else cu, float(scale), opts.window,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, SAVE_CKPT=checkpoints is not None,
             **_constants(params, "decode_fwd_kernel"), num_warps=_forward_warps(params))
-    return o, ht.float()
+    ht = ht.float()
+    return o, ht.transpose(-1, -2).contiguous() if transposed else ht
 
 
 def _backward_programs(work: int, state_bytes: int, device) -> int:
@@ -268,7 +281,8 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
     g = decay_on_grid(g.contiguous(), opts.decay_log_step)
     cu = cu_seqlens.to(torch.int32).contiguous()
     blocks = blocks_of(_lengths(cu), dev)
-    params = DecodeParams.from_spec(spec, v.dtype)
+    params, transposed = kernel_params(spec, v.dtype)
+    dht = dht.transpose(-1, -2) if transposed else dht
     f32 = torch.float32
     dh_end = torch.empty(max(blocks.count, 1) * HV * K * V, dtype=f32, device=dev)
     d_handoff = torch.empty(dht.shape, dtype=f32, device=dev)
@@ -298,4 +312,4 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
     dg = dg.sum(0).view(1, total, HV, -1)
     dg = dg if spec.kind == "kda" else dg[..., 0]
     dbeta = dbeta.sum(0).view(1, total, HV)
-    return dq, dk, dv, dg, dbeta, d_handoff
+    return dq, dk, dv, dg, dbeta, d_handoff.transpose(-1, -2).contiguous() if transposed else d_handoff

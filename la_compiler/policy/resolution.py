@@ -294,7 +294,8 @@ def _serving_forward(la: LinearAttentionCfg, kind: str, state: str | None, la_ke
         raise PolicyError(f"{key}: 'server' runs {serving.engine} {SERVING_RELEASES[serving.profile]}'s own kernels, "
                           f"but {why_not}; use serving.forward: laqat (laqat's reproduction) or auto")
     forward = "laqat" if serving.forward == "laqat" or why_not else "server"
-    said = {"server": f"the server's kernels ({serving.engine} {SERVING_RELEASES[serving.profile]}), laqat's backward",
+    said = {"server": f"the server's kernels ({serving.engine} {SERVING_RELEASES[serving.profile]}) for the prefix, "
+                      f"laqat's decode kernels (laid out as its packed decode) for the decode steps, laqat's backward",
             "laqat": "laqat's reproduction, laqat's backward"}[forward]
     if serving.forward == "auto":
         said += f" (auto: {why_not})" if why_not else " (auto: the server's package is importable)"

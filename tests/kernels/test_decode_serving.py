@@ -112,3 +112,17 @@ def test_a_model_compiled_with_the_recipe_trains_on_the_serving_variant():
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     for a, p in zip(grads, model.parameters()):
         assert rel_l2(a, p.grad) < 1e-4
+
+
+@pytest.mark.parametrize("kind,layout,state_dtype,fmt,io", [
+    ("gdn", "kv", "bfloat16", None, torch.bfloat16), ("gdn", "vk", "float16", None, torch.float16),
+    ("kda", "vk", "float32", None, torch.float32), ("kda", "kv", "float16", "fp8_e4m3/tile16", torch.float32)])
+def test_the_kernels_take_the_states_v_first_in_the_caches_dtype_where_no_codec_rounds_first(kind, layout,
+                                                                                           state_dtype, fmt, io):
+    """What the launchers hand the decode kernels (tests/serving/test_sm90_layouts.py: why): V-first states, a kv
+    spec's transposed around them, in a 16-bit cache's dtype unless a codec rounds before the cache."""
+    from la_compiler.kernels.decode import suffix
+
+    params, transposed = suffix.kernel_params(_spec(kind, layout, state_dtype, fmt), torch.bfloat16)
+    assert params.vfirst and params.state == "vk" and transposed == (layout == "kv")
+    assert suffix.state_io_dtype(params) == io

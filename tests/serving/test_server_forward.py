@@ -58,8 +58,9 @@ def test_server_forward_is_vllms_and_its_backward_laqats(case, vllm, as_gpu):
     kind, cfg, cache, layout, cu, xs, prefill, valid = _case(case)
     spec, res = _spec(cfg, kind, layout, "auto")
     assert dict(spec.extra)["forward"] == "server", res.rules  # auto: the oracle's vllm 0.33.0 is importable
-    assert any("forward: the server's kernels (vllm 0.33.0), laqat's backward (auto: the server's package is "
-               "importable)" in r for r in res.rules), res.rules
+    assert any("forward: the server's kernels (vllm 0.33.0) for the prefix, laqat's decode kernels (laid out as its "
+               "packed decode) for the decode steps, laqat's backward (auto: the server's package is importable)" in r
+               for r in res.rules), res.rules
     q, k, v, g, beta, h0 = xs
     h0_kv = h0.transpose(-1, -2) if layout == "vk" else h0
     o_ref, h_ref = serve(vllm, kind, q, k, v, g, beta, prefill_lengths=prefill.tolist(),

@@ -244,7 +244,8 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
     ht = torch.empty(handoff.shape, dtype=io, device=dev)
     blocks = blocks_of(_lengths(cu), dev) if checkpoints is not None else None
     if blocks is not None:  # the op returns the buffer: no element of it left unwritten
-        checkpoints[blocks.count * HV * triton.cdiv(V, BV) * BK * BV:].zero_()
+        written = blocks.count * HV * triton.cdiv(V, BV) * BK * BV * io.itemsize  # bytes, in the io dtype
+        checkpoints[triton.cdiv(written, checkpoints.element_size()):].zero_()
         checkpoints = checkpoints.view(io)
     if n:
         kernels.decode_fwd_kernel[(triton.cdiv(V, BV), n * HV)](

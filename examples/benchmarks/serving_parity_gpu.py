@@ -159,9 +159,10 @@ def one_step(vllm, kind, spec, cache, N=64, H=16, D=128, device="cuda") -> dict:
     h0 = 0.1 * torch.randn(N, H, D, D, device=device)
     lengths = dict(prefill_lengths=[0] * N, valid_lengths=[1] * N)
     o_ref, h_ref = serve(vllm, kind, q, k, v, g, beta, cache_dtype=cache, initial_state=h0, **lengths)
-    o, ht = get_variant("decode_serving").forward(spec, q, k, v, g, beta, h0.transpose(-1, -2).contiguous(), None,
-                                                  D ** -0.5, prefill_lengths=torch.zeros(N, dtype=torch.int32, device=device),
-                                                  valid_lengths=torch.ones(N, dtype=torch.int32, device=device))
+    o, ht = get_variant("decode_serving").forward(
+        spec, q, k, v, g, beta, h0.transpose(-1, -2).contiguous(), None, D ** -0.5,
+        prefill_lengths=torch.zeros(N, dtype=torch.int32, device=device),
+        valid_lengths=torch.ones(N, dtype=torch.int32, device=device))
     ht = ht.transpose(-1, -2).to(cache).float()  # vLLM's cache holds the stored state
     return {"sequences": N, "outputs_differ": int((o != o_ref).sum()), "outputs": o.numel(),
             "state_differ": int((ht != h_ref).sum()), "states": ht.numel()}
@@ -280,7 +281,8 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
         policy = Policy.from_dict({"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]})
         o_dec, _ = decode_suffix.suffix_forward(
             _spec("gdn", policy, forward), *(x[:, prefix:].contiguous() for x in ours[:2]),
-            mixed[None, prefix:, 2 * H * D:].reshape(1, T - prefix, H, D), *(x[:, prefix:].contiguous() for x in ours[2:]),
+            mixed[None, prefix:, 2 * H * D:].reshape(1, T - prefix, H, D),
+            *(x[:, prefix:].contiguous() for x in ours[2:]),
             handoff, torch.tensor([0, T - prefix], dtype=torch.int32, device=q.device), D ** -0.5)
         row["decode_alone_differ"] = int((o_dec[0].to(packed.dtype) != packed).sum())
         row["layer_reference_decode_differ"] = int((packed != expected[prefix:]).sum())
@@ -454,7 +456,8 @@ def main():
             d = row.get("packed_step", {})
             print(f"  {kind} cache {row['cache']:<8} packed decode step from raw projections ({d.get('sequences')} "
                   "states): " + ("; ".join(f"forward {f}: outputs {d[f]['outputs_differ']} of {d['outputs']} differ, "
-                                           f"states {d[f]['state_differ']} of {d['states']}" for f in ("laqat", "server"))
+                                           f"states {d[f]['state_differ']} of {d['states']}"
+                                           for f in ("laqat", "server"))
                                  if "error" not in d else d["error"]), flush=True)
             d = row.get("one_step", {})
             print(f"  {kind} cache {row['cache']:<8} one step ({d.get('sequences')} states): "

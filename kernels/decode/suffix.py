@@ -239,7 +239,7 @@ def suffix_forward(spec, q, k, v, g, beta, handoff, cu_seqlens, scale, *, checkp
     params, transposed = kernel_params(spec, v.dtype)
     io = state_io_dtype(params)
     handoff = handoff.transpose(-1, -2) if transposed else handoff
-    handoff = handoff.to(io).contiguous()  # exact where io is 16-bit: the kernel rounds the handoff to it on load
+    handoff = handoff.to(io).contiguous()  # 16-bit io: the handoff's rounding to the cache (nearest even), done here
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
     ht = torch.empty(handoff.shape, dtype=io, device=dev)
     blocks = blocks_of(_lengths(cu), dev) if checkpoints is not None else None
@@ -303,7 +303,8 @@ def suffix_backward(spec, q, k, v, g, beta, cu_seqlens, scale, do, dht, checkpoi
         programs = _backward_programs(work, CHECKPOINT_EVERY * BK * BV * 4, dev)
         scratch = torch.empty(programs * CHECKPOINT_EVERY * BK * BV, dtype=f32, device=dev)
         kernels.decode_bwd_kernel[(programs,)](
-            q, k, v, g, beta, checkpoints.view(state_io_dtype(params)), dh_end, scratch, cu, blocks.offsets, blocks.sequence, do,
+            q, k, v, g, beta, checkpoints.view(state_io_dtype(params)), dh_end, scratch, cu, blocks.offsets,
+            blocks.sequence, do,
             dq, dk, dv, dg, dbeta, float(scale), opts.window, total, blocks.count,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CK=CHECKPOINT_EVERY, **_constants(params, "decode_bwd_kernel"),
             num_warps=_backward_warps(params))

@@ -8,7 +8,7 @@ kernels with the same operations sum the same way only if their state tiles get 
 kernel with the launch's constexprs and 16-byte aligned pointers (as a launch on tensors from torch's allocator
 specializes them) and prints, as JSON, the layout of every ``tt.reduce`` over a [32 x 128] fp32 tile.
 
-    python -m tests.serving.sm90_layouts SRC          # SRC: vLLM's kernel files extracted for a GPU (no interpreter edits)
+    python -m tests.serving.sm90_layouts SRC     # SRC: vLLM's kernel files extracted for a GPU (no interpreter edits)
 
 Run without ``TRITON_INTERPRET`` (the kernels must be JIT functions); tests/serving/test_sm90_layouts.py runs it in a
 subprocess.

@@ -24,8 +24,9 @@
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
 #              gradients against the fp32 oracle
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
-#              docs/serving.md's section 5 (forward: server and forward: laqat, the decode kernels alone), the server's
-#              pre-processing and a Qwen3.5 GDN layer compiled with the profile against vLLM's layer calls (layer), then the
+#              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
+#              from raw projections, forward: server and forward: laqat), the server's pre-processing and the GDN and KDA
+#              layer tests and the SM90 layout check (layer), then the
 #              profiles' fwd+bwd timings against FLA's; VLLM_SRC= the directory that
 #              `python -m tests.serving.vllm_oracle --prepare DIR` printed (where the package index is reachable)
 #   train      train_fp8_state_gpu.py (a GDN + KDA model trains through the chunk kernels with an FP8 state) and
@@ -124,7 +125,7 @@ suite_model() {
 suite_serving() {
   part parity 400 python3 $B/serving_parity_gpu.py --vllm-src "${VLLM_SRC:-out/vllm-oracle/src}" --no-timing
   part layer 300 VLLM_SRC="${VLLM_SRC:-out/vllm-oracle/src}" python3 -m pytest -q -p no:cacheprovider \
-    tests/serving/test_serving_inputs.py
+    tests/serving/test_serving_inputs.py tests/serving/test_serving_kda_inputs.py tests/serving/test_sm90_layouts.py
   part timing 480 python3 $B/serving_parity_gpu.py --quick
 }
 

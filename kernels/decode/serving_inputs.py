@@ -49,19 +49,29 @@ def _(q, cu_seqlens, prefill_lengths, valid_lengths):
     return q.new_empty(q.shape[:2], dtype=torch.int8)
 
 
-def _l2norm_forward(x: Tensor, prefix: Tensor) -> Tensor:
-    B, T, H, K = x.shape
+def l2norm_by_phase(x: Tensor, prefix: Tensor, launch) -> Tensor:
+    """x [B, T, H, K] normalized per token as the server does: ``launch(x, prefill, decode)`` writes the prefill's
+    formula and the decode's into two fp32 buffers; prefix tokens take the prefill's, rounded to x's dtype (the
+    prefill stores q and k in the model's dtype, round to nearest even as the GPU's store), the others the decode's."""
     x = x.contiguous()
-    n = B * T
     prefill = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    decode = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    if n:
-        BK = triton.next_power_of_2(K)
-        kernels.l2norm_prefill_kernel[(triton.cdiv(n, PREFILL_BLOCK_T), H)](
-            x, prefill, n, H=H, K=K, EPS=L2NORM_EPS, BLOCK_T=PREFILL_BLOCK_T, BK=BK, num_warps=4, num_stages=2)
-        kernels.l2norm_decode_kernel[(n, H)](x, decode, H=H, K=K, BK=BK, num_warps=1)
-    # the prefill stores q and k in the model's dtype (round to nearest even, as the GPU's store)
+    decode = torch.empty_like(prefill)
+    if x.numel():
+        launch(x, prefill, decode)
     return torch.where(prefix.bool()[:, :, None, None], prefill.to(x.dtype).float(), decode)
+
+
+def _launch_l2norms(x: Tensor, prefill: Tensor, decode: Tensor) -> None:
+    """fused_post_conv_prep's norm (16 tokens, 4 warps) and the packed decode's (one token, 1 warp)."""
+    B, T, H, K = x.shape
+    n, BK = B * T, triton.next_power_of_2(K)
+    kernels.l2norm_prefill_kernel[(triton.cdiv(n, PREFILL_BLOCK_T), H)](
+        x, prefill, n, H=H, K=K, EPS=L2NORM_EPS, BLOCK_T=PREFILL_BLOCK_T, BK=BK, num_warps=4, num_stages=2)
+    kernels.l2norm_decode_kernel[(n, H)](x, decode, H=H, K=K, BK=BK, num_warps=1)
+
+
+def _l2norm_forward(x: Tensor, prefix: Tensor) -> Tensor:
+    return l2norm_by_phase(x, prefix, _launch_l2norms)
 
 
 @torch.library.custom_op("laqat::serving_l2norm", mutates_args=())

@@ -40,20 +40,17 @@ DECODE_WARPS = 4  # fused_recurrent_kda_packed_decode's num_warps
 BLOCK = 1024
 
 
-def _l2norm_forward(x: Tensor, prefix: Tensor) -> Tensor:
+def _launch_l2norms(x: Tensor, prefill: Tensor, decode: Tensor) -> None:
+    """l2norm_fwd's (32 rows) and the packed KDA decode's (one token, 4 warps)."""
     B, T, H, K = x.shape
-    x = x.contiguous()
-    rows = B * T * H
-    prefill = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    decode = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    if rows:
-        BK = triton.next_power_of_2(K)
-        kernels.l2norm_prefill_kernel[(triton.cdiv(rows, PREFILL_MBLOCK),)](
-            x=x, out=prefill, n_rows=rows, eps=serving_inputs.L2NORM_EPS, D=K, BD=BK, MBLOCK=PREFILL_MBLOCK)
-        serving_inputs_kernels.l2norm_decode_kernel[(B * T, H)](x=x, out=decode, H=H, K=K, BK=BK,
-                                                                num_warps=DECODE_WARPS)
-    # the prefill stores q and k in the model's dtype (round to nearest even, as the GPU's store)
-    return torch.where(prefix.bool()[:, :, None, None], prefill.to(x.dtype).float(), decode)
+    rows, BK = B * T * H, triton.next_power_of_2(K)
+    kernels.l2norm_prefill_kernel[(triton.cdiv(rows, PREFILL_MBLOCK),)](
+        x=x, out=prefill, n_rows=rows, eps=serving_inputs.L2NORM_EPS, D=K, BD=BK, MBLOCK=PREFILL_MBLOCK)
+    serving_inputs_kernels.l2norm_decode_kernel[(B * T, H)](x=x, out=decode, H=H, K=K, BK=BK, num_warps=DECODE_WARPS)
+
+
+def _l2norm_forward(x: Tensor, prefix: Tensor) -> Tensor:
+    return serving_inputs.l2norm_by_phase(x, prefix, _launch_l2norms)
 
 
 @torch.library.custom_op("laqat::serving_kda_l2norm", mutates_args=())

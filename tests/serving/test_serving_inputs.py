@@ -148,11 +148,13 @@ def _gdn_gate_fp64(a, A_log, dt_bias):
     return -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())
 
 
-def test_the_ops_gradients_against_fp64(on_device):
+def assert_l2norm_against_fp64(op):
+    """``op(x, prefix)`` (a serving l2 norm, fp32 inputs: the prefill's rounding to x's dtype is none) and its gradient
+    against ``x / sqrt(sum(x²) + 1e-6)`` in fp64, on prefix and decode tokens."""
     torch.manual_seed(3)
     x = torch.randn(2, 9, 3, 16, dtype=torch.float32, requires_grad=True)
     prefix = (torch.arange(9) < 4).to(torch.int8).expand(2, 9).contiguous()
-    y = torch.ops.laqat.serving_l2norm(x, prefix)
+    y = op(x, prefix)
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     x64 = x.detach().double().requires_grad_()
@@ -161,6 +163,11 @@ def test_the_ops_gradients_against_fp64(on_device):
     torch.testing.assert_close(y.double(), y64, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
 
+
+def test_the_ops_gradients_against_fp64(on_device):
+    assert_l2norm_against_fp64(torch.ops.laqat.serving_l2norm)
+
+    prefix = (torch.arange(9) < 4).to(torch.int8).expand(2, 9).contiguous()
     a = (torch.randn(2, 9, 3) * 8).requires_grad_()
     A_log = torch.randn(3).requires_grad_()
     dt_bias = torch.randn(3).requires_grad_()

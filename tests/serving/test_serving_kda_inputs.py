@@ -18,6 +18,7 @@ from la_compiler.backend import last_record
 from la_compiler.kernels.chunk.fwd_pairs import chunk_fwd_kernel_cumsum
 from la_compiler.kernels.decode import serving_kda_inputs  # noqa: F401  (registers the ops)
 from la_compiler.passes.serving_inputs import ServingInputsWarning
+from tests.serving.test_serving_inputs import assert_l2norm_against_fp64
 
 BF16 = torch.bfloat16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: vLLM's kernels compiled, as the server runs them
@@ -228,17 +229,7 @@ def on_device():
 
 
 def test_the_ops_gradients_against_fp64(on_device):
-    torch.manual_seed(3)
-    x = torch.randn(2, 9, 3, 16, dtype=torch.float32, requires_grad=True)
-    prefix = (torch.arange(9) < 4).to(torch.int8).expand(2, 9).contiguous()
-    y = torch.ops.laqat.serving_kda_l2norm(x, prefix)
-    dy = torch.randn_like(y)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().double().requires_grad_()
-    y64 = x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6)
-    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-    torch.testing.assert_close(y.double(), y64, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
+    assert_l2norm_against_fp64(torch.ops.laqat.serving_kda_l2norm)
 
     for with_bias in (True, False):
         g = (torch.randn(2, 9, 3, 4) * 8).requires_grad_()

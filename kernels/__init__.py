@@ -14,6 +14,15 @@
 The families register their variants here: these imports are the only ones from this package up to
 the families (docs/architecture.md, "Layers").
 """
+if __name__ == "kernels":  # the repository root on sys.path: the installed "kernels" keeps its name
+    import os as _os
+
+    from la_compiler.shadowed_name import hand_over
+
+    hand_over(__name__, _os.path.dirname(__file__))
+    del _os, hand_over
+    # this module's namespace is no longer the one importers get; what follows registers under la_compiler.kernels
+
 from la_compiler.kernels.chunk import variant as _chunk  # noqa: F401
 from la_compiler.kernels.decode import fused as _decode_fused  # noqa: F401
 from la_compiler.kernels.decode import serving as _decode_serving  # noqa: F401

@@ -65,6 +65,7 @@ class KernelVariant:
     source_modules: Callable[[RecurrenceSpec], dict[str, ModuleType]] | None = None
     constexprs: Callable[[RecurrenceSpec], dict[str, object]] | None = None
     numerics: tuple[str, ...] = ()  # the NumericsOptions fields it applies
+    raw_gate: bool = False  # takes KDA's gate raw (the phased node's A_log, dt_bias; ir/delta_rule_phased.py)
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
@@ -90,11 +91,12 @@ _VARIANTS: dict[str, KernelVariant] = {}
 def register_variant(name: str, forward: Callable, backward: Callable, description: str, *, supports: Supports,
                      summary: str, implementation: str = "triton", residual_size: Callable | None = None,
                      detail: Callable | None = None, source_modules: Callable | None = None,
-                     constexprs: Callable | None = None, numerics: tuple[str, ...] = ()) -> KernelVariant:
+                     constexprs: Callable | None = None, numerics: tuple[str, ...] = (),
+                     raw_gate: bool = False) -> KernelVariant:
     if name in _VARIANTS:
         raise ValueError(f"kernel variant {name!r} is registered twice")
     variant = KernelVariant(name, forward, backward, description, supports, summary, implementation,
-                            residual_size, detail, source_modules, constexprs, tuple(numerics))
+                            residual_size, detail, source_modules, constexprs, tuple(numerics), raw_gate)
     _VARIANTS[name] = variant
     return variant
 

@@ -12,7 +12,8 @@ serving_kda_inputs.py, KDA):
             -> GDN laqat::serving_l2norm(x), KDA laqat::serving_kda_l2norm(x)
     g       ``-exp(A_log) * softplus(a + dt_bias)`` (``laqat::softplus_gate``, or torch with ``F.softplus`` or
             ``where(u > 20, u, log(1 + exp(u)))``), per value head (GDN) or per key channel (KDA)
-            -> laqat::serving_gdn_gate, laqat::serving_kda_gate
+            -> GDN laqat::serving_gdn_gate; KDA the node's raw gate: a, A_log, dt_bias as its operands (vLLM's
+               prefill sums the gate's products inside its chunk cumsum, so the node computes the gate itself)
     beta    ``sigmoid(b)``                                                  -> laqat::serving_sigmoid(b)
     v       a widening cast of the model's v                                -> that v, in its dtype
 
@@ -40,6 +41,7 @@ RESHAPES = {"view", "reshape", "contiguous", torch.reshape}  # layout operations
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 ARG = {"q": 0, "k": 1, "v": 2, "g": 3, "beta": 4}
 SPEC_ARG = 10
+RAW_GATE_ARGS = 11  # A_log, dt_bias: the node's raw gate
 
 
 class ServingInputsWarning(UserWarning):
@@ -295,10 +297,12 @@ def _rewrite_node(graph, node, spec) -> int:
                 x, dtype = operands[name]
                 args[ARG[name]] = graph.call_function(l2norm.default, (x, prefix))
                 replaced.append(f"{name}: vLLM's l2 norm (prefill: stored in {dtype or 'its dtype'}; decode: fp32)")
-        if "g" in operands and kda:
-            args[ARG["g"]] = graph.call_function(torch.ops.laqat.serving_kda_gate.default, operands["g"])
-            replaced.append("g: vLLM's KDA gate in fp32 per key channel (the values its prefill's fused gate-cumsum "
-                            "kernel sums, its decode's)")
+        if "g" in operands and kda:  # the node computes the gate (its raw form: ir/delta_rule_phased.py)
+            args[ARG["g"]], A_log, dt_bias = operands["g"]
+            args[RAW_GATE_ARGS:] = [A_log, dt_bias]
+            replaced.append("g: vLLM's KDA gate, from the raw gate, A_log and dt_bias in the node (fp32 per key "
+                            "channel; the prefill's fused gate-cumsum kernel sums it, the decode computes it per "
+                            "step)")
         elif "g" in operands:
             args[ARG["g"]] = graph.call_function(torch.ops.laqat.serving_gdn_gate.default,
                                                  (*operands["g"][:3], prefix))

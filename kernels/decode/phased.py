@@ -25,6 +25,7 @@ import torch
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.decode_phase import require_lengths
 from la_compiler.kernels.decode import suffix
+from la_compiler.kernels.decode.serving_kda_inputs import raw_gate_grads, raw_gate_log_decay
 from la_compiler.kernels.chunk.variant import chunk_forward
 from la_compiler.kernels.registry import get_variant, spec_of
 
@@ -127,11 +128,13 @@ def residual_numel(spec, q, v, cu_seqlens) -> int:
 
 
 def phased_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths=None,
-                   valid_lengths=None, save_to: torch.Tensor | None = None):
+                   valid_lengths=None, save_to: torch.Tensor | None = None, gate=None):
     """(o [B, T, HV, V] in q's dtype, final states fp32). ``save_to``: a buffer of ``residual_numel`` elements
-    that receives what the backward needs (``saved=``)."""
+    that receives what the backward needs (``saved=``). ``gate``: (A_log, dt_bias) where g is KDA's raw gate
+    (a serving profile's node, ir/delta_rule_phased.py)."""
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
+    g = raw_gate_log_decay(g, gate)
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     p = plan(B, T, cu_seqlens, prefill_lengths, valid_lengths, q.device)
@@ -153,9 +156,16 @@ def phased_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
 
 
 def phased_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, *, prefill_lengths=None,
-                    valid_lengths=None, saved: torch.Tensor | None = None):
+                    valid_lengths=None, saved: torch.Tensor | None = None, gate=None):
     """(dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype. ``saved``: what a training forward of the
-    same inputs stored (``save_to``); without it the suffix's forward runs again first."""
+    same inputs stored (``save_to``); without it the suffix's forward runs again first. With a raw gate
+    (``gate`` = (A_log, dt_bias)), dg is the raw gate's and (dA_log, ddt_bias or None) follow."""
+    if gate is not None:
+        log_decay = raw_gate_log_decay(g, gate)
+        *grads, dh0 = phased_backward(spec, q, k, v, log_decay, beta, initial_state, cu_seqlens, scale, do, dht,
+                                      prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, saved=saved)
+        dg, dA_log, ddt_bias = raw_gate_grads(grads[3], log_decay, g, gate)
+        return (*grads[:3], dg, grads[4], dh0, dA_log, ddt_bias)
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
     B, T = q.shape[:2]

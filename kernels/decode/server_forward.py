@@ -25,6 +25,7 @@ tests/serving/vllm_serving.py is the independent oracle of this module (the same
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -81,26 +82,36 @@ def _modules():
     return {role: importlib.import_module(name) for role, name in VLLM_MODULES.items()}
 
 
-def kda_prefill_with_fused_gate(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens):
-    """Kimi's prefill as its layers run it (``chunk_kda_with_fused_gate``), from the log-decay g: the fused gate
-    kernel's cumsum (``tl.cumsum`` within each 64-token chunk, times 1 / ln 2) fed the raw gate -g with A_log 0 and
-    a softplus linear everywhere (threshold -inf), so that its gate ``-exp(0) * -g`` is g exactly; then its later
-    stages. (``chunk_kda``, the canonical-gate entry no layer calls, sums G with a masked dot: other fp32 bits.)"""
+def kda_prefill_with_fused_gate(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+                                gate=None):
+    """Kimi's prefill as its layers run it (``chunk_kda_with_fused_gate``): the fused gate kernel's cumsum (``tl.cumsum``
+    within each 64-token chunk, times 1 / ln 2), then its later stages. With ``gate`` = (A_log, dt_bias), g is the
+    raw gate, summed as vLLM's layer calls the kernel (its product -exp(A_log) * softplus(g + dt_bias) inside the
+    sum, which a GPU contracts into one FMA). Without, g is the log-decay: the kernel fed the raw gate -g with A_log 0
+    and a softplus linear everywhere (threshold -inf), so that its gate ``-exp(0) * -g`` is g exactly. (``chunk_kda``,
+    the canonical-gate entry no layer calls, sums G with a masked dot: other fp32 bits.)"""
     chunk = _modules()["kda_chunk"]
     chunk_indices = chunk.prepare_chunk_indices(cu_seqlens, chunk.FLA_CHUNK_SIZE)
-    g_cum, _ = chunk.fused_kda_gate_chunk_cumsum(
-        -g, raw_beta=beta, A_log=g.new_zeros(g.shape[2], dtype=torch.float32), g_bias=None, threshold=float("-inf"),
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk.FLA_CHUNK_SIZE)
+    if gate is None:
+        raw, gate_args = -g, dict(A_log=g.new_zeros(g.shape[2], dtype=torch.float32), g_bias=None,
+                                  threshold=float("-inf"))
+    else:
+        raw, gate_args = g, dict(A_log=gate[0], g_bias=gate[1])
+    g_cum, _ = chunk.fused_kda_gate_chunk_cumsum(raw, raw_beta=beta, cu_seqlens=cu_seqlens,
+                                                  chunk_indices=chunk_indices, chunk_size=chunk.FLA_CHUNK_SIZE,
+                                                  **gate_args)
     return chunk._chunk_kda_fwd_with_cumulative_g(
         q=q, k=k, v=v, g=g_cum, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         chunk_size=chunk.FLA_CHUNK_SIZE)
 
 
-def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths, valid_lengths):
+def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths, valid_lengths,
+                   gate=None):
     """(o [B, T, HV, V] in q's dtype, zero past each valid length; final states fp32 in the spec's layout): what
-    the server computes for these tokens (module docstring)."""
+    the server computes for these tokens (module docstring). ``gate``: (A_log, dt_bias) where g is KDA's raw gate."""
     from la_compiler.kernels.decode.phased import plan
+    from la_compiler.kernels.decode.serving_kda_inputs import raw_gate_log_decay
 
     options = decode_options(spec)
     B, T, _, K = q.shape
@@ -125,7 +136,10 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
         slots = torch.tensor([i + 1 for i in p.prefix_seqs], device=dev)
         # a serving pass's fp32 q, k hold v's dtype's values on prefix tokens (passes/serving_inputs.py)
         args = [tokens(x, p.prefix_rows) for x in (q.to(v.dtype), k.to(v.dtype), v, g, beta)]
-        chunk = (m["gdn_chunk"].chunk_gated_delta_rule if spec.kind == "gdn" else kda_prefill_with_fused_gate)
+        if spec.kind == "gdn":
+            chunk = m["gdn_chunk"].chunk_gated_delta_rule
+        else:
+            chunk = functools.partial(kda_prefill_with_fused_gate, gate=gate)
         o_pre, ht = chunk(*args, scale=scale, initial_state=cache[slots].clone(), output_final_state=True,
                           cu_seqlens=p.prefix_cu)
         o[p.prefix_rows] = o_pre[0].to(q.dtype)
@@ -135,8 +149,9 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
         seqs = torch.tensor(p.suffix_seqs, device=dev)
         handoff = cache[1:][seqs]
         handoff = handoff if spec.state == "vk" else handoff.transpose(-1, -2)
-        o_suf, ht = suffix.suffix_forward(spec, *(tokens(x, p.suffix_rows) for x in (q, k, v, g, beta)), handoff,
-                                          p.suffix_cu, scale)
+        log_decay = raw_gate_log_decay(g, gate)
+        o_suf, ht = suffix.suffix_forward(spec, *(tokens(x, p.suffix_rows) for x in (q, k, v, log_decay, beta)),
+                                          handoff, p.suffix_cu, scale)
         o[p.suffix_rows] = o_suf[0].to(q.dtype)
         cache[1:][seqs] = (ht if spec.state == "vk" else ht.transpose(-1, -2)).to(cache_dtype)
     final = cache[1:].float()
@@ -150,20 +165,21 @@ def forward_with(laqat_forward):
     residuals (``save_to``) for laqat's backward."""
 
     def forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, prefill_lengths=None,
-                valid_lengths=None, save_to: torch.Tensor | None = None):
+                valid_lengths=None, save_to: torch.Tensor | None = None, gate=None):
         from la_compiler.kernels.registry import spec_of
 
         if decode_options(spec_of(spec)).forward != "server":
             return laqat_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                 prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, save_to=save_to)
+                                 prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, save_to=save_to,
+                                 gate=gate)
         if save_to is not None:
             laqat_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                          prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, save_to=save_to)
+                          prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, save_to=save_to, gate=gate)
         from la_compiler.kernels.common.decode_phase import require_lengths
 
         require_lengths(spec_of(spec), prefill_lengths, valid_lengths)
         return server_forward(spec_of(spec), q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                              prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
+                              prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, gate=gate)
 
     return forward
 

@@ -11,6 +11,9 @@ Backward: the decode kernels' backward over the suffixes gives the gradient of e
 chunk kernels' final-state gradient over the prefixes (identity through every rounding). The suffix gradients are
 exact in fp32 for the emulated forward; the prefix gradients are the chunk kernels'.
 
+A KDA node may take its gate raw (``A_log``, ``dt_bias``: ir/delta_rule_phased.py, as the serving pass hands it): its
+log-decay is then laqat::serving_kda_gate's, and the server's prefill sums the raw gate itself.
+
 With ``x.forward=server`` (the policy's ``serving.forward``) the forward's outputs are the server's own kernels'
 (kernels/decode/server_forward.py); the backward stays the one above, at the same inputs.
 """
@@ -43,4 +46,5 @@ register_variant(
     residual_size=phased.residual_numel,
     source_modules=fused.source_modules,
     constexprs=fused.constexprs,
+    raw_gate=True,
 )

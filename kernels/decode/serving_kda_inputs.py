@@ -87,3 +87,19 @@ def _(g, A_log, dt_bias):
 
 # the same formula as laqat::softplus_gate: its backward, from the output
 serving_kda_gate.register_autograd(softplus_gate_op.gate_backward, setup_context=softplus_gate_op.gate_setup_context)
+
+
+def raw_gate_log_decay(g: Tensor, gate: tuple[Tensor, Optional[Tensor]] | None) -> Tensor:
+    """The log-decay of a phased node that takes its gate raw (``gate`` = (A_log, dt_bias);
+    ir/delta_rule_phased.py): this module's gate op's values; ``g`` itself without a raw gate."""
+    return g if gate is None else serving_kda_gate(g, *gate)
+
+
+def raw_gate_grads(d_log_decay: Tensor, log_decay: Tensor, g: Tensor,
+                   gate: tuple[Tensor, Optional[Tensor]]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(dg of the raw gate in its dtype, dA_log, ddt_bias or None) from the log-decay's gradient: the gate op's
+    backward."""
+    A_log, dt_bias = gate
+    dg, dA_log, ddt_bias = softplus_gate_op.softplus_gate_backward(d_log_decay, log_decay, A_log, dt_bias is not None,
+                                                                   g.dtype)
+    return dg, dA_log, None if dt_bias is None else ddt_bias.reshape(dt_bias.shape).to(dt_bias.dtype)

@@ -2,10 +2,15 @@
 
     laqat::phase_lengths(q, cu_seqlens?) -> (prefill_lengths, valid_lengths)     int32 [N], on q's device
     laqat::delta_rule_phased(q, k, v, g, beta, initial_state?, cu_seqlens?,
-                             prefill_lengths, valid_lengths, scale, spec) -> (o, final_state)
+                             prefill_lengths, valid_lengths, scale, spec, A_log?, dt_bias?) -> (o, final_state)
 
 (a composite, as ``laqat::delta_rule``: ``laqat::delta_rule_phased_train`` where a gradient can flow, which also
 returns the residual the kernel variant keeps for its backward, else ``laqat::delta_rule_phased_eval``).
+
+With ``A_log`` the node takes its gate raw: ``g`` is KDA's gate projection [B, T, HV, K] in the model's dtype and
+the node's log-decay is ``-exp(A_log) * softplus(g + dt_bias)`` per key channel, computed inside (a KDA serving
+profile only: vLLM's prefill sums that product inside its chunk cumsum, docs/serving.md, "The server's
+pre-processing"); the backward returns the gradients of the raw gate, A_log and dt_bias.
 
 ``delta_rule`` keeps its signature; the phase pass (``passes/phase.py``) rewrites every
 ``delta_rule`` node whose spec has ``phase=token|replay`` into ``phase_lengths`` +
@@ -26,8 +31,9 @@ from typing import Optional
 
 import torch
 
-from la_compiler.ir.delta_rule import (_no_residual, _num_sequences, _state_shape, _variant_for, check_forward_inputs,
-                            empty_grads, empty_outputs, pack_grads, pack_outputs)
+from la_compiler.ir.checks import IRInputError
+from la_compiler.ir.delta_rule import (_no_residual, _no_state_grad, _num_sequences, _state_shape, _variant_for,
+                                       check_forward_inputs, empty_grads, empty_outputs, pack_grads, pack_outputs)
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.canonical_inputs import final_state_dtype
 from la_compiler.phase import PhaseError, current
@@ -59,63 +65,90 @@ def _(q, cu_seqlens):
 
 
 _PHASED_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, Tensor? cu_seqlens, "
-                "Tensor prefill_lengths, Tensor valid_lengths, float scale, str spec)")
+                "Tensor prefill_lengths, Tensor valid_lengths, float scale, str spec, Tensor? A_log=None, "
+                "Tensor? dt_bias=None)")
 _LIB = torch.library.Library("laqat", "FRAGMENT")
 _LIB.define(f"delta_rule_phased{_PHASED_ARGS} -> (Tensor, Tensor)")
 
 
-def delta_rule_phased(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
+def delta_rule_phased(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec,
+                      A_log=None, dt_bias=None):
     """The phased node (a composite op, as ``laqat::delta_rule``): where a gradient can flow,
     ``laqat::delta_rule_phased_train``, which also returns what the variant keeps for its backward (the decode
     suffix's checkpoints); else ``laqat::delta_rule_phased_eval``, which keeps nothing."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                       for x in (q, k, v, g, beta, initial_state)):
+                                       for x in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
         o, ht, _ = torch.ops.laqat.delta_rule_phased_train(q, k, v, g, beta, initial_state, cu_seqlens,
-                                                            prefill_lengths, valid_lengths, scale, spec)
+                                                            prefill_lengths, valid_lengths, scale, spec, A_log,
+                                                            dt_bias)
         return o, ht
     return torch.ops.laqat.delta_rule_phased_eval(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths,
-                                                  valid_lengths, scale, spec)
+                                                  valid_lengths, scale, spec, A_log, dt_bias)
 
 
 _LIB.impl("delta_rule_phased", delta_rule_phased, "CompositeImplicitAutograd")
 
 
+def _raw_gate(op: str, parsed: RecurrenceSpec, variant, g, A_log, dt_bias) -> dict:
+    """The variant's keyword for a raw gate (``gate=(A_log, dt_bias)``), {} without one; refuses a raw gate where
+    the variant or the kind takes none."""
+    if A_log is None:
+        if dt_bias is not None:
+            raise IRInputError(f"laqat::{op}: dt_bias is given without A_log (a raw gate needs A_log)")
+        return {}
+    if parsed.kind != "kda" or not variant.raw_gate:
+        raise IRInputError(f"laqat::{op}: A_log (a raw gate) is given, but kernel variant {variant.name!r} of a "
+                           f"{parsed.kind} node takes its log-decay computed (only a KDA serving profile's "
+                           f"decode_serving computes it)")
+    HV, K = g.shape[2], g.shape[3] if g.dim() == 4 else None
+    if g.dim() != 4 or A_log.numel() != HV or (dt_bias is not None and dt_bias.numel() != HV * K):
+        raise IRInputError(f"laqat::{op}: a raw KDA gate needs g [B, T, HV, K], A_log of HV and dt_bias of HV * K "
+                           f"elements; got g {tuple(g.shape)}, A_log {tuple(A_log.shape)}, dt_bias "
+                           f"{None if dt_bias is None else tuple(dt_bias.shape)}")
+    return {"gate": (A_log, dt_bias)}
+
+
 @torch.library.custom_op("laqat::delta_rule_phased_eval", mutates_args=(),
                          schema=f"{_PHASED_ARGS} -> (Tensor, Tensor)")
-def delta_rule_phased_eval(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
+def delta_rule_phased_eval(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec,
+                           A_log=None, dt_bias=None):
     check_forward_inputs("delta_rule_phased_eval", q, k, v, g, beta, initial_state, cu_seqlens)
     parsed = RecurrenceSpec.parse(spec)
-    return pack_outputs(*_variant_for(parsed, q, v).forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                                            prefill_lengths=prefill_lengths,
-                                                            valid_lengths=valid_lengths))
+    variant = _variant_for(parsed, q, v)
+    gate = _raw_gate("delta_rule_phased_eval", parsed, variant, g, A_log, dt_bias)
+    return pack_outputs(*variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                         prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, **gate))
 
 
 @delta_rule_phased_eval.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec, A_log=None,
+      dt_bias=None):
     return empty_outputs(q, v, cu_seqlens, spec)
 
 
 @torch.library.custom_op("laqat::delta_rule_phased_train", mutates_args=(),
                          schema=f"{_PHASED_ARGS} -> (Tensor, Tensor, Tensor)")
 def delta_rule_phased_train(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale,
-                            spec):
+                            spec, A_log=None, dt_bias=None):
     """(o, final_state, residual): the residual is the fp32 buffer the variant keeps for its backward (empty where
     it keeps nothing; kernels/registry.py)."""
     check_forward_inputs("delta_rule_phased_train", q, k, v, g, beta, initial_state, cu_seqlens)
     parsed = RecurrenceSpec.parse(spec)
     variant = _variant_for(parsed, q, v)
-    lengths = dict(prefill_lengths=prefill_lengths, valid_lengths=valid_lengths)
+    kwargs = dict(prefill_lengths=prefill_lengths, valid_lengths=valid_lengths,
+                  **_raw_gate("delta_rule_phased_train", parsed, variant, g, A_log, dt_bias))
     size = variant.residual_numel(parsed, q, v, cu_seqlens)
     if not size:
         return (*pack_outputs(*variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                               **lengths)), _no_residual(q))
+                                               **kwargs)), _no_residual(q))
     residual = torch.empty((size,), dtype=torch.float32, device=q.device)
-    o, ht = variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=residual, **lengths)
+    o, ht = variant.forward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=residual, **kwargs)
     return (*pack_outputs(o, ht), residual)
 
 
 @delta_rule_phased_train.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec, A_log=None,
+      dt_bias=None):
     parsed = RecurrenceSpec.parse(spec)
     size = _variant_for(parsed, q, v).residual_numel(parsed, q, v, cu_seqlens)
     return (*empty_outputs(q, v, cu_seqlens, spec), q.new_empty((size,), dtype=torch.float32))
@@ -125,39 +158,59 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_length
 def delta_rule_phased_backward(
     do: Tensor, dht: Tensor, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-    prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    prefill_lengths: Tensor, valid_lengths: Tensor, scale: float, spec: str, A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); an empty tensor for an input that is None."""
     parsed = RecurrenceSpec.parse(spec)
+    variant = _variant_for(parsed, q, v)
     kept = {"saved": residual} if residual.numel() else {}
-    return pack_grads(_variant_for(parsed, q, v).backward(
-        parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht,
-        prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, **kept), (q, k, v, g, beta, initial_state))
+    gate = _raw_gate("delta_rule_phased_backward", parsed, variant, g, A_log, dt_bias)
+    grads = variant.backward(parsed, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht,
+                             prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, **kept, **gate)
+    return (*pack_grads(grads[:6], (q, k, v, g, beta, initial_state)),
+            *_gate_grads(grads[6:], q, A_log, dt_bias))
+
+
+def _gate_grads(grads, q, A_log, dt_bias) -> tuple[Tensor, Tensor]:
+    """(dA_log, ddt_bias), each contiguous in its input's dtype and shape, an empty tensor for an absent input."""
+    grads = list(grads) or [None, None]
+    return tuple(_no_state_grad(q) if x is None else grad.reshape(x.shape).to(x.dtype).contiguous()
+                 for grad, x in zip(grads, (A_log, dt_bias)))
 
 
 @delta_rule_phased_backward.register_fake
-def _(do, dht, residual, q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec):
-    return empty_grads(q, k, v, g, beta, initial_state)
+def _(do, dht, residual, q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec,
+      A_log=None, dt_bias=None):
+    return (*empty_grads(q, k, v, g, beta, initial_state),
+            *(_no_state_grad(q) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+              for x in (A_log, dt_bias)))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, output[2])
+    (q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, scale, spec, A_log,
+     dt_bias) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, output[2],
+                          A_log, dt_bias)
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)
     ctx.scale, ctx.spec = scale, spec
 
 
 def _backward(ctx, do, dht, _residual_grad):
-    q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, residual = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, residual, A_log, dt_bias = (
+        ctx.saved_tensors)
     if dht is None:
         dht = q.new_zeros(_state_shape(RecurrenceSpec.parse(ctx.spec), _num_sequences(q, cu_seqlens),
                                        v.shape[2], q.shape[-1], v.shape[-1]), dtype=final_state_dtype(q.dtype))
     if do is None:
         do = torch.zeros_like(v, dtype=q.dtype)
-    dq, dk, dv, dg, dbeta, dh0 = torch.ops.laqat.delta_rule_phased_backward(
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = torch.ops.laqat.delta_rule_phased_backward(
         do, dht, residual, q, k, v, g, beta, initial_state, cu_seqlens, prefill_lengths, valid_lengths, ctx.scale,
-        ctx.spec)
-    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
+        ctx.spec, A_log, dt_bias)
+    present = lambda grad, x: grad if x is not None else None  # noqa: E731
+    return (dq, dk, dv, dg, dbeta, present(dh0, initial_state), None, None, None, None, None,
+            present(dA_log, A_log), present(ddt_bias, dt_bias))
 
 
 delta_rule_phased_train.register_autograd(_backward, setup_context=_setup_context)

@@ -126,3 +126,59 @@ def test_the_kernels_take_the_states_v_first_in_the_caches_dtype_where_no_codec_
     params, transposed = suffix.kernel_params(_spec(kind, layout, state_dtype, fmt), torch.bfloat16)
     assert params.vfirst and params.state == "vk" and transposed == (layout == "kv")
     assert suffix.state_io_dtype(params) == io
+
+
+def test_a_raw_kda_gate_is_the_gate_formula_ahead_of_the_recurrence():
+    """A node that takes KDA's gate raw (``gate=(A_log, dt_bias)``) computes -exp(A_log) * softplus(g + dt_bias)
+    itself: its outputs, final states and the gradients of the raw gate, A_log and dt_bias against the fp64 decode
+    reference fed that formula in fp64 (softplus on both sides of its threshold)."""
+    kind, layout, B, T, HV, K = "kda", "vk", 1, 13, 2, 16
+    spec = _spec(kind, layout, "bfloat16")
+    (q, k, v, _, beta, h0), cu = random_inputs(kind, B=B, T=T, H=1, HV=HV, K=K, V=K, initial_state=True,
+                                               cu_seqlens=[0, 9, 13], state_layout=layout)
+    raw = (torch.randn(B, T, HV, K) * 4).requires_grad_()
+    with torch.no_grad():
+        raw[0, 0, 0, :2] = 25.0  # past softplus's threshold of 20
+    A_log = torch.rand(HV).mul(3).log().requires_grad_()
+    dt_bias = torch.rand(HV * K).requires_grad_()
+    pre, val = torch.tensor([5, 2], dtype=torch.int32), torch.tensor([9, 4], dtype=torch.int32)
+    scale = K ** -0.5
+    o, ht = decode_serving_forward(spec, q, k, v, raw, beta, h0, cu, scale, prefill_lengths=pre, valid_lengths=val,
+                                   gate=(A_log, dt_bias))
+    leaves = [q, k, v, raw, beta, h0, A_log, dt_bias]
+    wide = [x.detach().double().requires_grad_() for x in leaves]
+    log_decay = -wide[6].exp().view(HV, 1) * torch.nn.functional.softplus(wide[3] + wide[7].view(HV, K))
+    ro, rh = delta_rule_decode_reference(*wide[:3], log_decay, wide[4], kind=kind, options=decode_options(spec),
+                                         prefill_lengths=pre.tolist(), valid_lengths=val.tolist(), scale=scale,
+                                         initial_state=wide[5], cu_seqlens=cu, state_layout=layout)
+    assert rel_l2(o, ro) < 1e-4 and rel_l2(ht, rh) < 1e-4, (rel_l2(o, ro), rel_l2(ht, rh))
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = decode_serving_backward(spec, q, k, v, raw, beta, h0, cu, scale, do, dht, prefill_lengths=pre,
+                                    valid_lengths=val, gate=(A_log, dt_bias))
+    want = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(), wide)
+    assert len(grads) == 8
+    for name, got, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads, want):
+        assert got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert rel_l2(got, ref) < 1e-4, (name, rel_l2(got, ref))
+
+
+@pytest.mark.parametrize("kind,kernel,gate,message", [
+    ("kda", "decode_fused", "A_log", r"A_log \(a raw gate\) is given, but kernel variant 'decode_fused' of a kda node"),
+    ("gdn", "decode_serving", "A_log", r"kernel variant 'decode_serving' of a gdn node takes its log-decay computed"),
+    ("kda", "decode_serving", "dt_bias", r"dt_bias is given without A_log"),
+    ("kda", "decode_serving", "short A_log", r"a raw KDA gate needs g \[B, T, HV, K\], A_log of HV"),
+])
+def test_the_phased_op_refuses_a_raw_gate_where_no_variant_computes_it(kind, kernel, gate, message):
+    import la_compiler
+    import la_compiler.ir.delta_rule_phased  # noqa: F401  (registers the phased ops)
+    from la_compiler.ir.checks import IRInputError
+
+    (q, k, v, g, beta, _), _ = random_inputs(kind, T=6, H=1, HV=2, K=16, V=16, requires_grad=False)
+    extra = {"readout": "working", "state_dtype": "bfloat16"} | ({"serving": "vllm-0.33"} if kernel == "decode_serving"
+                                                                 else {})
+    spec = RecurrenceSpec(kind, phase="token", kernel=kernel, extra=tuple(sorted(extra.items()))).to_string()
+    A_log, dt_bias = torch.zeros(2), torch.zeros(2 * 16)
+    gate = {"A_log": (A_log, None), "dt_bias": (None, dt_bias), "short A_log": (torch.zeros(1), dt_bias)}[gate]
+    with la_compiler.phase(prefill_lengths=[3]), pytest.raises(IRInputError, match=message):
+        prefill, valid = torch.ops.laqat.phase_lengths(q, None)
+        torch.ops.laqat.delta_rule_phased(q, k, v, g, beta, None, None, prefill, valid, 0.25, spec, *gate)

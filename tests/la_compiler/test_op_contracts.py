@@ -92,6 +92,7 @@ class Case:
     keep: str = "intra"  # the tuning option t.keep_residual
     heads: tuple = (1, 1)  # (H, HV); the transposed layout takes (2, 2): a dim of one is not transposed
     batch: int = 1  # without cu_seqlens
+    raw_gate: bool = False  # the phased ops: g is KDA's raw gate, A_log and dt_bias follow the spec
 
     def spec(self, **changes) -> str:
         return RecurrenceSpec(kind=self.kind, kernel=self.kernel, chunk=CHUNK, quant=self.quant,
@@ -102,6 +103,7 @@ class Case:
         bits += ["h0"] * self.h0 + ["varlen"] * self.varlen + ["state_fp8"] * bool(self.quant)
         bits += [f"keep_{self.keep}"] * (self.keep != "intra")
         bits += [f"heads{self.heads[0]}x{self.heads[1]}"] * (self.heads != (1, 1)) + [f"B{self.batch}"] * (self.batch > 1)
+        bits += ["raw_gate"] * self.raw_gate
         return "-".join(bits)
 
 
@@ -236,6 +238,7 @@ PHASED_CASES = [
     Case("kda", "decode_fused", "sliced", BF16, varlen=True, quant=STATE_FP8),
     Case("gdn", "decode_serving", "transposed", BF16, h0=True, varlen=True),  # vLLM 0.33, bf16 state cache
     Case("kda", "decode_serving", "contiguous", h0=True, quant=STATE_FP8),
+    Case("kda", "decode_serving", "sliced", BF16, varlen=True, raw_gate=True),  # vLLM's gate computed in the node
 ]
 SERVING = (("serving", "vllm-0.33"), ("state_dtype", "bfloat16"))  # decode_serving's spec options
 PREFILL = {False: ([3], [8]), True: ([2, 4], [3, 5])}  # (prefill lengths, valid lengths) by varlen
@@ -246,7 +249,13 @@ def _phased_args(case: Case, grad: bool):
     prefill, valid = torch.ops.laqat.phase_lengths(q, cu)
     serving = SERVING if case.kernel == "decode_serving" else ()
     spec = case.spec(phase="token", extra=tuple(sorted((("readout", "working"),) + serving)))
-    return (q, k, v, g, beta, h0, cu, prefill, valid, SCALE, spec)
+    if not case.raw_gate:
+        return (q, k, v, g, beta, h0, cu, prefill, valid, SCALE, spec)
+    HV = v.shape[2]
+    raw = laid_out((torch.randn(g.shape) * 4).to(case.dtype), case.layout, grad=grad)
+    A_log = torch.rand(HV).mul(3).log().requires_grad_(grad)
+    dt_bias = torch.rand(HV * K).requires_grad_(grad)
+    return (q, k, v, raw, beta, h0, cu, prefill, valid, SCALE, spec, A_log, dt_bias)
 
 
 @pytest.mark.parametrize("case", PHASED_CASES, ids=str)
@@ -273,11 +282,11 @@ def test_delta_rule_phased_backward(case):
     """From the residual its training forward keeps (the decode suffix's checkpoints; empty for the reference)."""
     with la_compiler.phase(*PREFILL[case.varlen]):
         args = _phased_args(case, grad=False)
-        q, k, v, g, beta, h0, cu, prefill, valid, scale, spec = args
+        q, k, v, g, beta, h0, cu, prefill, valid, scale, spec, *gate = args
         _, _, residual = torch.ops.laqat.delta_rule_phased_train(*args)
         do, dht = cotangents(case, q, v, cu)
         opcheck("delta_rule_phased_backward",
-                (do, dht, residual, q, k, v, g, beta, h0, cu, prefill, valid, scale, spec))
+                (do, dht, residual, q, k, v, g, beta, h0, cu, prefill, valid, scale, spec, *gate))
 
 
 @pytest.mark.parametrize("case", PHASED_CASES[::2], ids=str)

@@ -296,8 +296,7 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
         expected = kda_case._vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, D, prefix)
         g_cum, _ = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[None, :prefix], raw_beta=raw_b[None, :prefix],
                                                               A_log=A_log, g_bias=dt_bias)
-        gate = torch.ops.laqat.serving_kda_gate(raw_g[None, :prefix], A_log, dt_bias)
-        ours = kda_case._laqat_chunk_cumsum(gate) * kda_case.RCP_LN2
+        ours = kda_case.laqat_server_cumsum(raw_g[None, :prefix], A_log, dt_bias)
         row["gate_cumsum_differ"] = int((ours != g_cum).sum())
         row["gate_cumsum_values"] = g_cum.numel()
     out = out[0]

@@ -57,7 +57,7 @@ def scratch(shape, dtype, device, fill: bool) -> torch.Tensor:
 
 def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
               intermediates: dict | None = None, need_output: bool = True, save_to: torch.Tensor | None = None,
-              saved: torch.Tensor | None = None, tuning: TuningOptions = DEFAULT_TUNING):
+              saved: torch.Tensor | None = None, tuning: TuningOptions = DEFAULT_TUNING, raw_gate=None):
     """Returns (o [B, T, HV, V] in q.dtype, final state fp32 in the params' layout).
 
     ``intermediates``, if given, receives the buffers g_cum, w, u, A_qk, v_new, kd (KDA) [B, T, HV, ..] and h, the
@@ -71,11 +71,15 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
     keeps (T, A_qk and G or P; with t.keep_residual=all W, U, h, V_new too). ``saved`` (such a buffer, filled by a
     forward of the same inputs and tuning): the recompute loads them and runs only the W / U half of the intra
     stage and the h stage (KDA: after its cumsum), or (all) no kernel but KDA's NVFP4 pair amaxes. ``tuning``: the
-    spec's t.<name> options (residual mode, serial stages, autotuning, NaN fill)."""
+    spec's t.<name> options (residual mode, serial stages, autotuning, NaN fill). ``raw_gate`` = (A_log, dt_bias
+    or None): KDA's g is the raw gate, and the cumsum stage computes vLLM's gate of it (a serving profile's prefix
+    forward; not with ``saved``, whose W / U stage reads the log-decay)."""
     if save_to is not None and saved is not None:
         raise ValueError("chunk_fwd takes save_to or saved, not both")
     if saved is not None and need_output:
         raise ValueError("chunk_fwd's saved is for the backward's recompute (need_output=False)")
+    if raw_gate is not None and (saved is not None or p.kind != "kda"):
+        raise ValueError("chunk_fwd's raw_gate is KDA's, in a forward without saved")
     plan, layout, state_shape = plan_of(p, q, k, v, g, beta, initial_state, cu_seqlens, tuning)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -119,7 +123,7 @@ def chunk_fwd(p: ChunkParams, q, k, v, g, beta, scale, initial_state=None, cu_se
         p_qk = buffer((B, T, HV, C), f32)
     if layout.NT and plan.fwd_pairs is not None:  # KDA: G = cumsum(g), then P and P_qk by sub-chunk
         if rerun:
-            chunk_fwd_cumsum(plan, layout=layout, g=g, g_cum=g_cum)
+            chunk_fwd_cumsum(plan, layout=layout, g=g, g_cum=g_cum, raw_gate=raw_gate)
         if pair_amax is not None:
             chunk_fwd_pair_amax(plan, layout=layout, q=q, k=k, g_cum=g_cum, pair_amax=pair_amax)
         if saved is None:  # else P and A_qk are the forward's

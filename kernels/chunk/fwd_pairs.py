@@ -16,6 +16,7 @@ import triton.language as tl
 from la_compiler.kernels.chunk.device import (RCP_LN2, acc_row_sum, chunk_program, gate_exp, qdq_operand, sub_dot,
                                               tile_amax)
 from la_compiler.kernels.chunk.launch import launch
+from la_compiler.kernels.common.server_gate import SOFTPLUS_THRESHOLD, kda_server_gate
 
 if TYPE_CHECKING:
     from la_compiler.kernels.chunk.layout import ChunkLayout
@@ -37,9 +38,16 @@ def chunk_fwd_kernel_cumsum(
     IS_VARLEN: tl.constexpr,
     INDEX_64: tl.constexpr,
     GATE_EXP2: tl.constexpr = False,
+    A_log=None,
+    dt_bias=None,
+    RAW_GATE: tl.constexpr = False,
+    HAS_DT_BIAS: tl.constexpr = False,
+    THRESHOLD: tl.constexpr = 20.0,
 ):
     """G = cumsum(g) within each chunk, channel by channel (grid: chunks, value heads, key blocks); in log2 units
-    (times 1 / ln 2 after the sum, as vLLM's fused_kda_gate_chunk_cumsum) where GATE_EXP2."""
+    (times 1 / ln 2 after the sum, as vLLM's fused_kda_gate_chunk_cumsum) where GATE_EXP2. RAW_GATE: g is KDA's raw
+    gate, and the sum runs over vLLM's gate of it (kernels/common/server_gate.py; A_log [HV], dt_bias [HV K]), as
+    that kernel sums it."""
     i_c, i_bh, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     _, i_t, bos, seq_len, _, _ = chunk_program(i_c, i_b, i_hv, cu_seqlens, chunk_indices, T, HV, H, C,
@@ -50,6 +58,10 @@ def chunk_fwd_kernel_cumsum(
     o_k = i_kb * BK + tl.arange(0, BK)
     m_ck = m_c[:, None] & (o_k < K)[None, :]
     b_g = tl.load(g + r_hv[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+    if RAW_GATE:
+        if HAS_DT_BIAS:
+            b_g += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0).to(tl.float32)[None, :]
+        b_g = kda_server_gate(b_g, tl.exp(tl.load(A_log + i_hv).to(tl.float32)), THRESHOLD)
     b_G = tl.cumsum(b_g, 0)
     if GATE_EXP2:
         b_G = b_G * RCP_LN2
@@ -392,10 +404,14 @@ KERNELS = {
 }
 
 
-def chunk_fwd_cumsum(plan: "ChunkPlan", *, layout: "ChunkLayout", g, g_cum):
-    """KDA's G = cumsum(g) within every chunk."""
+def chunk_fwd_cumsum(plan: "ChunkPlan", *, layout: "ChunkLayout", g, g_cum, raw_gate=None):
+    """KDA's G = cumsum(g) within every chunk; with ``raw_gate`` = (A_log, dt_bias or None), of vLLM's gate of the
+    raw gate g."""
+    gate = {} if raw_gate is None else dict(A_log=raw_gate[0], dt_bias=raw_gate[1])
+    constexprs = {} if raw_gate is None else dict(RAW_GATE=True, HAS_DT_BIAS=raw_gate[1] is not None,
+                                                  THRESHOLD=SOFTPLUS_THRESHOLD)
     launch(plan.fwd_cumsum, dict(g=g, g_cum=g_cum, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices,
-                                 T=layout.T))
+                                 T=layout.T, **gate), **constexprs)
 
 
 def chunk_fwd_pair_amax(plan: "ChunkPlan", *, layout: "ChunkLayout", q, k, g_cum, pair_amax):

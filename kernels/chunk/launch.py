@@ -69,6 +69,12 @@ def launch_config(stage: str, BK: int, C: int, rounds_operands: bool = False, nv
     return LaunchConfig(warps, stages)
 
 
+# vLLM 0.33.0's kda_gate_chunk_cumsum_vector_kernel at its first autotune config (the serving profiles pin
+# VLLM_TRITON_FORCE_FIRST_CONFIG=1): BS 32 key channels, 2 warps, Triton's default stages. Its tile and warps set the
+# order of the scan's additions; a serving profile's KDA prefix launches laqat's cumsum with them (docs/serving.md).
+SERVER_CUMSUM_BLOCK = 32
+SERVER_CUMSUM_CONFIG = LaunchConfig(2, 3)
+
 # Key columns per step of the key-blocked stages (forward intra; KDA's split backward intra and pairs):
 # whole rows up to 64 columns, blocks of 32 above: the fastest with fp32 GEMM operands (measured:
 # docs/kernels-chunk-measurements.md, "Key blocks").

@@ -16,8 +16,9 @@ import torch
 
 from la_compiler.kernels.chunk import blocks, forms, stages
 from la_compiler.kernels.chunk.flags import kernel_spec_constexprs
-from la_compiler.kernels.chunk.launch import (GDN_WHOLE_ROW_BWD_VALUE_BLOCK, PAIRS_KEY_BLOCK, StageLaunch, cdiv,
-                                            key_block, launch_config, next_power_of_2)
+from la_compiler.kernels.chunk.launch import (GDN_WHOLE_ROW_BWD_VALUE_BLOCK, PAIRS_KEY_BLOCK, SERVER_CUMSUM_BLOCK,
+                                             SERVER_CUMSUM_CONFIG, StageLaunch, cdiv, key_block, launch_config,
+                                             next_power_of_2)
 from la_compiler.kernels.chunk.params import ChunkParams
 from la_compiler.kernels.chunk.precision import dot_precision, gemm_precision, intermediate_dtype
 from la_compiler.options import TuningOptions, interpreter
@@ -110,8 +111,13 @@ def _plan(p: ChunkParams, shape: ChunkShape, dtype: torch.dtype, tuning: TuningO
     if forms.kda_pairs_kernel(p):  # G = cumsum(g), then P and P_qk (into A_qk) by sub-chunk
         BKG = min(BK, PAIRS_KEY_BLOCK)
         BKP = BK if pairs_rounded else BKG
-        fwd_cumsum = stage("fwd", "cumsum", (chunks_per_row, heads, cdiv(s.K, BKG)),
-                           launch_config("fwd_cumsum", BKG, C), **layout, BK=BKG, INDEX_64=index_64)
+        # GATE_EXP2 (a serving profile's prefix): the tile and warps of vLLM's gate cumsum, whose scan order they set
+        BKC, cumsum_config = ((SERVER_CUMSUM_BLOCK, SERVER_CUMSUM_CONFIG) if p.gate_exp2
+                              else (BKG, launch_config("fwd_cumsum", BKG, C)))
+        fwd_cumsum = stage("fwd", "cumsum", (chunks_per_row, heads, cdiv(s.K, BKC)), cumsum_config, **layout,
+                           BK=BKC, INDEX_64=index_64)
+        if p.gate_exp2:  # never another config: the warps are the server's
+            fwd_cumsum = dataclasses.replace(fwd_cumsum, autotune=False)
         if forms.kda_pairs_nvfp4(p):
             fwd_pair_amax = stage("fwd", "pair_amax", (chunks_per_row, heads), launch_config("fwd_pair_amax", BKP, C),
                                   **layout, BK=BKP, INDEX_64=index_64)

@@ -36,14 +36,17 @@ def _tuning(spec) -> TuningOptions:
     return spec.tuning_options
 
 
-def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None, gate_exp2=False):
+def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save_to=None, gate_exp2=False,
+                  raw_gate=None):
     """``gate_exp2``: KDA's decays in log2 units, as vLLM's Kimi-K3 prefill computes them (ChunkParams.gate_exp2; a
-    serving profile's prefix forward, kernels/decode/phased.py)."""
+    serving profile's prefix forward, kernels/decode/phased.py); ``raw_gate`` = (A_log, dt_bias or None): g is KDA's
+    raw gate, whose vLLM gate the cumsum stage computes (chunk_fwd)."""
     spec = spec_of(spec)
     p = _params(spec)
     if gate_exp2:
         p = dataclasses.replace(p, gate_exp2=True)
-    return chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to, tuning=_tuning(spec))
+    return chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to, tuning=_tuning(spec),
+                     raw_gate=raw_gate)
 
 
 def chunk_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, saved=None):

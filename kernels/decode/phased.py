@@ -107,17 +107,20 @@ def _server_gate(spec) -> bool:
     return spec.kind == "kda" and suffix.options_of(spec).serving is not None
 
 
-def _prefix_forward(spec, plan_: Plan, q, k, v, g, beta, loaded, has_initial_state: bool, scale):
+def _prefix_forward(spec, plan_: Plan, q, k, v, g, beta, loaded, has_initial_state: bool, scale, raw_gate=None):
     """(o of the prefix tokens or None, the state after each sequence's prefix [n, ...]: the loaded state where
-    there is no prefix)."""
+    there is no prefix). ``raw_gate`` = (the raw gate, A_log, dt_bias): the chunk kernels sum vLLM's gate of it
+    (its prefill's order) in place of the log-decay g."""
     after_prefix = loaded
     o_prefix = None
     if plan_.prefix_seqs:
         seqs = _index(plan_.prefix_seqs, q.device)
         q, k = _chunk_operands(q, k, v)
+        g, gate = (g, None) if raw_gate is None else (raw_gate[0], raw_gate[1:])
         o_prefix, ht = chunk_forward(
             prefill_spec(spec), *(_tokens(x, plan_.prefix_rows) for x in (q, k, v, g, beta)),
-            loaded[seqs] if has_initial_state else None, plan_.prefix_cu, scale, gate_exp2=_server_gate(spec))
+            loaded[seqs] if has_initial_state else None, plan_.prefix_cu, scale, gate_exp2=_server_gate(spec),
+            raw_gate=gate)
         after_prefix = after_prefix.index_copy(0, seqs, ht.to(torch.float32))
     return o_prefix, after_prefix
 
@@ -134,12 +137,13 @@ def phased_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
     (a serving profile's node, ir/delta_rule_phased.py)."""
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
+    raw_gate = None if gate is None else (g, *gate)
     g = raw_gate_log_decay(g, gate)
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     p = plan(B, T, cu_seqlens, prefill_lengths, valid_lengths, q.device)
     loaded = _loaded_state(spec, p, q, v, initial_state)
-    o_prefix, final = _prefix_forward(spec, p, q, k, v, g, beta, loaded, initial_state is not None, scale)
+    o_prefix, final = _prefix_forward(spec, p, q, k, v, g, beta, loaded, initial_state is not None, scale, raw_gate)
     o = torch.zeros(B * T, HV, V, dtype=q.dtype, device=q.device)
     if o_prefix is not None:
         o[p.prefix_rows] = o_prefix[0].to(q.dtype)
@@ -160,12 +164,20 @@ def phased_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do
     """(dq, dk, dv, dg, dbeta, dh0 or None), each in its input's dtype. ``saved``: what a training forward of the
     same inputs stored (``save_to``); without it the suffix's forward runs again first. With a raw gate
     (``gate`` = (A_log, dt_bias)), dg is the raw gate's and (dA_log, ddt_bias or None) follow."""
-    if gate is not None:
-        log_decay = raw_gate_log_decay(g, gate)
-        *grads, dh0 = phased_backward(spec, q, k, v, log_decay, beta, initial_state, cu_seqlens, scale, do, dht,
-                                      prefill_lengths=prefill_lengths, valid_lengths=valid_lengths, saved=saved)
-        dg, dA_log, ddt_bias = raw_gate_grads(grads[3], log_decay, g, gate)
-        return (*grads[:3], dg, grads[4], dh0, dA_log, ddt_bias)
+    if gate is None:
+        return _backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, prefill_lengths,
+                         valid_lengths, saved)
+    log_decay = raw_gate_log_decay(g, gate)
+    *grads, dh0 = _backward(spec, q, k, v, log_decay, beta, initial_state, cu_seqlens, scale, do, dht, prefill_lengths,
+                            valid_lengths, saved, raw_gate=(g, *gate))
+    dg, dA_log, ddt_bias = raw_gate_grads(grads[3], log_decay, g, gate)
+    return (*grads[:3], dg, grads[4], dh0, dA_log, ddt_bias)
+
+
+def _backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, prefill_lengths, valid_lengths,
+              saved, raw_gate=None):
+    """phased_backward of the log-decay g; ``raw_gate`` (the raw gate, A_log, dt_bias): the prefix's forward, where
+    it runs again, sums its gate as the forward did."""
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
     B, T = q.shape[:2]
@@ -179,7 +191,8 @@ def phased_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do
         seqs = _index(p.suffix_seqs, dev)
         packed = [_tokens(x, p.suffix_rows) for x in (q, k, v, g, beta)]
         if saved is None:
-            _, after_prefix = _prefix_forward(spec, p, q, k, v, g, beta, loaded, initial_state is not None, scale)
+            _, after_prefix = _prefix_forward(spec, p, q, k, v, g, beta, loaded, initial_state is not None, scale,
+                                              raw_gate)
             saved = torch.empty(residual_numel(spec, q, v, cu_seqlens), dtype=torch.float32, device=dev)
             suffix.suffix_forward(spec, *packed, after_prefix[seqs], p.suffix_cu, scale, checkpoints=saved)
         *token_grads, d_handoff = suffix.suffix_backward(spec, *packed, p.suffix_cu, scale,

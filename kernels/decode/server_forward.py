@@ -84,8 +84,8 @@ def _modules():
 
 def kda_prefill_with_fused_gate(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
                                 gate=None):
-    """Kimi's prefill as its layers run it (``chunk_kda_with_fused_gate``): the fused gate kernel's cumsum (``tl.cumsum``
-    within each 64-token chunk, times 1 / ln 2), then its later stages. With ``gate`` = (A_log, dt_bias), g is the
+    """Kimi's prefill as its layers run it (``chunk_kda_with_fused_gate``): the fused gate kernel's cumsum
+    (``tl.cumsum`` within each 64-token chunk, times 1 / ln 2), then its later stages. With ``gate`` = (A_log, dt_bias), g is the
     raw gate, summed as vLLM's layer calls the kernel (its product -exp(A_log) * softplus(g + dt_bias) inside the
     sum, which a GPU contracts into one FMA). Without, g is the log-decay: the kernel fed the raw gate -g with A_log 0
     and a softplus linear everywhere (threshold -inf), so that its gate ``-exp(0) * -g`` is g exactly. (``chunk_kda``,

@@ -23,12 +23,12 @@ from typing import Optional
 import torch
 import triton
 
+from la_compiler.kernels.common.server_gate import SOFTPLUS_THRESHOLD
 from la_compiler.kernels.decode import serving_inputs_kernels as kernels
 from la_compiler.kernels.fla import softplus_gate_op  # noqa: F401  (registers laqat::softplus_gate_backward)
 
 Tensor = torch.Tensor
 L2NORM_EPS = 1e-6  # both of vLLM's formulas (the prefill's L2NORM_EPS, the decode's literal)
-SOFTPLUS_THRESHOLD = 20.0
 PREFILL_BLOCK_T = 16  # fused_post_conv_prep's BLOCK_T
 BLOCK = 1024
 

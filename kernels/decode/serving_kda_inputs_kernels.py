@@ -5,16 +5,16 @@ shapes, its order of operations, its warp count), so that the same sums and roun
     l2norm_prefill_kernel   the prefill's ``l2norm_fwd`` (third_party/flash_linear_attention/ops/l2norm.py,
                             ``l2norm_fwd_kernel2``, the default without ``USE_DEFAULT_FLA_NORM``): tiles of 32 rows
                             x D, ``x * rsqrt(sum(x * x) + eps)``, 4 warps (Triton's default)
-    kda_gate_kernel         ``-exp(A_log) * softplus(g + dt_bias)`` per key channel, softplus ``log(1 + exp(x))``,
-                            ``x`` itself above 20: the prefill's ``kda_gate_chunk_cumsum_vector_kernel`` before its
-                            cumsum (with softplus beta = 1: ``x * 1.0`` and ``(1.0 / 1.0) * y`` are exact) and the
-                            packed decode's ``fused_recurrent_kda_packed_decode_kernel``, the same operations
+    kda_gate_kernel         ``-exp(A_log) * softplus(g + dt_bias)`` per key channel (kernels/common/server_gate.py):
+                            the values the packed decode's ``fused_recurrent_kda_packed_decode_kernel`` computes
 
 The decode's l2 norm is GDN's (serving_inputs_kernels.l2norm_decode_kernel, ``x / sqrt(sum(x * x) + 1e-6)``), launched
 with the KDA decode's 4 warps; beta is ``serving_sigmoid`` (``sigmoid(b)`` in fp32, both phases).
 """
 import triton
 import triton.language as tl
+
+from la_compiler.kernels.common.server_gate import kda_server_gate
 
 
 @triton.jit
@@ -42,5 +42,4 @@ def kda_gate_kernel(g, A_log, dt_bias, out, n, HV: tl.constexpr, K: tl.constexpr
     if HAS_DT_BIAS:
         b_g += tl.load(dt_bias + i_hk, mask=mask, other=0).to(tl.float32)
     b_a = tl.exp(tl.load(A_log + i_hk // K, mask=mask, other=0).to(tl.float32))
-    b_softplus = tl.where(b_g > THRESHOLD, b_g, tl.log(1.0 + tl.exp(b_g)))
-    tl.store(out + o, -b_a * b_softplus, mask=mask)
+    tl.store(out + o, kda_server_gate(b_g, b_a, THRESHOLD), mask=mask)

@@ -182,3 +182,73 @@ def test_the_phased_op_refuses_a_raw_gate_where_no_variant_computes_it(kind, ker
     with la_compiler.phase(prefill_lengths=[3]), pytest.raises(IRInputError, match=message):
         prefill, valid = torch.ops.laqat.phase_lengths(q, None)
         torch.ops.laqat.delta_rule_phased(q, k, v, g, beta, None, None, prefill, valid, 0.25, spec, *gate)
+
+
+class _SoftplusGateKDA(torch.nn.Module):
+    """Embedding -> one KDA recurrence whose inputs are the server's formulas written in torch (the l2 norm, the
+    softplus gate per key channel with A_log and dt_bias, beta's sigmoid) -> LM head."""
+
+    def __init__(self, vocab=16, hidden=16, heads=2, head_dim=16):
+        super().__init__()
+        self.h, self.d = heads, head_dim
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.qkv = torch.nn.Linear(hidden, heads * 3 * head_dim)
+        self.gate = torch.nn.Linear(hidden, heads * head_dim)
+        self.beta = torch.nn.Linear(hidden, heads)
+        self.A_log = torch.nn.Parameter(torch.rand(heads).mul(3).log())
+        self.dt_bias = torch.nn.Parameter(torch.rand(heads * head_dim))
+        self.head = torch.nn.Linear(heads * head_dim, vocab)
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        x = self.embed(tokens)
+        q, k, v = self.qkv(x).view(B, T, self.h, -1).split([self.d] * 3, dim=-1)
+        q, k = (t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + 1e-6) for t in (q, k))
+        g = -self.A_log.view(self.h, 1).exp() * torch.nn.functional.softplus(
+            (self.gate(x) * 4 + self.dt_bias).view(B, T, self.h, self.d))
+        beta = self.beta(x).sigmoid()
+        o, _ = torch.ops.laqat.delta_rule(q, k, v.contiguous(), g, beta, None, None, self.d ** -0.5, "kda[src=user]")
+        return self.head(o.reshape(B, T, -1))
+
+
+def test_a_kda_model_with_the_servers_gate_trains_through_inductor_on_the_raw_gate():
+    """The default hand-off (Inductor) in training: the serving pass hands the node the raw gate with A_log and
+    dt_bias (no gate op left in the graph), and the loss and every parameter's gradient (A_log's and dt_bias's
+    through the node) equal the eager model's with the fp64 decode reference in the recurrence's place."""
+    import la_compiler
+    from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
+    from tests.la_compiler.test_phase import _counting_backend
+
+    torch.manual_seed(0)
+    model = _SoftplusGateKDA()
+    tokens = torch.randint(0, 16, (2, 9))
+    prefill, valid = [3, 6], [9, 7]
+    calls = []
+    compiled = torch.compile(model, backend=_counting_backend(calls, {"policy": "vllm_kda_state_bf16"}))
+    with la_compiler.phase(prefill, sequence_lengths=valid):
+        loss = compiled(tokens).square().mean()
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    nodes = [n for n in calls[0].graph.nodes if is_delta_rule_phased(n)]
+    assert len(nodes) == 1 and len(nodes[0].args) == 13, nodes
+    A_log, dt_bias = nodes[0].args[11:]
+    assert A_log is not None and dt_bias is not None
+    assert not any("serving_kda_gate" in str(n.target) for n in calls[0].graph.nodes)
+    options = decode_options(RecurrenceSpec.parse(nodes[0].args[10]))
+
+    def reference_op(q, k, v, g, beta, h0, cu, scale, spec):
+        o, ht = delta_rule_decode_reference(q, k, v, g, beta, kind="kda", options=options, prefill_lengths=prefill,
+                                            valid_lengths=valid, scale=scale)
+        return o.float(), ht.float()
+
+    model.zero_grad()
+    real = torch.ops.laqat.delta_rule
+    try:
+        torch.ops.laqat.delta_rule = reference_op
+        ref_loss = model(tokens).square().mean()
+        ref_loss.backward()
+    finally:
+        torch.ops.laqat.delta_rule = real
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for name, p in model.named_parameters():
+        assert rel_l2(grads[name], p.grad) < 1e-4, (name, rel_l2(grads[name], p.grad))

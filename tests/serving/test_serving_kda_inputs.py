@@ -22,13 +22,6 @@ from tests.serving.test_serving_inputs import assert_l2norm_against_fp64
 
 BF16 = torch.bfloat16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: vLLM's kernels compiled, as the server runs them
-RCP_LN2 = 1.4426950216293335  # vllm/utils/math_utils.py
-# On a GPU vLLM's fused gate cumsum keeps each gate product unrounded in the FMA of its running sum; the node receives
-# the gate computed, so G differs in its last bits there (docs/serving.md, "The GPU check"): bit for bit in the
-# interpreter (which rounds every product), not on a GPU.
-FUSED_GATE_ON_GPU = pytest.mark.xfail(DEVICE == "cuda", strict=False, reason=(
-    "vLLM's fused_kda_gate_chunk_cumsum contracts the gate product into its running sum on a GPU; the recurrence "
-    "node receives the gate rounded (docs/serving.md, 'The GPU check')"))
 
 
 def _raw(T, H, K, seed=0):
@@ -43,18 +36,21 @@ def _raw(T, H, K, seed=0):
     return (x.to(DEVICE) for x in (mixed, raw_g, raw_b, A_log, dt_bias))
 
 
-def _laqat_chunk_cumsum(g, C=64):
-    """G = cumsum(g) within each chunk of C tokens, as laqat's chunk kernels compute it (chunk_fwd_kernel_cumsum)."""
-    B, T, HV, K = g.shape
-    g_cum = torch.empty_like(g)
-    BK = triton.next_power_of_2(K)
-    chunk_fwd_kernel_cumsum[(triton.cdiv(T, C), B * HV, 1)](
-        g=g, g_cum=g_cum, cu_seqlens=None, chunk_indices=None, T=T, H=HV, HV=HV, K=K, C=C, BK=BK, IS_VARLEN=False,
-        INDEX_64=False)
+def laqat_server_cumsum(raw_g, A_log, dt_bias, C=64):
+    """G = cumsum of vLLM's gate of the raw gate within each chunk of C tokens, in log2 units, as laqat's chunk
+    kernels compute it for a serving profile's prefix (chunk_fwd_kernel_cumsum with RAW_GATE and GATE_EXP2, launched
+    as the plan launches it: vLLM's tile and warps)."""
+    from la_compiler.kernels.chunk.launch import SERVER_CUMSUM_BLOCK, SERVER_CUMSUM_CONFIG
+
+    B, T, HV, K = raw_g.shape
+    g_cum = torch.empty(raw_g.shape, dtype=torch.float32, device=raw_g.device)
+    chunk_fwd_kernel_cumsum[(triton.cdiv(T, C), B * HV, triton.cdiv(K, SERVER_CUMSUM_BLOCK))](
+        g=raw_g.contiguous(), g_cum=g_cum, cu_seqlens=None, chunk_indices=None, T=T, H=HV, HV=HV, K=K, C=C,
+        BK=SERVER_CUMSUM_BLOCK, IS_VARLEN=False, INDEX_64=False, GATE_EXP2=True, A_log=A_log, dt_bias=dt_bias,
+        RAW_GATE=True, HAS_DT_BIAS=True, num_warps=SERVER_CUMSUM_CONFIG.num_warps)
     return g_cum
 
 
-@FUSED_GATE_ON_GPU
 def test_prefill_preprocessing_is_vllms_bit_for_bit(vllm, as_gpu):
     from vllm.third_party.flash_linear_attention.ops.l2norm import l2norm_fwd
 
@@ -67,9 +63,8 @@ def test_prefill_preprocessing_is_vllms_bit_for_bit(vllm, as_gpu):
         assert torch.equal(torch.ops.laqat.serving_kda_l2norm(x, prefix), l2norm_fwd(x.contiguous()).float())
     g_cum, beta = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[None], raw_beta=raw_b[None], A_log=A_log,
                                                              g_bias=dt_bias)
-    gate = torch.ops.laqat.serving_kda_gate(raw_g[None], A_log, dt_bias)
-    # what laqat's chunk kernel sums of it is what vLLM's fused kernel sums, before its 1 / ln 2 (exp2) scaling
-    assert torch.equal(_laqat_chunk_cumsum(gate) * RCP_LN2, g_cum)
+    # laqat's chunk kernels sum the gate of the raw gate as vLLM's fused kernel does (its gate, tile and warps)
+    assert torch.equal(laqat_server_cumsum(raw_g[None], A_log, dt_bias), g_cum)
     assert torch.equal(torch.ops.laqat.serving_sigmoid(raw_b[None]), beta)
     # the decode's l2 norm is another formula (fp32, not rounded, x / sqrt, not x * rsqrt)
     assert not torch.equal(torch.ops.laqat.serving_kda_l2norm(q, torch.zeros_like(prefix)),
@@ -173,7 +168,6 @@ def _policy(forward):
     return {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]}
 
 
-@FUSED_GATE_ON_GPU
 @pytest.mark.parametrize("chunk,forward", [("fla", "auto"), ("torch", "auto"), ("fla", "laqat")])
 def test_a_kda_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, chunk, forward):
     T, H, K, prefill, hidden = 80, 2, 16, 70, 24  # two chunks of prefix, ten decode steps

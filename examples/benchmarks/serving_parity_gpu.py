@@ -234,25 +234,26 @@ def _kda_layer_core(mixed, raw_g, raw_b, A_log, dt_bias, H, K):
     return out
 
 
-def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
+def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefix=2048, H=16, D=128) -> dict:
     """One layer from the raw projections (tests/serving's layer cases at a model's head size): laqat compiles it
-    with the profile (bf16 cache, ``forward`` set) in a decode phase; vLLM's layer runs its own kernels on the same
-    projections (the prefill's pre-processing and chunk kernel, the bf16 cache write, one packed decode launch per
-    later token). Differing outputs of the prefix and of the decode tokens."""
+    with the profile (``cache`` its cache dtype, ``forward`` set) in a decode phase; vLLM's layer runs its own kernels
+    on the same projections (the prefill's pre-processing and chunk kernel, the cache write, one packed decode launch
+    per later token). Differing outputs of the prefix and of the decode tokens."""
     import la_compiler
     from tests.serving import test_serving_inputs as gdn_case
     from tests.serving import test_serving_kda_inputs as kda_case
 
-    serving = {"state_dtype": "bfloat16", "forward": forward, **({"model": "kimi_k3"} if kind == "kda" else {})}
+    cache_name = str(cache).removeprefix("torch.")
+    serving = {"state_dtype": cache_name, "forward": forward, **({"model": "kimi_k3"} if kind == "kda" else {})}
     options = {"policy": {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]},
                "compiler": "eager"}
-    row = {"kind": kind, "forward": forward, "T": T, "prefix": prefix, "H": H, "D": D}
+    row = {"kind": kind, "forward": forward, "cache": cache_name, "T": T, "prefix": prefix, "H": H, "D": D}
     if kind == "gdn":
         mixed, a, b, A_log, dt_bias = gdn_case._raw(T, H, H, D, D, seed=1)
         core = torch.compile(gdn_case._layer_core, backend="laqat", fullgraph=True, options=options)
         with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
             out = core(mixed[None], a[None], b[None], A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"))
-        expected = gdn_case._vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, H, D, D, prefix)
+        expected = gdn_case._vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, H, D, D, prefix, cache)
         q, k, v, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed[:prefix], a[:prefix], b[:prefix], A_log,
                                                                     dt_bias, H, D, D)
         finals = [vllm.gdn_chunk.chunk_gated_delta_rule(
@@ -266,8 +267,8 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
                 for i in (0, 1)] + [torch.ops.laqat.serving_gdn_gate(a[None], A_log, dt_bias, mask),
                                     torch.ops.laqat.serving_sigmoid(b[None])]
         # the decode alone from vLLM's handoff: the packed decode per token against laqat's ops and decode kernels
-        cache_state = torch.zeros(2, H, D, D, dtype=torch.bfloat16, device=q.device)
-        cache_state[1] = finals[1][0].to(torch.bfloat16)
+        cache_state = torch.zeros(2, H, D, D, dtype=cache, device=q.device)
+        cache_state[1] = finals[0 if cache == torch.float32 else 1][0].to(cache)
         handoff = cache_state[1:].float()
         slot = torch.tensor([1], dtype=torch.int32, device=q.device)
         packed = []
@@ -293,7 +294,7 @@ def layer_parity(vllm, kind, forward, T=640, prefix=512, H=16, D=128) -> dict:
         core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)
         with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
             out = core(mixed[None], raw_g[None], raw_b[None], A_log, dt_bias, H, D)
-        expected = kda_case._vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, D, prefix)
+        expected = kda_case._vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, D, prefix, cache)
         g_cum, _ = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[None, :prefix], raw_beta=raw_b[None, :prefix],
                                                               A_log=A_log, g_bias=dt_bias)
         ours = kda_case.laqat_server_cumsum(raw_g[None, :prefix], A_log, dt_bias)
@@ -421,6 +422,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096, help="T of the parity cases (the prefix is half)")
     parser.add_argument("--cases", default="", help="comma-separated kind:cache cases of PARITY (default: all)")
     parser.add_argument("--layers-only", action="store_true", help="the layer rows only (no PARITY cases)")
+    parser.add_argument("--layer-tokens", type=int, default=4096,
+                        help="T of the layer rows (the prefix is half, the rest decode tokens)")
     parser.add_argument("--asm", type=Path, default=None,
                         help="write the compiled decode kernels (laqat's and vLLM's: TTGIR, LLVM IR, PTX, SASS) here")
     args = parser.parse_args()
@@ -474,18 +477,21 @@ def main():
                       f"gradients {'==' if all(s['grads_equal'].values()) else '!='} forward: laqat's "
                       f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
 
-        print("one layer from the raw projections (prefix 512, 128 decode tokens, 16 heads of 128, bf16 cache) "
+        LT = args.layer_tokens
+        print(f"one layer from the raw projections (prefix {LT // 2}, {LT - LT // 2} decode tokens, 16 heads of 128) "
               "against vLLM's layer's kernel calls")
         result["layer"] = []
-        for kind in ("gdn", "kda"):
+        for kind, _, cache in PARITY:
+            if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
+                continue
             for forward in ("laqat", "server"):
                 try:
-                    row = layer_parity(vllm, kind, forward)
+                    row = layer_parity(vllm, kind, forward, cache, T=LT, prefix=LT // 2)
                 except Exception as e:  # noqa: BLE001 (reported in the table)
                     traceback.print_exc()
-                    row = {"kind": kind, "forward": forward, "error": repr(e)}
+                    row = {"kind": kind, "forward": forward, "cache": str(cache), "error": repr(e)}
                 result["layer"].append(row)
-                print(f"  {kind} forward {forward:<7} " + (
+                print(f"  {kind} cache {row['cache']:<8} forward {forward:<7} " + (
                     f"prefix outputs {row['prefix_differ']} of {row['outputs_each']} differ, decode outputs "
                     f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
                     + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"

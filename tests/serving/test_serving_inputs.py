@@ -78,19 +78,20 @@ def _chunk_function(chunk="fla"):
     return m.torch_chunk_gated_delta_rule.__wrapped__ if chunk == "torch" else m.torch_chunk_gated_delta_rule
 
 
-def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill):
+def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill, cache_dtype=BF16):
     """What vLLM's GDN layer computes for one sequence: the prefix prefilled from its zeroed cache slot (the cache's
-    dtype, as vLLM's layer reads it), its state cached in bf16, then one packed decode launch per later token."""
+    dtype, as vLLM's layer reads it), its state cached in ``cache_dtype``, then one packed decode launch per later
+    token."""
     T = mixed.shape[0]
     scale = K ** -0.5
     q, k, v, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed[:prefill], a[:prefill], b[:prefill], A_log,
                                                                 dt_bias, H, K, V)
     o_pre, ht = vllm.gdn_chunk.chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None], scale=scale,
-        initial_state=torch.zeros(1, HV, V, K, dtype=BF16, device=DEVICE), output_final_state=True,
+        initial_state=torch.zeros(1, HV, V, K, dtype=cache_dtype, device=DEVICE), output_final_state=True,
         cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
-    cache = torch.zeros(2, HV, V, K, dtype=BF16, device=DEVICE)
-    cache[1] = ht[0].to(BF16)
+    cache = torch.zeros(2, HV, V, K, dtype=cache_dtype, device=DEVICE)
+    cache[1] = ht[0].to(cache_dtype)
     outs = [o_pre[0].to(BF16)]
     slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     for t in range(prefill, T):

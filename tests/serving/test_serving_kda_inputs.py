@@ -136,18 +136,19 @@ def _forget_gate(H, K, hidden, seed=5):
     return gate
 
 
-def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill):
+def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill, cache_dtype=BF16):
     """What vLLM's Kimi-K3 KDA layer (``_forward``, Triton backends) computes for one sequence: the prefix through
     ``chunk_kda_with_fused_gate`` from its zeroed cache slot (the cache's dtype, as vLLM's layer reads it), its state
-    cached in bf16, then one packed decode launch per later token."""
+    cached in ``cache_dtype``, then one packed decode launch per later token."""
     T = mixed.shape[0]
     q, k, v = (x.reshape(1, T, H, K)[:, :prefill] for x in torch.split(mixed, [H * K] * 3, dim=-1))
     o_pre, ht = vllm.kda_chunk.chunk_kda_with_fused_gate(
         q=q, k=k, v=v, raw_g=raw_g[None, :prefill], raw_beta=raw_b[None, :prefill], A_log=A_log, g_bias=dt_bias,
-        lower_bound=None, initial_state=torch.zeros(1, H, K, K, dtype=BF16, device=DEVICE), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
-    cache = torch.zeros(2, H, K, K, dtype=BF16, device=DEVICE)
-    cache[1:] = ht.to(BF16)
+        lower_bound=None, initial_state=torch.zeros(1, H, K, K, dtype=cache_dtype, device=DEVICE),
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
+    cache = torch.zeros(2, H, K, K, dtype=cache_dtype, device=DEVICE)
+    cache[1:] = ht.to(cache_dtype)
     outs = [o_pre[0].to(BF16)]
     slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     for t in range(prefill, T):

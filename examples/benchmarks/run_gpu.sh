@@ -26,8 +26,8 @@
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
 #              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
 #              from raw projections, forward: server and forward: laqat), the server's pre-processing and the GDN and KDA
-#              layer tests and the SM90 layout check (layer), then the
-#              profiles' fwd+bwd timings against FLA's; VLLM_SRC= the directory that
+#              layer tests and the SM90 layout check (layer), then decode_bench.py's interleaved fwd+bwd timing of
+#              the serving recipes against FLA's exact chunk kernels (timing); VLLM_SRC= the directory that
 #              `python -m tests.serving.vllm_oracle --prepare DIR` printed (where the package index is reachable)
 #   train      train_fp8_state_gpu.py (a GDN + KDA model trains through the chunk kernels with an FP8 state) and
 #              compiled_step_vs_eager.py (compiled FLA models' training step against eager)
@@ -123,10 +123,11 @@ suite_model() {
 }
 
 suite_serving() {
-  part parity 400 python3 $B/serving_parity_gpu.py --vllm-src "${VLLM_SRC:-out/vllm-oracle/src}" --no-timing
+  part parity 400 python3 $B/serving_parity_gpu.py --vllm-src "${VLLM_SRC:-out/vllm-oracle/src}"
   part layer 300 VLLM_SRC="${VLLM_SRC:-out/vllm-oracle/src}" python3 -m pytest -q -p no:cacheprovider \
     tests/serving/test_serving_inputs.py tests/serving/test_serving_kda_inputs.py tests/serving/test_sm90_layouts.py
-  part timing 480 python3 $B/serving_parity_gpu.py --quick
+  part timing 480 python3 $B/decode_bench.py --sections compare --compare-rows "FLA chunk exact,vllm serving recipe" \
+    --rounds 30 --budget-s 420
 }
 
 suite_train() {

@@ -1,23 +1,25 @@
-"""Serving profiles on CUDA: laqat's decode phase against vLLM 0.33.0's own Triton kernels, and its cost.
+"""Serving profiles on CUDA: laqat's decode phase against vLLM 0.33.0's own Triton kernels, element by element.
 
     python -m tests.serving.vllm_oracle --prepare out/vllm-oracle     # where the package index is reachable
-    OUT=./out python examples/benchmarks/serving_parity_gpu.py --vllm-src out/vllm-oracle/src-<tag> [--quick]
+    OUT=./out python examples/benchmarks/serving_parity_gpu.py --vllm-src out/vllm-oracle/src-<tag> [--layers-only]
 
-1. parity at [B, T, H, D] = [1, 4096, 16, 128], prefix 2048, bf16 inputs (canonical operands: q, k
-   l2-normalized, g and beta in fp32): vLLM prefills the prefix with its chunk kernel, stores the state in its
-   cache dtype and decodes the 2048 suffix tokens one step at a time (tests/serving/vllm_serving.py);
-   laqat runs the profile's spec (decode_serving) once. GDN (bf16 / fp16 / fp32 cache) and KDA (bf16 / fp32).
-   Per case: suffix outputs and final states equal bit for bit or not (how many differ, by how many units
-   in the last place), prefix outputs (units of the token's largest output, relative L2); then the same with
-   the decode kernels at 4 warps instead of vLLM's own count (whether Triton's sums depend on it); then the
-   profile with ``serving.forward: server`` (kernels/decode/server_forward.py: vLLM's kernels compute the forward,
-   laqat's reproduction the backward): its outputs and final state against ``serve``'s (bit for bit), its input
-   gradients against ``serving.forward: laqat``'s.
-2. fwd+bwd timing through ``laqat::delta_rule_phased`` per profile (the recipes vllm_gdn_state_bf16,
-   vllm_kda_state_bf16, ``precision: vllm`` / ``vllm_kimi_k3``) at that shape and at decode_bench.py's KDA
-   [1, 257, 4, 128] prefix 64, against FLA's exact chunk kernels (fwd+bwd). Target: <= 2x FLA.
-Prints a table and writes $OUT/serving_parity_gpu.json. The oracle needs no vLLM install: the extracted
-kernel files (``--prepare``) and the stub package around them.
+Per case of PARITY (GDN with a bf16 / fp16 / fp32 cache, KDA with bf16 / fp32; 16 heads of 128, bf16 inputs):
+
+1. the packed decode step: 64 sequences, each from its own random cached state, one token from raw projections,
+   vLLM's packed decode kernel against laqat's serving ops and the profile's decode step (``forward: laqat`` and
+   ``server``); the decode kernels against vLLM's recurrent kernel fed the computed inputs (one step from 64 states,
+   256 steps from one); a whole sequence at [1, --tokens, 16, 128], half of it prefix, against ``serve``
+   (tests/serving/vllm_serving.py: vLLM's chunk kernel, then its recurrent kernel per step, on canonical operands),
+   with ``forward: server``'s outputs and gradients;
+2. one layer from the raw projections (--layer-tokens, half of it prefix) against vLLM's layer's kernel calls
+   (tests/serving's ``_vllm_layer``: the prefill's pre-processing and chunk kernel, the cache write, one packed
+   decode launch per later token), compiled with the profile under ``forward: laqat`` and ``server``: differing
+   prefix and decode outputs, with diagnostics (GDN: the prefill inputs, the decode alone from vLLM's handoff; KDA:
+   laqat's cumsum of vLLM's gate of the raw gate against vLLM's fused gate cumsum).
+
+Prints the rows and writes $OUT/serving_parity_gpu.json. The profiles' fwd+bwd time against FLA's is
+decode_bench.py's (``--sections compare``, the "vllm serving recipe" rows, interleaved). The oracle needs no vLLM
+install: the extracted kernel files (``--prepare``) and the stub package around them.
 """
 from __future__ import annotations
 
@@ -30,12 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_common import REPO, ensure_la_compiler, peak_extra_mib, rel_l2, start_cuda_run  # noqa: E402
+from bench_common import REPO, ensure_la_compiler, rel_l2, start_cuda_run  # noqa: E402
 
 ensure_la_compiler()
 sys.path.insert(0, str(REPO))  # tests/serving: the oracle and vLLM's serving loop
-
-from triton.testing import do_bench  # noqa: E402
 
 import la_compiler.ir.delta_rule_phased  # noqa: E402,F401  (registers laqat::delta_rule_phased)
 import la_compiler.kernels  # noqa: E402,F401
@@ -54,14 +54,6 @@ PARITY = [  # (kind, laqat policy cfg, vLLM cache dtype)
     ("kda", {"serving": {"state_dtype": "bfloat16", "model": "kimi_k3"}}, torch.bfloat16),
     ("kda", {"serving": {"state_dtype": "float32", "model": "kimi_k3"}}, torch.float32),
 ]
-PROFILES = {  # timing rows: name -> (kind, policy)
-    "vllm_gdn_state_bf16": ("gdn", "vllm_gdn_state_bf16"),
-    "precision: vllm (GDN, auto = bf16)": ("gdn", {"linear_attention": [{"module_name": "*",
-                                                                        "cfg": {"precision": "vllm"}}]}),
-    "vllm_kda_state_bf16": ("kda", "vllm_kda_state_bf16"),
-    "precision: vllm_kimi_k3 (auto = fp32)": ("kda", {"linear_attention": [{"module_name": "*",
-                                                                           "cfg": {"precision": "vllm_kimi_k3"}}]}),
-}
 
 
 def _inputs(kind, B, T, H, D, device="cuda"):
@@ -359,66 +351,13 @@ def server_forward_check(kind, policy, q, k, v, g, beta, o_ref, h_ref, prefix, d
             "grads_max_diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, laqat_grads))}
 
 
-def _fla_exact(kind):
-    if kind == "gdn":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-    else:
-        from fla.ops.kda import chunk_kda as fla
-    return fla
-
-
-def timing(kind, policy, B, T, H, D, prefix) -> dict:
-    q, k, v, g, beta = _inputs(kind, B, T, H, D)
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    pre = torch.full((B,), prefix, dtype=torch.int32, device="cuda")
-    val = torch.full((B,), T, dtype=torch.int32, device="cuda")
-    spec = _spec(kind, policy).to_string()
-
-    def ours():
-        for x in leaves:
-            x.grad = None
-        o, _ = torch.ops.laqat.delta_rule_phased(*leaves, None, None, pre, val, D ** -0.5, spec)
-        o.float().sum().backward()
-
-    ms = do_bench(ours, return_mode="median")
-    return {"spec": spec, "ms": ms, "extra_mib": peak_extra_mib(ours)}
-
-
-def fla_timing(kind, B, T, H, D) -> dict:
-    q, k, v, g, beta = _inputs(kind, B, T, H, D)
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    fla = _fla_exact(kind)
-
-    def run():
-        for x in leaves:
-            x.grad = None
-        o, _ = fla(*leaves, scale=D ** -0.5, output_final_state=True)
-        o.float().sum().backward()
-
-    from la_compiler.kernels.fla.chunk_variant import gdn_backward_blocker
-
-    blocked = gdn_backward_blocker() if kind == "gdn" else None
-    if not blocked:
-        return {"ms": do_bench(run, return_mode="median"), "extra_mib": peak_extra_mib(run)}
-    # FLA's GDN chunk backward refuses this Triton on Hopper: timed past its guard, timing only (wrong gradients,
-    # real time), as chunk_bench.py --lift-fla-gdn-guard
-    import fla.ops.common.chunk_o as fla_chunk_o
-
-    saved, fla_chunk_o.TRITON_ABOVE_3_7_1 = fla_chunk_o.TRITON_ABOVE_3_7_1, True
-    try:
-        return {"ms": do_bench(run, return_mode="median"), "extra_mib": peak_extra_mib(run),
-                "note": f"guard lifted, timing only: {blocked}"}
-    finally:
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = saved
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-src", type=Path, default=None,
                         help="the oracle's extracted files (python -m tests.serving.vllm_oracle --prepare DIR); "
                              "default: fetch the wheel (needs the package index)")
-    parser.add_argument("--quick", action="store_true", help="timing only")
-    parser.add_argument("--no-timing", action="store_true", help="parity only (no FLA kernels needed)")
+    parser.add_argument("--no-timing", action="store_true",
+                        help="no effect: kept for older command lines (the profiles' timing is decode_bench.py's)")
     parser.add_argument("--tokens", type=int, default=4096, help="T of the parity cases (the prefix is half)")
     parser.add_argument("--cases", default="", help="comma-separated kind:cache cases of PARITY (default: all)")
     parser.add_argument("--layers-only", action="store_true", help="the layer rows only (no PARITY cases)")
@@ -427,129 +366,97 @@ def main():
     parser.add_argument("--asm", type=Path, default=None,
                         help="write the compiled decode kernels (laqat's and vLLM's: TTGIR, LLVM IR, PTX, SASS) here")
     args = parser.parse_args()
-    out, result = start_cuda_run("serving_parity_gpu.py", "parity", "timing")
+    out, result = start_cuda_run("serving_parity_gpu.py", "parity")
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    if not args.quick:
-        vllm = vllm_oracle.load(args.vllm_src)
-        T = args.tokens
-        print(f"parity with vLLM 0.33.0, [1, {T}, 16, 128] bf16, prefix {T // 2} (suffix: {T - T // 2} decode steps)")
-        wanted = {c for c in args.cases.split(",") if c}
-        for kind, cfg, cache in PARITY:
-            if args.layers_only:
+    vllm = vllm_oracle.load(args.vllm_src)
+    T = args.tokens
+    print(f"parity with vLLM 0.33.0, [1, {T}, 16, 128] bf16, prefix {T // 2} (suffix: {T - T // 2} decode steps)")
+    wanted = {c for c in args.cases.split(",") if c}
+    for kind, cfg, cache in PARITY:
+        if args.layers_only:
+            break
+        if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
+            continue
+        try:
+            row = parity(vllm, kind, cfg, cache, T=T, prefix=T // 2)
+        except Exception as e:
+            traceback.print_exc()
+            row = {"kind": kind, "cache": str(cache), "error": repr(e)}
+        result["parity"].append(row)
+        for label in ("vllm_warps", "4_warps"):
+            r = row.get(label)
+            if r is None:
+                print(f"  {kind} {row['cache']}: ERROR {row.get('error')}")
                 break
-            if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
-                continue
+            print(f"  {kind} cache {row['cache']:<8} {label:<10} suffix {'==' if r['suffix_equal'] else '!='} "
+                  f"({r['suffix_differ']} differ, {r['suffix_row_ulps']:.1f} row-ulps), state "
+                  f"{'==' if r['state_equal'] else '!='} ({r['state_differ']} differ, {r['state_ulps']:.1f} ulps), "
+                  f"prefix {r['prefix_row_ulps']:.1f} row-ulps rel {r['prefix_rel_l2']:.1e}", flush=True)
+        d = row.get("packed_step", {})
+        print(f"  {kind} cache {row['cache']:<8} packed decode step from raw projections ({d.get('sequences')} "
+              "states): " + ("; ".join(f"forward {f}: outputs {d[f]['outputs_differ']} of {d['outputs']} differ, "
+                                       f"states {d[f]['state_differ']} of {d['states']}"
+                                       for f in ("laqat", "server"))
+                             if "error" not in d else d["error"]), flush=True)
+        d = row.get("one_step", {})
+        print(f"  {kind} cache {row['cache']:<8} one step ({d.get('sequences')} states): "
+              + (f"outputs {d['outputs_differ']} of {d['outputs']} differ, stored states {d['state_differ']} of "
+                 f"{d['states']}" if "error" not in d else d["error"]), flush=True)
+        d = row.get("decode_only", {})
+        print(f"  {kind} cache {row['cache']:<8} decode only ({d.get('steps')} steps from one state): "
+              + (f"outputs {'==' if d['outputs_equal'] else '!='} ({d['outputs_differ']} differ), state "
+                 f"{'==' if d['state_equal'] else '!='} ({d['state_differ']} differ)" if "error" not in d
+                 else d["error"]), flush=True)
+        s = row.get("server_forward")
+        if s is not None:
+            print(f"  {kind} cache {row['cache']:<8} forward: server  outputs "
+                  f"{'==' if s['outputs_equal'] else '!='} vLLM, state {'==' if s['state_equal'] else '!='} vLLM, "
+                  f"gradients {'==' if all(s['grads_equal'].values()) else '!='} forward: laqat's "
+                  f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
+
+    LT = args.layer_tokens
+    print(f"one layer from the raw projections (prefix {LT // 2}, {LT - LT // 2} decode tokens, 16 heads of 128) "
+          "against vLLM's layer's kernel calls")
+    result["layer"] = []
+    for kind, _, cache in PARITY:
+        if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
+            continue
+        for forward in ("laqat", "server"):
             try:
-                row = parity(vllm, kind, cfg, cache, T=T, prefix=T // 2)
-            except Exception as e:
+                row = layer_parity(vllm, kind, forward, cache, T=LT, prefix=LT // 2)
+            except Exception as e:  # noqa: BLE001 (reported in the table)
                 traceback.print_exc()
-                row = {"kind": kind, "cache": str(cache), "error": repr(e)}
-            result["parity"].append(row)
-            for label in ("vllm_warps", "4_warps"):
-                r = row.get(label)
-                if r is None:
-                    print(f"  {kind} {row['cache']}: ERROR {row.get('error')}")
-                    break
-                print(f"  {kind} cache {row['cache']:<8} {label:<10} suffix {'==' if r['suffix_equal'] else '!='} "
-                      f"({r['suffix_differ']} differ, {r['suffix_row_ulps']:.1f} row-ulps), state "
-                      f"{'==' if r['state_equal'] else '!='} ({r['state_differ']} differ, {r['state_ulps']:.1f} ulps), "
-                      f"prefix {r['prefix_row_ulps']:.1f} row-ulps rel {r['prefix_rel_l2']:.1e}", flush=True)
-            d = row.get("packed_step", {})
-            print(f"  {kind} cache {row['cache']:<8} packed decode step from raw projections ({d.get('sequences')} "
-                  "states): " + ("; ".join(f"forward {f}: outputs {d[f]['outputs_differ']} of {d['outputs']} differ, "
-                                           f"states {d[f]['state_differ']} of {d['states']}"
-                                           for f in ("laqat", "server"))
-                                 if "error" not in d else d["error"]), flush=True)
-            d = row.get("one_step", {})
-            print(f"  {kind} cache {row['cache']:<8} one step ({d.get('sequences')} states): "
-                  + (f"outputs {d['outputs_differ']} of {d['outputs']} differ, stored states {d['state_differ']} of "
-                     f"{d['states']}" if "error" not in d else d["error"]), flush=True)
-            d = row.get("decode_only", {})
-            print(f"  {kind} cache {row['cache']:<8} decode only ({d.get('steps')} steps from one state): "
-                  + (f"outputs {'==' if d['outputs_equal'] else '!='} ({d['outputs_differ']} differ), state "
-                     f"{'==' if d['state_equal'] else '!='} ({d['state_differ']} differ)" if "error" not in d
-                     else d["error"]), flush=True)
-            s = row.get("server_forward")
-            if s is not None:
-                print(f"  {kind} cache {row['cache']:<8} forward: server  outputs "
-                      f"{'==' if s['outputs_equal'] else '!='} vLLM, state {'==' if s['state_equal'] else '!='} vLLM, "
-                      f"gradients {'==' if all(s['grads_equal'].values()) else '!='} forward: laqat's "
-                      f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
+                row = {"kind": kind, "forward": forward, "cache": str(cache), "error": repr(e)}
+            result["layer"].append(row)
+            print(f"  {kind} cache {row['cache']:<8} forward {forward:<7} " + (
+                f"prefix outputs {row['prefix_differ']} of {row['outputs_each']} differ, decode outputs "
+                f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
+                + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
+                   if "gate_cumsum_differ" in row else "")
+                + f"; first differing decode token {row['first_differing_decode_token']}"
+                + (f"; from vLLM's handoff, decode alone: {row['decode_alone_differ']} outputs differ (the layer "
+                   f"reference's decode against the packed decode from that handoff: "
+                   f"{row['layer_reference_decode_differ']})" if "decode_alone_differ" in row else "")
+                + (f"; prefix inputs differing from fused_post_conv_prep's {row['prefix_inputs_differ']}"
+                   if "prefix_inputs_differ" in row else "")
+                + (f"; vLLM's final state with a bf16 and an fp32 zero initial state: "
+                   f"{row['final_state_by_initial_dtype_differ']} values differ"
+                   if "final_state_by_initial_dtype_differ" in row else "")
+                if "error" not in row else row["error"]), flush=True)
+    if args.asm is not None:
+        from la_compiler.kernels.decode import kernels as decode_kernels
 
-        LT = args.layer_tokens
-        print(f"one layer from the raw projections (prefix {LT // 2}, {LT - LT // 2} decode tokens, 16 heads of 128) "
-              "against vLLM's layer's kernel calls")
-        result["layer"] = []
-        for kind, _, cache in PARITY:
-            if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
-                continue
-            for forward in ("laqat", "server"):
-                try:
-                    row = layer_parity(vllm, kind, forward, cache, T=LT, prefix=LT // 2)
-                except Exception as e:  # noqa: BLE001 (reported in the table)
-                    traceback.print_exc()
-                    row = {"kind": kind, "forward": forward, "cache": str(cache), "error": repr(e)}
-                result["layer"].append(row)
-                print(f"  {kind} cache {row['cache']:<8} forward {forward:<7} " + (
-                    f"prefix outputs {row['prefix_differ']} of {row['outputs_each']} differ, decode outputs "
-                    f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
-                    + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
-                       if "gate_cumsum_differ" in row else "")
-                    + f"; first differing decode token {row['first_differing_decode_token']}"
-                    + (f"; from vLLM's handoff, decode alone: {row['decode_alone_differ']} outputs differ (the layer "
-                       f"reference's decode against the packed decode from that handoff: "
-                       f"{row['layer_reference_decode_differ']})" if "decode_alone_differ" in row else "")
-                    + (f"; prefix inputs differing from fused_post_conv_prep's {row['prefix_inputs_differ']}"
-                       if "prefix_inputs_differ" in row else "")
-                    + (f"; vLLM's final state with a bf16 and an fp32 zero initial state: "
-                       f"{row['final_state_by_initial_dtype_differ']} values differ"
-                       if "final_state_by_initial_dtype_differ" in row else "")
-                    if "error" not in row else row["error"]), flush=True)
-        if args.asm is not None:
-            from la_compiler.kernels.decode import kernels as decode_kernels
+        result["asm"] = dump_asm(args.asm, decode_kernels.decode_fwd_kernel,
+                                 vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_fwd_kernel,
+                                 vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode_kernel,
+                                 vllm.kda_recurrent.fused_recurrent_kda_fwd_kernel,
+                                 vllm.kda_recurrent.fused_recurrent_kda_packed_decode_kernel)
+        print(f"compiled kernels: {len(result['asm'])} files in {args.asm}")
 
-            result["asm"] = dump_asm(args.asm, decode_kernels.decode_fwd_kernel,
-                                     vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_fwd_kernel,
-                                     vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode_kernel,
-                                     vllm.kda_recurrent.fused_recurrent_kda_fwd_kernel,
-                                     vllm.kda_recurrent.fused_recurrent_kda_packed_decode_kernel)
-            print(f"compiled kernels: {len(result['asm'])} files in {args.asm}")
-
-    if not args.no_timing:
-        timing_table(result)
     path = out / "serving_parity_gpu.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {path}")
-
-
-def timing_table(result: dict) -> None:
-    print("\nfwd+bwd through laqat::delta_rule_phased (median ms; x = / FLA exact chunk fwd+bwd)")
-    for shape in ((1, 4096, 16, 128, 2048), (1, 257, 4, 128, 64)):
-        B, T, H, D, prefix = shape
-        fla_ms = {}
-        for kind in ("gdn", "kda"):
-            try:
-                fla_ms[kind] = fla_timing(kind, B, T, H, D)
-                result["timing"].append({"shape": shape, "impl": f"FLA exact chunk ({kind})", **fla_ms[kind]})
-                print(f"  {shape} FLA exact {kind}: {fla_ms[kind]['ms']:.3f} ms", flush=True)
-            except Exception as e:  # FLA's GDN chunk backward refuses Triton < 3.7.1 on Hopper
-                traceback.print_exc()
-                result["timing"].append({"shape": shape, "impl": f"FLA exact chunk ({kind})", "error": repr(e)})
-        for name, (kind, policy) in PROFILES.items():
-            if shape[2] == 4 and kind == "gdn":
-                continue  # decode_bench.py's anchor shape is KDA's
-            try:
-                row = {"shape": shape, "profile": name, **timing(kind, policy, B, T, H, D, prefix)}
-                if kind in fla_ms:
-                    row["x_fla"] = row["ms"] / fla_ms[kind]["ms"]
-            except Exception as e:
-                traceback.print_exc()
-                row = {"shape": shape, "profile": name, "error": repr(e)}
-            result["timing"].append(row)
-            print(f"  {shape} {name:<40} " + (f"{row['ms']:.3f} ms" + (f"  x{row['x_fla']:.2f}" if "x_fla" in row
-                                                                     else "") if "ms" in row else row["error"]),
-                  flush=True)
 
 
 if __name__ == "__main__":

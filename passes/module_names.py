@@ -12,6 +12,7 @@ frame's root (``layers.0.``). The compiled model is the ``torch.compile`` wrappe
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 from typing import Iterator
@@ -111,12 +112,28 @@ def graph_module_names(prefixes: dict[str, str]) -> Iterator[None]:
         _PREFIXES.pop()
 
 
+def is_function_module(module_type) -> bool:
+    """Whether a module class only stands in for a function: Hugging Face kernels' ``Func`` (transformers >= 5.25 wraps
+    its kernel functions in one, ``torch_chunk_gated_delta_rule`` among them, a global module outside the model)."""
+    return getattr(module_type, "__qualname__", "").endswith("_create_func_module.<locals>.Func")
+
+
+def function_behind(fn):
+    """The plain function behind ``fn``: through a ``Func`` module (``is_function_module``) and ``functools.wraps``
+    wrappers (transformers' torch fallbacks, e.g. ``modeling_qwen3_next.torch_chunk_gated_delta_rule``)."""
+    if isinstance(fn, torch.nn.Module) and is_function_module(type(fn)):
+        forward = type(fn).forward
+        fn = forward.__closure__[forward.__code__.co_freevars.index("func")].cell_contents
+    return inspect.unwrap(fn)
+
+
 def module_name(node: torch.fx.Node) -> str:
-    """The innermost module a node was traced in, by its full name in the compiled model ("" at top level)."""
-    stack = node.meta.get("nn_module_stack") or {}
+    """The innermost module a node was traced in, by its full name in the compiled model ("" at top level); a module
+    that stands in for a function (``is_function_module``) is not one."""
+    stack = [entry for entry in (node.meta.get("nn_module_stack") or {}).values() if not is_function_module(entry[1])]
     if not stack:  # traced in the frame's own module: a resumed block's frame is that block
         return _PREFIXES[-1].get("L['self']", "").rstrip(".")
-    path = list(stack.values())[-1][0]
+    path = stack[-1][0]
     local = normalize_module_path(path)
     prefix = _PREFIXES[-1].get(_root_of(path), "")
     return (prefix + local).strip(".") if local else prefix.rstrip(".")

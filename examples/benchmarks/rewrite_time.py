@@ -11,7 +11,6 @@ whole original region and the IR op on random inputs at compile time).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -23,13 +22,14 @@ import torch
 sys.modules.setdefault("fla", None)  # transformers' torch fallbacks, not FLA's kernels
 
 from la_compiler.passes.frontends.torch_recurrence import rewrite_torch_recurrences  # noqa: E402
+from la_compiler.passes.module_names import function_behind  # noqa: E402
 from la_compiler.record import GraphRecord  # noqa: E402
 
 
 def _torch_fallback(module: str, name: str):
     import importlib
 
-    return inspect.unwrap(getattr(importlib.import_module(f"transformers.models.{module}"), name))
+    return function_behind(getattr(importlib.import_module(f"transformers.models.{module}"), name))
 
 
 def capture(fn, *args, **kwargs) -> tuple[torch.fx.GraphModule, float]:

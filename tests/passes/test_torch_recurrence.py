@@ -5,13 +5,13 @@ One compilation per case (``explain`` compiles with the laqat backend, runs once
 the output, through which the gradients flow). The IR op runs the fp64 reference variant.
 """
 import functools
-import inspect
 import warnings
 
 import pytest
 import torch
 
 import la_compiler
+from la_compiler.passes.module_names import function_behind
 from tests.helpers import assert_close_rel
 from tests.passes import torch_recurrence_spellings as spellings
 
@@ -98,7 +98,7 @@ def test_fla_naive_chunk_kda():
 # ---- transformers' Qwen3-Next torch fallbacks (the undecorated torch functions) -------------
 def _qwen(name):
     from transformers.models.qwen3_next import modeling_qwen3_next
-    return inspect.unwrap(getattr(modeling_qwen3_next, name))
+    return function_behind(getattr(modeling_qwen3_next, name))
 
 
 def _qwen_call(fn, q, k, v, g, beta, h0, **kw):
@@ -157,7 +157,7 @@ def test_two_layers_two_nodes_and_rest_of_graph_kept():
 # ---- transformers' Kimi-Linear torch fallbacks (KDA; the chunked one has the 63-step loop) ---
 def _kimi(name):
     from transformers.models.kimi_linear import modeling_kimi_linear
-    return inspect.unwrap(getattr(modeling_kimi_linear, name))
+    return function_behind(getattr(modeling_kimi_linear, name))
 
 
 def _kimi_call(fn, q, k, v, g, beta, h0, **kw):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import la_compiler
+from la_compiler.passes.module_names import function_behind
 from tests.passes.torch_recurrence_near_misses import MISTAKES, gdn_with_mistake
 
 
@@ -71,7 +72,7 @@ def _qwen_chunk_one_chunk(q, k, v, g, beta, h0):
     import inspect
 
     from transformers.models.qwen3_next import modeling_qwen3_next
-    fn = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
+    fn = function_behind(modeling_qwen3_next.torch_chunk_gated_delta_rule)
     return fn(q, k, v, g=g, beta=beta, chunk_size=4, initial_state=h0, output_final_state=True,
               use_qk_l2norm_in_kernel=True)
 

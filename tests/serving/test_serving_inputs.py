@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import la_compiler
 from la_compiler.backend import last_record
 from la_compiler.kernels.decode import serving_inputs  # noqa: F401  (registers the ops)
+from la_compiler.passes.module_names import function_behind
 from la_compiler.passes.serving_inputs import ServingInputsWarning
 
 BF16 = torch.bfloat16
@@ -75,7 +76,7 @@ def _chunk_function(chunk="fla"):
             pytest.skip("transformers is not installed")
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         return chunk_gated_delta_rule
-    return m.torch_chunk_gated_delta_rule.__wrapped__ if chunk == "torch" else m.torch_chunk_gated_delta_rule
+    return function_behind(m.torch_chunk_gated_delta_rule) if chunk == "torch" else m.torch_chunk_gated_delta_rule
 
 
 def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill, cache_dtype=BF16):

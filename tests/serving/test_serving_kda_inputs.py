@@ -5,7 +5,6 @@ own Kimi-K3 kernels in Triton's interpreter (as the GPU rounds): the prefill's `
 compiled with ``vllm_kda_state_bf16`` in a decode phase, against vLLM's layer's kernel calls on the raw projections
 (``chunk_kda_with_fused_gate`` over the prefix, the bf16 cache write, ``fused_recurrent_kda_packed_decode`` per decode
 token): outputs equal bit for bit. Plus the ops' gradients against fp64 autograd and the pass's warning."""
-import inspect
 import warnings
 
 import pytest
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 import triton
 
 import la_compiler
+from la_compiler.passes.module_names import function_behind
 from la_compiler.backend import last_record
 from la_compiler.kernels.chunk.fwd_pairs import chunk_fwd_kernel_cumsum
 from la_compiler.kernels.decode import serving_kda_inputs  # noqa: F401  (registers the ops)
@@ -114,7 +114,7 @@ def _kda_layer_core(mixed, raw_g, raw_b, forget_gate, H, K, chunk):
 
     g = forget_gate(raw_g)  # raw_g: the hidden states here
     beta = torch.sigmoid(raw_b)
-    out, _ = inspect.unwrap(m.chunk_kimi_delta_attention)(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    out, _ = function_behind(m.chunk_kimi_delta_attention)(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     return out
 
 

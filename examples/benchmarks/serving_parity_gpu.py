@@ -226,11 +226,12 @@ def _kda_layer_core(mixed, raw_g, raw_b, A_log, dt_bias, H, K):
     return out
 
 
-def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefix=2048, H=16, D=128) -> dict:
-    """One layer from the raw projections (tests/serving's layer cases at a model's head size): laqat compiles it
-    with the profile (``cache`` its cache dtype, ``forward`` set) in a decode phase; vLLM's layer runs its own kernels
-    on the same projections (the prefill's pre-processing and chunk kernel, the cache write, one packed decode launch
-    per later token). Differing outputs of the prefix and of the decode tokens."""
+def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(2048,), H=16, D=128) -> dict:
+    """One layer from the raw projections (tests/serving's layer cases at a model's head size), a batch of one
+    sequence per prefix length: laqat compiles it with the profile (``cache`` its cache dtype, ``forward`` set) in a
+    decode phase; vLLM's layer runs its own kernels on each sequence's projections (the prefill's pre-processing and
+    chunk kernel, the cache write, one packed decode launch per later token). Differing outputs of the prefixes and
+    of the decode tokens; KDA: laqat's cumsum of vLLM's gate of the raw gate against vLLM's fused gate cumsum."""
     import la_compiler
     from tests.serving import test_serving_inputs as gdn_case
     from tests.serving import test_serving_kda_inputs as kda_case
@@ -239,66 +240,42 @@ def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefix=2048,
     serving = {"state_dtype": cache_name, "forward": forward, **({"model": "kimi_k3"} if kind == "kda" else {})}
     options = {"policy": {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]},
                "compiler": "eager"}
-    row = {"kind": kind, "forward": forward, "cache": cache_name, "T": T, "prefix": prefix, "H": H, "D": D}
+    row = {"kind": kind, "forward": forward, "cache": cache_name, "T": T, "prefixes": list(prefixes), "H": H, "D": D}
     if kind == "gdn":
-        mixed, a, b, A_log, dt_bias = gdn_case._raw(T, H, H, D, D, seed=1)
+        seqs = [list(gdn_case._raw(T, H, H, D, D, seed=1 + i)) for i in range(len(prefixes))]
+        A_log, dt_bias = seqs[0][3:]
+        mixed, a, b = (torch.stack([x[j] for x in seqs]) for j in range(3))
         core = torch.compile(gdn_case._layer_core, backend="laqat", fullgraph=True, options=options)
-        with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
-            out = core(mixed[None], a[None], b[None], A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"))
-        expected = gdn_case._vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, H, D, D, prefix, cache)
-        q, k, v, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed[:prefix], a[:prefix], b[:prefix], A_log,
-                                                                    dt_bias, H, D, D)
-        finals = [vllm.gdn_chunk.chunk_gated_delta_rule(
-            q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, output_final_state=True,
-            initial_state=torch.zeros(1, H, D, D, dtype=dtype, device=q.device),
-            cu_seqlens=torch.tensor([0, prefix], dtype=torch.int32, device=q.device))[1]
-            for dtype in (torch.float32, torch.bfloat16)]
-        row["final_state_by_initial_dtype_differ"] = int((finals[0] != finals[1]).sum())
-        mask = (torch.arange(T, device=q.device) < prefix).to(torch.int8)[None]
-        ours = [torch.ops.laqat.serving_l2norm(mixed[None, :, i * H * D:(i + 1) * H * D].reshape(1, T, H, D), mask)
-                for i in (0, 1)] + [torch.ops.laqat.serving_gdn_gate(a[None], A_log, dt_bias, mask),
-                                    torch.ops.laqat.serving_sigmoid(b[None])]
-        # the decode alone from vLLM's handoff: the packed decode per token against laqat's ops and decode kernels
-        cache_state = torch.zeros(2, H, D, D, dtype=cache, device=q.device)
-        cache_state[1] = finals[0 if cache == torch.float32 else 1][0].to(cache)
-        handoff = cache_state[1:].float()
-        slot = torch.tensor([1], dtype=torch.int32, device=q.device)
-        packed = []
-        for t in range(prefix, T):
-            o_t = torch.empty(1, 1, H, D, dtype=torch.bfloat16, device=q.device)
-            vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode(
-                mixed[t:t + 1].contiguous(), a[t:t + 1].contiguous(), b[t:t + 1].contiguous(), A_log, dt_bias,
-                D ** -0.5, cache_state, o_t, slot, use_qk_l2norm_in_kernel=True)
-            packed.append(o_t[0])
-        packed = torch.cat(packed)
-        policy = Policy.from_dict({"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]})
-        o_dec, _ = decode_suffix.suffix_forward(
-            _spec("gdn", policy, forward), *(x[:, prefix:].contiguous() for x in ours[:2]),
-            mixed[None, prefix:, 2 * H * D:].reshape(1, T - prefix, H, D),
-            *(x[:, prefix:].contiguous() for x in ours[2:]),
-            handoff, torch.tensor([0, T - prefix], dtype=torch.int32, device=q.device), D ** -0.5)
-        row["decode_alone_differ"] = int((o_dec[0].to(packed.dtype) != packed).sum())
-        row["layer_reference_decode_differ"] = int((packed != expected[prefix:]).sum())
-        row["prefix_inputs_differ"] = {name: int((x[0, :prefix].reshape(y.shape) != y.float()).sum())
-                                       for name, x, y in zip("q k g beta".split(), ours, (q, k, g, beta))}
+        with la_compiler.phase(prefill_lengths=list(prefixes)), torch.no_grad():
+            out = core(mixed, a, b, A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"))
+        expected = [gdn_case._vllm_layer(vllm, mixed[i], a[i], b[i], A_log, dt_bias, H, H, D, D, p, cache)
+                    for i, p in enumerate(prefixes)]
     else:
-        mixed, raw_g, raw_b, A_log, dt_bias = kda_case._raw(T, H, D, seed=1)
+        seqs = [list(kda_case._raw(T, H, D, seed=1 + i)) for i in range(len(prefixes))]
+        A_log, dt_bias = seqs[0][3:]
+        mixed, raw_g, raw_b = (torch.stack([x[j] for x in seqs]) for j in range(3))
         core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)
-        with la_compiler.phase(prefill_lengths=[prefix]), torch.no_grad():
-            out = core(mixed[None], raw_g[None], raw_b[None], A_log, dt_bias, H, D)
-        expected = kda_case._vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, D, prefix, cache)
-        g_cum, _ = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[None, :prefix], raw_beta=raw_b[None, :prefix],
-                                                              A_log=A_log, g_bias=dt_bias)
-        ours = kda_case.laqat_server_cumsum(raw_g[None, :prefix], A_log, dt_bias)
-        row["gate_cumsum_differ"] = int((ours != g_cum).sum())
+        with la_compiler.phase(prefill_lengths=list(prefixes)), torch.no_grad():
+            out = core(mixed, raw_g, raw_b, A_log, dt_bias, H, D)
+        expected = [kda_case._vllm_layer(vllm, mixed[i], raw_g[i], raw_b[i], A_log, dt_bias, H, D, p, cache)
+                    for i, p in enumerate(prefixes)]
+        p = prefixes[0]
+        g_cum, _ = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[:1, :p], raw_beta=raw_b[:1, :p], A_log=A_log,
+                                                              g_bias=dt_bias)
+        row["gate_cumsum_differ"] = int((kda_case.laqat_server_cumsum(raw_g[:1, :p], A_log, dt_bias) != g_cum).sum())
         row["gate_cumsum_values"] = g_cum.numel()
-    out = out[0]
-    differ = (out[prefix:] != expected[prefix:]).flatten(1).any(1).nonzero()
-    row["first_differing_decode_token"] = int(differ[0]) if differ.numel() else None
-    row.update({"prefix_differ": int((out[:prefix] != expected[:prefix]).sum()),
-                "decode_differ": int((out[prefix:] != expected[prefix:]).sum()),
-                "outputs_each": expected[:prefix].numel(), "decode_outputs": expected[prefix:].numel(),
-                "max_abs_diff": (out.float() - expected.float()).abs().max().item()})
+    counts = {"prefix_differ": 0, "decode_differ": 0, "prefix_outputs": 0, "decode_outputs": 0}
+    first = []
+    for i, p in enumerate(prefixes):
+        ours, theirs = out[i], expected[i]
+        counts["prefix_differ"] += int((ours[:p] != theirs[:p]).sum())
+        counts["decode_differ"] += int((ours[p:] != theirs[p:]).sum())
+        counts["prefix_outputs"] += theirs[:p].numel()
+        counts["decode_outputs"] += theirs[p:].numel()
+        differ = (ours[p:] != theirs[p:]).flatten(1).any(1).nonzero()
+        first.append(int(differ[0]) if differ.numel() else None)
+    row.update(counts, first_differing_decode_token=first,
+               max_abs_diff=max((out[i].float() - e.float()).abs().max().item() for i, e in enumerate(expected)))
     return row
 
 
@@ -416,34 +393,28 @@ def main():
                   f"(max |diff| {s['grads_max_diff']:.1e})", flush=True)
 
     LT = args.layer_tokens
-    print(f"one layer from the raw projections (prefix {LT // 2}, {LT - LT // 2} decode tokens, 16 heads of 128) "
+    batches = ([LT // 2], [LT // 2, LT // 4])  # one sequence; two with prefixes of different lengths
+    print(f"one layer from the raw projections ({LT} tokens per sequence, prefixes {batches}, 16 heads of 128) "
           "against vLLM's layer's kernel calls")
     result["layer"] = []
     for kind, _, cache in PARITY:
         if wanted and f"{kind}:{str(cache).removeprefix('torch.')}" not in wanted:
             continue
-        for forward in ("laqat", "server"):
-            try:
-                row = layer_parity(vllm, kind, forward, cache, T=LT, prefix=LT // 2)
-            except Exception as e:  # noqa: BLE001 (reported in the table)
-                traceback.print_exc()
-                row = {"kind": kind, "forward": forward, "cache": str(cache), "error": repr(e)}
-            result["layer"].append(row)
-            print(f"  {kind} cache {row['cache']:<8} forward {forward:<7} " + (
-                f"prefix outputs {row['prefix_differ']} of {row['outputs_each']} differ, decode outputs "
-                f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
-                + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
-                   if "gate_cumsum_differ" in row else "")
-                + f"; first differing decode token {row['first_differing_decode_token']}"
-                + (f"; from vLLM's handoff, decode alone: {row['decode_alone_differ']} outputs differ (the layer "
-                   f"reference's decode against the packed decode from that handoff: "
-                   f"{row['layer_reference_decode_differ']})" if "decode_alone_differ" in row else "")
-                + (f"; prefix inputs differing from fused_post_conv_prep's {row['prefix_inputs_differ']}"
-                   if "prefix_inputs_differ" in row else "")
-                + (f"; vLLM's final state with a bf16 and an fp32 zero initial state: "
-                   f"{row['final_state_by_initial_dtype_differ']} values differ"
-                   if "final_state_by_initial_dtype_differ" in row else "")
-                if "error" not in row else row["error"]), flush=True)
+        for prefixes in batches[:1] if cache != torch.bfloat16 else batches:
+            for forward in ("laqat", "server"):
+                try:
+                    row = layer_parity(vllm, kind, forward, cache, T=LT, prefixes=prefixes)
+                except Exception as e:  # noqa: BLE001 (reported in the table)
+                    traceback.print_exc()
+                    row = {"kind": kind, "forward": forward, "cache": str(cache), "error": repr(e)}
+                result["layer"].append(row)
+                print(f"  {kind} cache {str(cache).removeprefix('torch.'):<8} prefixes {prefixes} forward {forward:<7} "
+                      + (f"prefix outputs {row['prefix_differ']} of {row['prefix_outputs']} differ, decode outputs "
+                         f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
+                         + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
+                            if "gate_cumsum_differ" in row else "")
+                         + f"; first differing decode token {row['first_differing_decode_token']}"
+                         if "error" not in row else row["error"]), flush=True)
     if args.asm is not None:
         from la_compiler.kernels.decode import kernels as decode_kernels
 

@@ -127,3 +127,51 @@ def test_exact_kda_training_on_cuda_goes_to_laqat_chunk_kernels(monkeypatch):
     choice = select_kernel(RecurrenceSpec(kind="kda"), device="cuda", dtype=torch.bfloat16, head_k=128, head_v=128,
                            seq_len=4096)
     assert choice.variant == "chunk" and "0.72x FLA's" in choice.explain(), choice.explain()
+
+
+def _create_func_module(func):
+    """A stand-in of Hugging Face kernels' function module (transformers >= 5.25 wraps its kernel functions, e.g.
+    ``torch_chunk_gated_delta_rule``, in one): a global ``nn.Module`` whose forward calls the function."""
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    return Func
+
+
+def _user_gdn(q, k, v, g, beta):
+    return torch.ops.laqat.delta_rule(q, k, v, g, beta, None, None, 0.25, "gdn[src=user]")[0]
+
+
+WRAPPED_GDN = _create_func_module(_user_gdn)()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, q, k, v, g, beta):
+        return WRAPPED_GDN(self.proj(q), k, v, g, beta)
+
+
+@pytest.mark.parametrize("skipped", [True, False], ids=["function_module_skipped", "without_the_skip"])
+def test_a_function_module_outside_the_model_does_not_name_the_site(monkeypatch, skipped):
+    """A site traced inside a global function module is named after the model's layer that calls it, so that
+    per-layer rules apply to it; without the skip it would be named by the global's path."""
+    from la_compiler.passes import module_names
+    from tests.ir_inputs import random_inputs
+
+    assert module_names.is_function_module(type(WRAPPED_GDN))
+    if not skipped:
+        monkeypatch.setattr(module_names, "is_function_module", lambda module_type: False)
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Layer(), _Layer()])})
+    (q, k, v, g, beta, _), _ = random_inputs("gdn", T=5, H=1, K=16, V=4, requires_grad=False)
+
+    def forward(q, k, v, g, beta):
+        return sum(layer(q, k, v, g, beta) for layer in model["layers"])
+
+    start = _graph_count()
+    torch.compile(forward, backend="laqat", options={"compiler": "eager"})(q, k, v, g, beta)
+    names = [name for name, _ in _sites(start)]
+    assert (names == ["layers.0", "layers.1"]) == skipped, names  # without: the global's (empty) path, no layer

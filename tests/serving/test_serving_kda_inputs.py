@@ -97,25 +97,32 @@ def test_decode_preprocessing_is_the_packed_decodes_bit_for_bit(vllm, as_gpu):
     assert torch.equal(plain_state, packed_state)
 
 
-def _kda_layer_core(mixed, raw_g, raw_b, forget_gate, H, K, chunk):
-    """Kimi's KDA layer from the convolution's output to the recurrence's output: FLA's layer (``fla``: chunk_kda with
-    the gate, beta's sigmoid and the l2 norm in its kernels) or transformers' Kimi-Linear (``torch``: its forget gate
-    module on the hidden states, ``torch.sigmoid(b)``, its torch chunk fallback with the l2 norm in fp32)."""
+def _kda_layer_core(mixed, raw_g, raw_b, forget_gate, H, K, kimi_chunk):
+    """Kimi's KDA layer from the convolution's output to the recurrence's output: FLA's layer (``kimi_chunk`` None:
+    chunk_kda with the gate, beta's sigmoid and the l2 norm in its kernels) or transformers' Kimi-Linear (its forget
+    gate module on the hidden states, ``torch.sigmoid(b)``, its torch chunk fallback ``kimi_chunk`` with the l2 norm
+    in fp32)."""
     B, T = mixed.shape[:2]
     q, k, v = (x.reshape(B, T, H, K) for x in torch.split(mixed, [H * K] * 3, dim=-1))
-    if chunk == "fla":
+    if kimi_chunk is None:
         from fla.ops.kda import chunk_kda
 
         out, _ = chunk_kda(q, k, v, g=raw_g, beta=raw_b, A_log=forget_gate.A_log.view(-1),
                            dt_bias=forget_gate.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                            use_beta_sigmoid_in_kernel=True)
         return out
-    from transformers.models.kimi_linear import modeling_kimi_linear as m
-
     g = forget_gate(raw_g)  # raw_g: the hidden states here
     beta = torch.sigmoid(raw_b)
-    out, _ = function_behind(m.chunk_kimi_delta_attention)(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    out, _ = kimi_chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     return out
+
+
+def _kimi_chunk():
+    """transformers' Kimi-Linear torch chunk fallback, imported outside the compiled function (Dynamo does not trace
+    an import of transformers' lazy modules)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+
+    return function_behind(m.chunk_kimi_delta_attention)
 
 
 def _forget_gate(H, K, hidden, seed=5):
@@ -169,7 +176,14 @@ def _policy(forward):
     return {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]}
 
 
-@pytest.mark.parametrize("chunk,forward", [("fla", "auto"), ("torch", "auto"), ("fla", "laqat")])
+# laqat's KDA chunk stages compile to other sums than vLLM's on a GPU: its cumulative gate is vLLM's there, the outputs
+# are not (docs/serving.md, "The GPU check"); bit for bit in the interpreter
+LAQAT_PREFIX_ON_GPU = pytest.mark.xfail(DEVICE == "cuda", strict=False, reason=(
+    "forward: laqat's KDA prefix stages are not vLLM's bit for bit on a GPU (docs/serving.md, 'The GPU check')"))
+
+
+@pytest.mark.parametrize("chunk,forward", [("fla", "auto"), ("torch", "auto"),
+                                           pytest.param("fla", "laqat", marks=LAQAT_PREFIX_ON_GPU)])
 def test_a_kda_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, chunk, forward):
     T, H, K, prefill, hidden = 80, 2, 16, 70, 24  # two chunks of prefix, ten decode steps
     mixed, raw_g, raw_b, _, _ = _raw(T, H, K, seed=1)
@@ -180,12 +194,13 @@ def test_a_kda_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, chun
             raw_g = gate.f_b_proj(gate.f_a_proj(gate_input[None]))[0].view(T, H, K)
     else:
         gate_input = raw_g
+    kimi_chunk = _kimi_chunk() if chunk == "torch" else None
     core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True,
                          options={"policy": _policy(forward), "compiler": "eager"})
     with warnings.catch_warnings():
         warnings.simplefilter("error", ServingInputsWarning)
         with la_compiler.phase(prefill_lengths=[prefill]), torch.no_grad():
-            out = core(mixed[None], gate_input[None], raw_b[None], gate, H, K, chunk)
+            out = core(mixed[None], gate_input[None], raw_b[None], gate, H, K, kimi_chunk)
     rules = [r for m in last_record().graphs[-1].matches for r in m.policy_rules]
     assert any(r.startswith("serving pre-processing: ") and "q: vLLM's l2 norm" in r and "k: vLLM's l2 norm" in r
                and "g: vLLM's KDA gate" in r and "beta: sigmoid(b) in fp32" in r for r in rules), rules

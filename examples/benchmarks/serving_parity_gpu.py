@@ -214,16 +214,15 @@ def packed_step(vllm, kind, cfg, cache, N=64, H=16, D=128, device="cuda") -> dic
     return row
 
 
-def _kda_layer_core(mixed, raw_g, raw_b, A_log, dt_bias, H, K):
+def _kda_layer_core(mixed, raw_g, raw_b, A_log, dt_bias, H, K):  # -> (o, final state)
     """FLA's KDA layer from the convolution's output to the recurrence's output (the gate, beta's sigmoid and the
     l2 norm in FLA's kernels), as tests/serving/test_serving_kda_inputs.py's, without transformers' forget gate."""
     from fla.ops.kda import chunk_kda
 
     B, T = mixed.shape[:2]
     q, k, v = (x.reshape(B, T, H, K) for x in torch.split(mixed, [H * K] * 3, dim=-1))
-    out, _ = chunk_kda(q, k, v, g=raw_g, beta=raw_b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
-                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    return out
+    return chunk_kda(q, k, v, g=raw_g, beta=raw_b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
 
 
 def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(2048,), H=16, D=128) -> dict:
@@ -247,8 +246,8 @@ def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(20
         mixed, a, b = (torch.stack([x[j] for x in seqs]) for j in range(3))
         core = torch.compile(gdn_case._layer_core, backend="laqat", fullgraph=True, options=options)
         with la_compiler.phase(prefill_lengths=list(prefixes)), torch.no_grad():
-            out = core(mixed, a, b, A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"))
-        expected = [gdn_case._vllm_layer(vllm, mixed[i], a[i], b[i], A_log, dt_bias, H, H, D, D, p, cache)
+            out, state = core(mixed, a, b, A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"), True)
+        expected = [gdn_case._vllm_layer(vllm, mixed[i], a[i], b[i], A_log, dt_bias, H, H, D, D, p, cache, True)
                     for i, p in enumerate(prefixes)]
     else:
         seqs = [list(kda_case._raw(T, H, D, seed=1 + i)) for i in range(len(prefixes))]
@@ -256,14 +255,18 @@ def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(20
         mixed, raw_g, raw_b = (torch.stack([x[j] for x in seqs]) for j in range(3))
         core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)
         with la_compiler.phase(prefill_lengths=list(prefixes)), torch.no_grad():
-            out = core(mixed, raw_g, raw_b, A_log, dt_bias, H, D)
-        expected = [kda_case._vllm_layer(vllm, mixed[i], raw_g[i], raw_b[i], A_log, dt_bias, H, D, p, cache)
+            out, state = core(mixed, raw_g, raw_b, A_log, dt_bias, H, D)
+        expected = [kda_case._vllm_layer(vllm, mixed[i], raw_g[i], raw_b[i], A_log, dt_bias, H, D, p, cache, True)
                     for i, p in enumerate(prefixes)]
         p = prefixes[0]
         g_cum, _ = vllm.kda_chunk.fused_kda_gate_chunk_cumsum(raw_g[:1, :p], raw_beta=raw_b[:1, :p], A_log=A_log,
                                                               g_bias=dt_bias)
         row["gate_cumsum_differ"] = int((kda_case.laqat_server_cumsum(raw_g[:1, :p], A_log, dt_bias) != g_cum).sum())
         row["gate_cumsum_values"] = g_cum.numel()
+    # the final states: laqat's fp32 [N, HV, K, V] (FLA's layout) against vLLM's cache slot [HV, V, K], widened
+    theirs_state = torch.stack([cached.transpose(-1, -2).float() for _, cached in expected])
+    row.update(final_state_differ=int((state.float() != theirs_state).sum()), final_state_values=theirs_state.numel())
+    expected = [o for o, _ in expected]
     counts = {"prefix_differ": 0, "decode_differ": 0, "prefix_outputs": 0, "decode_outputs": 0}
     first = []
     for i, p in enumerate(prefixes):
@@ -413,6 +416,7 @@ def main():
                          f"{row['decode_differ']} of {row['decode_outputs']} (max |diff| {row['max_abs_diff']:.2e})"
                          + (f"; gate cumsum {row['gate_cumsum_differ']} of {row['gate_cumsum_values']} differ"
                             if "gate_cumsum_differ" in row else "")
+                         + f"; final states {row['final_state_differ']} of {row['final_state_values']} differ"
                          + f"; first differing decode token {row['first_differing_decode_token']}"
                          if "error" not in row else row["error"]), flush=True)
     if args.asm is not None:

@@ -49,9 +49,10 @@ def test_prefill_preprocessing_is_vllms_bit_for_bit(vllm, as_gpu):
     assert not torch.equal(torch.ops.laqat.serving_l2norm(q_raw, decode)[0], q.float())
 
 
-def _layer_core(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V, chunk_function):
+def _layer_core(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V, chunk_function, final_state=False):
     """Qwen3.5's GatedDeltaNet forward from the convolution's output to the recurrence's output
-    (transformers' modeling_qwen3_next / qwen3_5: split, beta, g, the chunk function with its in-kernel l2 norm)."""
+    (transformers' modeling_qwen3_next / qwen3_5: split, beta, g, the chunk function with its in-kernel l2 norm);
+    ``final_state``: (the output, the final state)."""
     B, T = mixed_qkv.shape[:2]
     query, key, value = torch.split(mixed_qkv, [H * K, H * K, HV * V], dim=-1)
     query = query.reshape(B, T, -1, K)
@@ -62,6 +63,9 @@ def _layer_core(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V, chunk_function):
     if HV // H > 1:
         query = query.repeat_interleave(HV // H, dim=2)
         key = key.repeat_interleave(HV // H, dim=2)
+    if final_state:
+        return chunk_function(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                              output_final_state=True)
     out, _ = chunk_function(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     return out
 
@@ -79,10 +83,10 @@ def _chunk_function(chunk="fla"):
     return function_behind(m.torch_chunk_gated_delta_rule) if chunk == "torch" else m.torch_chunk_gated_delta_rule
 
 
-def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill, cache_dtype=BF16):
+def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill, cache_dtype=BF16, final_state=False):
     """What vLLM's GDN layer computes for one sequence: the prefix prefilled from its zeroed cache slot (the cache's
     dtype, as vLLM's layer reads it), its state cached in ``cache_dtype``, then one packed decode launch per later
-    token."""
+    token; ``final_state``: (the outputs, the cached state [HV, V, K] after the last token)."""
     T = mixed.shape[0]
     scale = K ** -0.5
     q, k, v, g, beta = vllm.gdn_post_conv.fused_post_conv_prep(mixed[:prefill], a[:prefill], b[:prefill], A_log,
@@ -101,7 +105,7 @@ def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill, cache_d
             mixed[t:t + 1].contiguous(), a[t:t + 1].contiguous(), b[t:t + 1].contiguous(), A_log, dt_bias, scale,
             cache, out, slot, use_qk_l2norm_in_kernel=True)
         outs.append(out[0])
-    return torch.cat(outs)
+    return (torch.cat(outs), cache[1]) if final_state else torch.cat(outs)
 
 
 @pytest.mark.parametrize("H,HV,chunk", [(2, 2, "fla"), (1, 2, "fla"), (1, 2, "torch")])

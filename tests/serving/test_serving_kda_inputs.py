@@ -143,10 +143,11 @@ def _forget_gate(H, K, hidden, seed=5):
     return gate
 
 
-def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill, cache_dtype=BF16):
+def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill, cache_dtype=BF16, final_state=False):
     """What vLLM's Kimi-K3 KDA layer (``_forward``, Triton backends) computes for one sequence: the prefix through
     ``chunk_kda_with_fused_gate`` from its zeroed cache slot (the cache's dtype, as vLLM's layer reads it), its state
-    cached in ``cache_dtype``, then one packed decode launch per later token."""
+    cached in ``cache_dtype``, then one packed decode launch per later token; ``final_state``: (the outputs, the cached
+    state [H, V, K] after the last token)."""
     T = mixed.shape[0]
     q, k, v = (x.reshape(1, T, H, K)[:, :prefill] for x in torch.split(mixed, [H * K] * 3, dim=-1))
     o_pre, ht = vllm.kda_chunk.chunk_kda_with_fused_gate(
@@ -164,7 +165,7 @@ def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill, cache_
             raw_beta=raw_b[None, t:t + 1].contiguous(), A_log=A_log, dt_bias=dt_bias, lower_bound=None,
             initial_state=cache, state_indices=slot)
         outs.append(out[0])
-    return torch.cat(outs)
+    return (torch.cat(outs), cache[1]) if final_state else torch.cat(outs)
 
 
 def _policy(forward):

@@ -225,12 +225,14 @@ def _kda_layer_core(mixed, raw_g, raw_b, A_log, dt_bias, H, K):  # -> (o, final 
                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
 
 
-def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(2048,), H=16, D=128) -> dict:
+def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(2048,), H=16, D=128,
+                 dtype=torch.bfloat16) -> dict:
     """One layer from the raw projections (tests/serving's layer cases at a model's head size), a batch of one
     sequence per prefix length: laqat compiles it with the profile (``cache`` its cache dtype, ``forward`` set) in a
     decode phase; vLLM's layer runs its own kernels on each sequence's projections (the prefill's pre-processing and
     chunk kernel, the cache write, one packed decode launch per later token). Differing outputs of the prefixes and
-    of the decode tokens; KDA: laqat's cumsum of vLLM's gate of the raw gate against vLLM's fused gate cumsum."""
+    of the decode tokens; KDA: laqat's cumsum of vLLM's gate of the raw gate against vLLM's fused gate cumsum.
+    ``dtype``: the model's, of the projections (the tests' bf16 values, widened for fp32)."""
     import la_compiler
     from tests.serving import test_serving_inputs as gdn_case
     from tests.serving import test_serving_kda_inputs as kda_case
@@ -239,11 +241,12 @@ def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(20
     serving = {"state_dtype": cache_name, "forward": forward, **({"model": "kimi_k3"} if kind == "kda" else {})}
     options = {"policy": {"linear_attention": [{"module_name": "*", "cfg": {"serving": serving}}]},
                "compiler": "eager"}
-    row = {"kind": kind, "forward": forward, "cache": cache_name, "T": T, "prefixes": list(prefixes), "H": H, "D": D}
+    row = {"kind": kind, "forward": forward, "cache": cache_name, "T": T, "prefixes": list(prefixes), "H": H, "D": D,
+           "dtype": str(dtype).removeprefix("torch.")}
     if kind == "gdn":
         seqs = [list(gdn_case._raw(T, H, H, D, D, seed=1 + i)) for i in range(len(prefixes))]
         A_log, dt_bias = seqs[0][3:]
-        mixed, a, b = (torch.stack([x[j] for x in seqs]) for j in range(3))
+        mixed, a, b = (torch.stack([x[j] for x in seqs]).to(dtype) for j in range(3))
         core = torch.compile(gdn_case._layer_core, backend="laqat", fullgraph=True, options=options)
         with la_compiler.phase(prefill_lengths=list(prefixes)), torch.no_grad():
             out, state = core(mixed, a, b, A_log, dt_bias, H, H, D, D, gdn_case._chunk_function("fla"), True)
@@ -252,7 +255,7 @@ def layer_parity(vllm, kind, forward, cache=torch.bfloat16, T=4096, prefixes=(20
     else:
         seqs = [list(kda_case._raw(T, H, D, seed=1 + i)) for i in range(len(prefixes))]
         A_log, dt_bias = seqs[0][3:]
-        mixed, raw_g, raw_b = (torch.stack([x[j] for x in seqs]) for j in range(3))
+        mixed, raw_g, raw_b = (torch.stack([x[j] for x in seqs]).to(dtype) for j in range(3))
         core = torch.compile(_kda_layer_core, backend="laqat", fullgraph=True, options=options)
         with la_compiler.phase(prefill_lengths=list(prefixes)), torch.no_grad():
             out, state = core(mixed, raw_g, raw_b, A_log, dt_bias, H, D)
@@ -341,6 +344,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096, help="T of the parity cases (the prefix is half)")
     parser.add_argument("--cases", default="", help="comma-separated kind:cache cases of PARITY (default: all)")
     parser.add_argument("--layers-only", action="store_true", help="the layer rows only (no PARITY cases)")
+    parser.add_argument("--layer-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the model dtype of the layer rows (vLLM's GDN prefill refuses float32)")
     parser.add_argument("--layer-tokens", type=int, default=4096,
                         help="T of the layer rows (the prefix is half, the rest decode tokens)")
     parser.add_argument("--asm", type=Path, default=None,
@@ -406,7 +411,8 @@ def main():
         for prefixes in batches[:1] if cache != torch.bfloat16 else batches:
             for forward in ("laqat", "server"):
                 try:
-                    row = layer_parity(vllm, kind, forward, cache, T=LT, prefixes=prefixes)
+                    row = layer_parity(vllm, kind, forward, cache, T=LT, prefixes=prefixes,
+                                       dtype=getattr(torch, args.layer_dtype))
                 except Exception as e:  # noqa: BLE001 (reported in the table)
                     traceback.print_exc()
                     row = {"kind": kind, "forward": forward, "cache": str(cache), "error": repr(e)}

@@ -97,10 +97,10 @@ def _vllm_layer(vllm, mixed, a, b, A_log, dt_bias, H, HV, K, V, prefill, cache_d
         cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
     cache = torch.zeros(2, HV, V, K, dtype=cache_dtype, device=DEVICE)
     cache[1] = ht[0].to(cache_dtype)
-    outs = [o_pre[0].to(BF16)]
+    outs = [o_pre[0].to(mixed.dtype)]
     slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     for t in range(prefill, T):
-        out = torch.empty(1, 1, HV, V, dtype=BF16, device=DEVICE)
+        out = torch.empty(1, 1, HV, V, dtype=mixed.dtype, device=DEVICE)
         vllm.gdn_recurrent.fused_recurrent_gated_delta_rule_packed_decode(
             mixed[t:t + 1].contiguous(), a[t:t + 1].contiguous(), b[t:t + 1].contiguous(), A_log, dt_bias, scale,
             cache, out, slot, use_qk_l2norm_in_kernel=True)

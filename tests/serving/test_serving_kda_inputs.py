@@ -157,7 +157,7 @@ def _vllm_layer(vllm, mixed, raw_g, raw_b, A_log, dt_bias, H, K, prefill, cache_
         cu_seqlens=torch.tensor([0, prefill], dtype=torch.int32, device=DEVICE))
     cache = torch.zeros(2, H, K, K, dtype=cache_dtype, device=DEVICE)
     cache[1:] = ht.to(cache_dtype)
-    outs = [o_pre[0].to(BF16)]
+    outs = [o_pre[0].to(mixed.dtype)]
     slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     for t in range(prefill, T):
         out, _ = vllm.kda_recurrent.fused_recurrent_kda_packed_decode(

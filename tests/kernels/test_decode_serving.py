@@ -72,29 +72,25 @@ def test_the_token_recurrence_kernel_refuses_a_serving_spec():
         select_kernel(spec, device="cpu", dtype=torch.float32, head_k=16, head_v=16, requested="decode_fused")
 
 
-def test_a_model_compiled_with_the_recipe_trains_on_the_serving_variant():
-    """The recipe through the backend (annotate, phase pass, laqat::delta_rule_phased): the spec runs on
-    decode_serving; loss and gradients equal those of the eager model with the fp64 reference in its place."""
+def _train_compiled(model, prefill, valid):
+    """One training step of ``model`` compiled with vllm_kda_state_bf16 under the default options (Inductor compiles
+    the rest of the graph) in a decode phase: (the laqat graph, the loss, each parameter's gradient by name)."""
     import la_compiler
-    from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
-    from tests.la_compiler.test_phase import TinyKDA, _counting_backend
+    from tests.la_compiler.test_phase import _counting_backend
 
-    torch.manual_seed(0)
-    model = TinyKDA(head_dim=16, value_dim=16)
-    tokens = torch.randint(0, 16, (2, 9))
-    prefill, valid = [3, 6], [9, 7]
+    tokens = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(0))
     calls = []
-    # the default options: Inductor compiles the rest of the graph
     compiled = torch.compile(model, backend=_counting_backend(calls, {"policy": "vllm_kda_state_bf16"}))
     with la_compiler.phase(prefill, sequence_lengths=valid):
         loss = compiled(tokens).square().mean()
         loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    specs = [n.args[-1] for n in calls[0].graph.nodes if is_delta_rule_phased(n)]
-    assert len(specs) == 1 and "kernel=decode_serving" in specs[0]
-    assert "x.serving=vllm-0.33" in specs[0] and "x.state_dtype=bfloat16" in specs[0]
+    return calls[0].graph, tokens, loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    options = decode_options(RecurrenceSpec.parse(specs[0]))
+
+def _assert_the_eager_reference_trains_alike(model, tokens, loss, grads, spec, prefill, valid):
+    """The eager model with the fp64 decode reference of ``spec`` in the recurrence's place: the same loss (1e-5) and
+    every parameter's gradient (relative L2 1e-4)."""
+    options = decode_options(RecurrenceSpec.parse(spec))
 
     def reference_op(q, k, v, g, beta, h0, cu, scale, spec):
         o, ht = delta_rule_decode_reference(q, k, v, g, beta, kind="kda", options=options, prefill_lengths=prefill,
@@ -109,9 +105,25 @@ def test_a_model_compiled_with_the_recipe_trains_on_the_serving_variant():
         ref_loss.backward()
     finally:
         torch.ops.laqat.delta_rule = real
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    for a, p in zip(grads, model.parameters()):
-        assert rel_l2(a, p.grad) < 1e-4
+    assert abs(loss - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for name, p in model.named_parameters():
+        assert rel_l2(grads[name], p.grad) < 1e-4, (name, rel_l2(grads[name], p.grad))
+
+
+def test_a_model_compiled_with_the_recipe_trains_on_the_serving_variant():
+    """The recipe through the backend (annotate, phase pass, laqat::delta_rule_phased): the spec runs on
+    decode_serving; loss and gradients equal those of the eager model with the fp64 reference in its place."""
+    from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
+    from tests.la_compiler.test_phase import TinyKDA
+
+    torch.manual_seed(0)
+    model = TinyKDA(head_dim=16, value_dim=16)
+    prefill, valid = [3, 6], [9, 7]
+    graph, tokens, loss, grads = _train_compiled(model, prefill, valid)
+    specs = [n.args[10] for n in graph.nodes if is_delta_rule_phased(n)]
+    assert len(specs) == 1 and "kernel=decode_serving" in specs[0]
+    assert "x.serving=vllm-0.33" in specs[0] and "x.state_dtype=bfloat16" in specs[0]
+    _assert_the_eager_reference_trains_alike(model, tokens, loss, grads, specs[0], prefill, valid)
 
 
 @pytest.mark.parametrize("kind,layout,state_dtype,fmt,io", [
@@ -215,40 +227,15 @@ def test_a_kda_model_with_the_servers_gate_trains_through_inductor_on_the_raw_ga
     """The default hand-off (Inductor) in training: the serving pass hands the node the raw gate with A_log and
     dt_bias (no gate op left in the graph), and the loss and every parameter's gradient (A_log's and dt_bias's
     through the node) equal the eager model's with the fp64 decode reference in the recurrence's place."""
-    import la_compiler
     from la_compiler.ir.delta_rule_phased import is_delta_rule_phased
-    from tests.la_compiler.test_phase import _counting_backend
 
     torch.manual_seed(0)
     model = _SoftplusGateKDA()
-    tokens = torch.randint(0, 16, (2, 9))
     prefill, valid = [3, 6], [9, 7]
-    calls = []
-    compiled = torch.compile(model, backend=_counting_backend(calls, {"policy": "vllm_kda_state_bf16"}))
-    with la_compiler.phase(prefill, sequence_lengths=valid):
-        loss = compiled(tokens).square().mean()
-        loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    nodes = [n for n in calls[0].graph.nodes if is_delta_rule_phased(n)]
+    graph, tokens, loss, grads = _train_compiled(model, prefill, valid)
+    nodes = [n for n in graph.nodes if is_delta_rule_phased(n)]
     assert len(nodes) == 1 and len(nodes[0].args) == 13, nodes
     A_log, dt_bias = nodes[0].args[11:]
     assert A_log is not None and dt_bias is not None
-    assert not any("serving_kda_gate" in str(n.target) for n in calls[0].graph.nodes)
-    options = decode_options(RecurrenceSpec.parse(nodes[0].args[10]))
-
-    def reference_op(q, k, v, g, beta, h0, cu, scale, spec):
-        o, ht = delta_rule_decode_reference(q, k, v, g, beta, kind="kda", options=options, prefill_lengths=prefill,
-                                            valid_lengths=valid, scale=scale)
-        return o.float(), ht.float()
-
-    model.zero_grad()
-    real = torch.ops.laqat.delta_rule
-    try:
-        torch.ops.laqat.delta_rule = reference_op
-        ref_loss = model(tokens).square().mean()
-        ref_loss.backward()
-    finally:
-        torch.ops.laqat.delta_rule = real
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    for name, p in model.named_parameters():
-        assert rel_l2(grads[name], p.grad) < 1e-4, (name, rel_l2(grads[name], p.grad))
+    assert not any("serving_kda_gate" in str(n.target) for n in graph.nodes)
+    _assert_the_eager_reference_trains_alike(model, tokens, loss, grads, nodes[0].args[10], prefill, valid)

@@ -179,12 +179,12 @@ def _policy(forward):
 
 # laqat's KDA chunk stages compile to other sums than vLLM's on a GPU: its cumulative gate is vLLM's there, the outputs
 # are not (docs/serving.md, "The GPU check"); bit for bit in the interpreter
-LAQAT_PREFIX_ON_GPU = pytest.mark.xfail(DEVICE == "cuda", strict=False, reason=(
+PREFIX_STAGES_ON_GPU = pytest.mark.xfail(DEVICE == "cuda", strict=False, reason=(
     "forward: laqat's KDA prefix stages are not vLLM's bit for bit on a GPU (docs/serving.md, 'The GPU check')"))
 
 
 @pytest.mark.parametrize("chunk,forward", [("fla", "auto"), ("torch", "auto"),
-                                           pytest.param("fla", "laqat", marks=LAQAT_PREFIX_ON_GPU)])
+                                           pytest.param("fla", "laqat", marks=PREFIX_STAGES_ON_GPU)])
 def test_a_kda_layer_compiled_with_the_profile_is_vllms_layer(vllm, as_gpu, chunk, forward):
     T, H, K, prefill, hidden = 80, 2, 16, 70, 24  # two chunks of prefix, ten decode steps
     mixed, raw_g, raw_b, _, _ = _raw(T, H, K, seed=1)

@@ -137,8 +137,7 @@ def phased_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
     (a serving profile's node, ir/delta_rule_phased.py)."""
     spec = spec_of(spec)
     require_lengths(spec, prefill_lengths, valid_lengths)
-    raw_gate = None if gate is None else (g, *gate)
-    g = raw_gate_log_decay(g, gate)
+    raw_gate = None if gate is None else (g, *gate)  # the prefix sums the raw gate, the suffix takes its log-decay
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     p = plan(B, T, cu_seqlens, prefill_lengths, valid_lengths, q.device)
@@ -150,8 +149,8 @@ def phased_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
     if p.suffix_seqs:
         seqs = _index(p.suffix_seqs, q.device)
         o_suffix, ht = suffix.suffix_forward(
-            spec, *(_tokens(x, p.suffix_rows) for x in (q, k, v, g, beta)), final[seqs], p.suffix_cu, scale,
-            checkpoints=save_to)
+            spec, *(_tokens(x, p.suffix_rows) for x in (q, k, v)), raw_gate_log_decay(_tokens(g, p.suffix_rows), gate),
+            _tokens(beta, p.suffix_rows), final[seqs], p.suffix_cu, scale, checkpoints=save_to)
         o[p.suffix_rows] = o_suffix[0]
         final = final.index_copy(0, seqs, ht)
     elif save_to is not None:  # the op returns the buffer: no element of it left unwritten
@@ -168,8 +167,8 @@ def phased_backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do
         return _backward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dht, prefill_lengths,
                          valid_lengths, saved)
     log_decay = raw_gate_log_decay(g, gate)
-    *grads, dh0 = _backward(spec, q, k, v, log_decay, beta, initial_state, cu_seqlens, scale, do, dht, prefill_lengths,
-                            valid_lengths, saved, raw_gate=(g, *gate))
+    *grads, dh0 = _backward(spec, q, k, v, log_decay, beta, initial_state, cu_seqlens, scale, do, dht,
+                            prefill_lengths, valid_lengths, saved, raw_gate=(g, *gate))
     dg, dA_log, ddt_bias = raw_gate_grads(grads[3], log_decay, g, gate)
     return (*grads[:3], dg, grads[4], dh0, dA_log, ddt_bias)
 

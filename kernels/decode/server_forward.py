@@ -85,11 +85,11 @@ def _modules():
 def kda_prefill_with_fused_gate(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
                                 gate=None):
     """Kimi's prefill as its layers run it (``chunk_kda_with_fused_gate``): the fused gate kernel's cumsum
-    (``tl.cumsum`` within each 64-token chunk, times 1 / ln 2), then its later stages. With ``gate`` = (A_log, dt_bias), g is the
-    raw gate, summed as vLLM's layer calls the kernel (its product -exp(A_log) * softplus(g + dt_bias) inside the
-    sum, which a GPU contracts into one FMA). Without, g is the log-decay: the kernel fed the raw gate -g with A_log 0
-    and a softplus linear everywhere (threshold -inf), so that its gate ``-exp(0) * -g`` is g exactly. (``chunk_kda``,
-    the canonical-gate entry no layer calls, sums G with a masked dot: other fp32 bits.)"""
+    (``tl.cumsum`` within each 64-token chunk, times 1 / ln 2), then its later stages. With ``gate`` = (A_log,
+    dt_bias), g is the raw gate, summed as vLLM's layer calls the kernel (its product -exp(A_log) * softplus(g +
+    dt_bias) inside the sum, which a GPU contracts into one FMA). Without, g is the log-decay: the kernel fed the raw
+    gate -g with A_log 0 and a softplus linear everywhere (threshold -inf), so that its gate ``-exp(0) * -g`` is g
+    exactly. (``chunk_kda``, the canonical-gate entry no layer calls, sums G with a masked dot: other fp32 bits.)"""
     chunk = _modules()["kda_chunk"]
     chunk_indices = chunk.prepare_chunk_indices(cu_seqlens, chunk.FLA_CHUNK_SIZE)
     if gate is None:
@@ -149,9 +149,9 @@ def server_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, *, 
         seqs = torch.tensor(p.suffix_seqs, device=dev)
         handoff = cache[1:][seqs]
         handoff = handoff if spec.state == "vk" else handoff.transpose(-1, -2)
-        log_decay = raw_gate_log_decay(g, gate)
-        o_suf, ht = suffix.suffix_forward(spec, *(tokens(x, p.suffix_rows) for x in (q, k, v, log_decay, beta)),
-                                          handoff, p.suffix_cu, scale)
+        log_decay = raw_gate_log_decay(tokens(g, p.suffix_rows), gate)  # the decode steps' tokens only
+        o_suf, ht = suffix.suffix_forward(spec, *(tokens(x, p.suffix_rows) for x in (q, k, v)), log_decay,
+                                          tokens(beta, p.suffix_rows), handoff, p.suffix_cu, scale)
         o[p.suffix_rows] = o_suf[0].to(q.dtype)
         cache[1:][seqs] = (ht if spec.state == "vk" else ht.transpose(-1, -2)).to(cache_dtype)
     final = cache[1:].float()

@@ -23,6 +23,10 @@
 #   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
 #              gradients against the fp32 oracle
+#   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
+#              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
+#              layers and GDN at 16, each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
+#              then warm (a second process on the first's caches)
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
 #              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
 #              from raw projections, forward: server and forward: laqat), the server's pre-processing and the GDN and KDA
@@ -130,17 +134,41 @@ suite_serving() {
     --rounds 30 --budget-s 420
 }
 
+compile_caches() {  # compile_caches NAME: Triton's, laqat's and Inductor's cache folders of one cold measurement
+  local dir=$COLD_ROOT/$1
+  echo "TRITON_CACHE_DIR=$dir/triton" "LAQAT_CACHE_DIR=$dir/laqat" "TORCHINDUCTOR_CACHE_DIR=$dir/inductor"
+}
+
+suite_compile() {
+  COLD_ROOT=${COLD_ROOT:-$(mktemp -d -t laqat-cold-XXXX)}
+  local CA="python3 $B/compile_account.py --steps 2"
+  # shellcheck disable=SC2046
+  part gdn-cold 300 $(compile_caches gdn) $CA --family gdn --row "laqat exact" --tag gdn-cold
+  # shellcheck disable=SC2046
+  part gdn-warm 120 $(compile_caches gdn) $CA --family gdn --row "laqat exact" --tag gdn-warm
+  # shellcheck disable=SC2046
+  part kda-cold 300 $(compile_caches kda) $CA --family kda --row "laqat exact" --tag kda-cold
+  # shellcheck disable=SC2046
+  part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --tag kda-warm
+  # shellcheck disable=SC2046
+  part gdn-16-cold 400 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
+    --heads 16 --tag gdn-16-cold
+  # shellcheck disable=SC2046
+  part gdn-16-warm 120 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
+    --heads 16 --tag gdn-16-warm
+}
+
 suite_train() {
   part fp8-state 400 python3 $B/train_fp8_state_gpu.py
   part compiled-step 440 python3 $B/compiled_step_vs_eager.py
 }
 
-SUITES=(exactness chunk-gdn chunk-kda decode recurrent model serving train)
+SUITES=(exactness chunk-gdn chunk-kda decode recurrent model compile serving train)
 MODE=run
 case ${1:-} in
   --list) MODE=list; shift; [ $# -gt 0 ] || set -- "${SUITES[@]}" ;;
   --dry-run) MODE=dry; shift ;;
-  ""|-h|--help) sed -n '2,33p' "$0"; exit 2 ;;
+  ""|-h|--help) sed -n '2,44p' "$0"; exit 2 ;;
 esac
 [ $# -gt 0 ] || { echo "name a suite: ${SUITES[*]} (or --list)" >&2; exit 2; }
 for item in "$@"; do

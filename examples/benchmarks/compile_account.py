@@ -1,0 +1,238 @@
+"""Where the first training steps of one model-benchmark row spend their time: every Triton compile (kernel, origin,
+seconds), every autotuning search (kernel, configurations, seconds), torch's compile phases, per step.
+
+    python examples/benchmarks/compile_account.py --family gdn --row "laqat exact" [--layers 4 --hidden 1024
+        --heads 8 --head-dim 128] [--steps 3] [--lift-fla-gdn-guard] [--tag cold]
+
+One row per process (model_bench.py's models and rows): the caches are the environment's (``TRITON_CACHE_DIR``,
+``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``), so a cold measurement gives the process empty folders and a warm
+one the folders an earlier process filled. Per step it reports the wall seconds, torch's compile phases
+(``compilation_time_metrics``), and the seconds of the Triton compiles in this process by origin (``laqat``: the
+chunk, decode and module-op kernels under ``la_compiler``; ``fla``: FLA's; ``other``) with the autotuning searches
+apart (their compiles included in them). Inductor's generated kernels compile in its worker processes inside its
+compile phases. Writes ``$OUT/compile_account[-TAG].json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import ensure_la_compiler, fla_gdn_blocker, sync  # noqa: E402
+
+ensure_la_compiler()
+
+import la_compiler  # noqa: E402,F401
+from model_bench import ROWS, Row, build_model, plan, raise_recompile_limits  # noqa: E402
+
+
+def origin(module: str) -> str:
+    if module.startswith(("la_compiler", "kernels.")):
+        return "laqat"
+    if module.startswith("fla"):
+        return "fla"
+    return "other"
+
+
+class TritonLog:
+    """Triton's compiles and autotuning searches in this process, from wrappers around
+    ``JITFunction._do_compile`` and ``Autotuner._bench`` / ``Autotuner.run``."""
+
+    def __init__(self):
+        self.compiles: list[dict] = []
+        self.searches: list[dict] = []
+        self._local = threading.local()
+        self.installed = []
+        self._install()
+
+    def _install(self):
+        from triton.runtime import autotuner, jit
+
+        log = self
+        do_compile = getattr(jit.JITFunction, "_do_compile", None)
+        if do_compile is not None:
+            def timed_compile(fn, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return do_compile(fn, *args, **kwargs)
+                finally:
+                    log.compiles.append({"kernel": fn.__name__, "origin": origin(fn.module or ""),
+                                         "s": time.perf_counter() - t0,
+                                         "in_search": getattr(log._local, "search", None)})
+            jit.JITFunction._do_compile = timed_compile
+            self.installed.append("JITFunction._do_compile")
+
+        run = autotuner.Autotuner.run
+
+        def timed_run(tuner, *args, **kwargs):
+            before = len(tuner.cache)
+            outer = getattr(log._local, "search", None)
+            name = getattr(tuner.base_fn, "__name__", "?")
+            log._local.search = outer or name
+            t0 = time.perf_counter()
+            try:
+                return run(tuner, *args, **kwargs)
+            finally:
+                log._local.search = outer
+                if len(tuner.cache) > before:
+                    module = getattr(tuner.base_fn, "__module__", "") or ""
+                    log.searches.append({"kernel": name, "origin": origin(module), "configs": len(tuner.configs),
+                                         "s": time.perf_counter() - t0})
+        autotuner.Autotuner.run = timed_run
+        self.installed.append("Autotuner.run")
+
+    def mark(self):
+        return len(self.compiles), len(self.searches)
+
+    def since(self, mark) -> dict:
+        compiles, searches = self.compiles[mark[0]:], self.searches[mark[1]:]
+        out = {}
+        for who in ("laqat", "fla", "other"):
+            direct = [c for c in compiles if c["origin"] == who and c["in_search"] is None]
+            found = [s for s in searches if s["origin"] == who]
+            out[who] = {
+                "compiles": len(direct), "compile_s": round(sum(c["s"] for c in direct), 2),
+                "searches": len(found), "search_s": round(sum(s["s"] for s in found), 2),
+                "search_compiles": sum(1 for c in compiles if c["origin"] == who and c["in_search"] is not None),
+            }
+        slow = collections.Counter()
+        for c in compiles:
+            if c["in_search"] is None:
+                slow[f"{c['origin']}:{c['kernel']}"] += c["s"]
+        for s in searches:
+            slow[f"{s['origin']}:{s['kernel']} (search of {s['configs']})"] += s["s"]
+        out["slowest"] = {k: round(v, 2) for k, v in slow.most_common(25)}
+        return out
+
+
+def compile_searches_ahead(threads: int) -> None:
+    """Before an autotuning search, compile its configurations in ``threads`` threads (Triton's
+    AsyncCompileMode), so that the search's own compiles are cache hits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime import autotuner
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    run = autotuner.Autotuner.run
+
+    def ahead(tuner, *args, **kwargs):
+        if len(tuner.configs) > 1:
+            tuner.nargs = dict(zip(tuner.arg_names, args))
+            named = {k: v for k, v in {**tuner.nargs, **kwargs}.items() if k in tuner.arg_names}
+            key = [named[k] for k in tuner.keys if k in named]
+            key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+            if tuple(key) not in tuner.cache:
+                configs = tuner.prune_configs(kwargs)
+                if len(configs) > 1:
+                    with ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool, ignore_errors=True):
+                        for config in configs:
+                            try:
+                                tuner.fn.run(*args, grid=(1,), warmup=True, **kwargs, **config.all_kwargs())
+                            except Exception:
+                                pass
+        return run(tuner, *args, **kwargs)
+    autotuner.Autotuner.run = ahead
+
+
+
+def autotune_choices() -> dict:
+    """Every autotuner's choices in this process: {module.kernel: {key: configuration}}."""
+    import gc
+
+    from triton.runtime.autotuner import Autotuner
+
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, Autotuner) and obj.cache:
+            fn = obj.base_fn
+            out[f"{fn.__module__}.{fn.__name__}"] = {
+                "key_names": list(obj.keys),
+                "choices": {repr(k): {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                            for k, c in obj.cache.items()}}
+    return out
+
+
+def phases_since(counted: dict) -> dict:
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    return {name: round(sum(times[counted.get(name, 0):]), 2) for name, times in metrics.items()
+            if len(times) > counted.get(name, 0)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=["kda", "gdn"], required=True)
+    p.add_argument("--row", required=True, choices=list(ROWS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lift-fla-gdn-guard", action="store_true")
+    p.add_argument("--tag", default="")
+    p.add_argument("--compile-searches-ahead", type=int, default=0, metavar="THREADS",
+                   help="an experiment: compile each autotuning search's configurations in THREADS threads first")
+    args = p.parse_args()
+
+    if args.compile_searches_ahead:
+        compile_searches_ahead(args.compile_searches_ahead)
+    log = TritonLog()
+    raise_recompile_limits()
+    planned, why = plan(args.row, args.family)
+    if planned is None:
+        sys.exit(why)
+    backend, policy, prefix = planned
+    lift = fla_gdn_blocker() if args.family == "gdn" and args.lift_fla_gdn_guard and backend != "laqat" else None
+    row = Row(args.row, args.family, backend, policy, prefix, lift)
+    device = "cuda"
+    row.model = build_model(args.family, args).to(device).to(torch.bfloat16)
+    row.optimizer = torch.optim.AdamW(row.model.parameters(), lr=1e-4)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
+                        generator=torch.Generator(device).manual_seed(1))
+    row.fn = (row.model if backend is None else torch.compile(row.model) if backend == "inductor"
+              else torch.compile(row.model, backend="laqat", options={"policy": policy}))
+    result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
+              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "hooks": log.installed,
+              "searches_compiled_ahead_threads": args.compile_searches_ahead,
+              "caches": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
+                                                         "TORCHINDUCTOR_CACHE_DIR")},
+              "steps": []}
+    for i in range(args.steps):
+        sync()
+        counted = {name: len(t) for name, t in torch._dynamo.utils.compilation_time_metrics.items()}
+        mark = log.mark()
+        t0 = time.perf_counter()
+        row.optimizer.zero_grad(set_to_none=True)
+        loss = row.step(ids)
+        sync()
+        step = {"step": i, "wall_s": round(time.perf_counter() - t0, 2), "loss": round(loss.item(), 4),
+                "phases_s": phases_since(counted), "triton": log.since(mark)}
+        result["steps"].append(step)
+        print(json.dumps(step), flush=True)
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    name = "compile_account" + (f"-{args.tag}" if args.tag else "") + ".json"
+    result["autotune_choices"] = autotune_choices()
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"{args.family} {args.row} {args.layers} layers [{args.tag}]")
+    for s in result["steps"]:
+        t = s["triton"]
+        top = sorted(s["phases_s"].items(), key=lambda kv: -kv[1])[:4]
+        print(f"  step {s['step']}: {s['wall_s']:7.2f} s  "
+              + "  ".join(f"{who} {t[who]['compiles']} compiles {t[who]['compile_s']} s, {t[who]['searches']} "
+                          f"searches {t[who]['search_s']} s" for who in ("laqat", "fla", "other"))
+              + "  phases: " + ", ".join(f"{n} {v}" for n, v in top))
+
+
+if __name__ == "__main__":
+    main()

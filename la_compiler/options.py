@@ -168,6 +168,11 @@ class TuningOptions(_Options):
         "`<cache dir>/autotune/chunk.json`. Warps decide how Triton splits a reduction (tl.sum) over threads: a "
         "tuned launch can differ from the table's in the last bits of such sums, so bit-reproducible runs leave it "
         "off"))
+    compile_ahead: bool = option(True, (True, False), (
+        "on CUDA, the first training forward of each kind (spec, dtype, head shapes) compiles every Triton kernel of "
+        "its forward and backward at once, in parallel threads, before it launches any (kernels/chunk/"
+        "compile_ahead.py); `false`: each kernel compiles at its first launch, one after another. Compiles only: "
+        "what runs is the same"))
     nan_fill: bool | None = option(None, (None, True, False), (
         "whether the kernels' scratch and output buffers are NaN-filled before the kernels write them (an element "
         "no kernel writes then shows up); unset: under Triton's interpreter only (a fill costs a full write)"))

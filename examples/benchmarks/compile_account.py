@@ -180,6 +180,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lift-fla-gdn-guard", action="store_true")
     p.add_argument("--tag", default="")
+    p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
+                   help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     p.add_argument("--compile-searches-ahead", type=int, default=0, metavar="THREADS",
                    help="an experiment: compile each autotuning search's configurations in THREADS threads first")
     args = p.parse_args()
@@ -188,6 +190,10 @@ def main():
         compile_searches_ahead(args.compile_searches_ahead)
     log = TritonLog()
     raise_recompile_limits()
+    tuning = {}
+    for item in args.tuning:
+        key, _, value = item.partition("=")
+        tuning[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
     planned, why = plan(args.row, args.family)
     if planned is None:
         sys.exit(why)
@@ -200,9 +206,9 @@ def main():
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device).manual_seed(1))
     row.fn = (row.model if backend is None else torch.compile(row.model) if backend == "inductor"
-              else torch.compile(row.model, backend="laqat", options={"policy": policy}))
+              else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning}))
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
-              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "hooks": log.installed,
+              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "tuning": tuning, "hooks": log.installed,
               "searches_compiled_ahead_threads": args.compile_searches_ahead,
               "caches": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                          "TORCHINDUCTOR_CACHE_DIR")},

@@ -13,7 +13,8 @@ is retried with fewer stages (and the working depth remembered per kernel and co
 error propagates.
 
 A ``StageLaunch`` is one kernel launch as the launch plan (chunk/plan.py) fixes it; the stage launchers at the end
-of each stage module pass it to ``launch`` with the tensors.
+of each stage module pass it to ``launch`` with the tensors. Inside chunk/compile_ahead.py's ``compiling_only``,
+``launch`` requests the launch's compile instead of launching.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Mapping
 from triton.runtime.errors import OutOfResources
 
 from la_compiler.kernels.chunk import autotune as chunk_autotune
+from la_compiler.kernels.chunk.compile_ahead import compile_request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,11 @@ def launch(stage: StageLaunch, arguments: Mapping[str, object], **constexprs):
     stages on OutOfResources. ``constexprs``: those the launcher reads off the tensors."""
     kernel, grid, config = stage.kernel, stage.grid, stage.config
     constexprs = {**stage.constexprs, **constexprs}
+    request = compile_request.get()
+    if request is not None:  # chunk/compile_ahead.py: the compile this launch needs, no launch
+        stages = _working_stages.get((id(kernel), config.num_warps, tuple(sorted(constexprs.items()))),
+                                     config.num_stages)
+        return request(kernel, {**arguments, **constexprs, "num_warps": config.num_warps, "num_stages": stages})
     if chunk_autotune.active(stage.autotune):
         config = chunk_autotune.tuner().best(
             chunk_autotune.key_of(kernel, grid, constexprs), chunk_autotune.candidates(config),

@@ -14,6 +14,7 @@ import functools
 
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk import stages
+from la_compiler.kernels.chunk.compile_ahead import compile_training_step
 from la_compiler.kernels.chunk.bwd import chunk_bwd
 from la_compiler.kernels.chunk.forms import max_head_k
 from la_compiler.kernels.chunk.fwd import chunk_fwd
@@ -45,6 +46,8 @@ def chunk_forward(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale, save
     p = _params(spec)
     if gate_exp2:
         p = dataclasses.replace(p, gate_exp2=True)
+    if save_to is not None:
+        compile_training_step(p, _tuning(spec), q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate)
     return chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=save_to, tuning=_tuning(spec),
                      raw_gate=raw_gate)
 

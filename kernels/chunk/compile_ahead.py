@@ -1,0 +1,115 @@
+"""Every Triton kernel of a chunk training step compiled at once, in parallel threads, before the first launch.
+
+A training step launches its forward stages and, later, its backward stages (chunk/fwd.py, chunk/bwd.py); Triton
+compiles each kernel at its first launch, one after another. ``compile_training_step`` runs the forward and the
+backward recipes once with every launch turned into a compile request (``JITFunction.run(..., warmup=True)``
+under Triton's ``AsyncCompileMode``): the requests carry the very arguments, constexprs, warps and stages the real
+launches will, so they compile the kernels the step reaches, keyed as those launches look them up. The compiles run
+in a thread pool (Triton's compiler releases the GIL in its passes and runs ptxas as a subprocess); the real launches
+then find them compiled. Nothing runs on the device but the buffers' allocation and the residual's gap clearing.
+
+Once per (params, tuning, dtype, head shapes, varlen, initial state, device) and process; the tuning option
+``t.compile_ahead`` turns it off. Not under Triton's interpreter (nothing is compiled there), nor on a Triton
+without ``AsyncCompileMode``. The measured effect: docs/model-bench.md, "Where the first step's time goes".
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from la_compiler.options import interpreter
+
+COMPILE_THREADS = min(16, os.cpu_count() or 1)
+
+# set while a recipe runs for its compiles: receives (kernel, keyword arguments of the launch) instead of a launch
+compile_request: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("compile_request", default=None)
+
+_done: set = set()
+_lock = threading.Lock()
+
+
+def async_compile_mode():
+    """Triton's AsyncCompileMode, or None where this Triton has none."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return AsyncCompileMode
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cuda" and not interpreter() and async_compile_mode() is not None
+
+
+def request_compile(kernel, arguments: dict) -> None:
+    """The compile a launch of ``kernel`` with ``arguments`` (constexprs, warps and stages included) would do."""
+    kernel.run(grid=(1,), warmup=True, **arguments)
+
+
+@contextlib.contextmanager
+def compiling_only(request: Callable | None = None, threads: int = COMPILE_THREADS):
+    """Inside: chunk/launch.py's ``launch`` hands each launch to ``request`` (default ``request_compile``) instead
+    of launching; Triton's compiles run in ``threads`` threads and all have finished on exit (a compile that fails
+    is left to the real launch, which raises it)."""
+    mode = async_compile_mode()
+    with contextlib.ExitStack() as stack:
+        if request is None:
+            request = request_compile
+            if mode is not None:
+                pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="laqat-compile"))
+                stack.enter_context(mode(pool, ignore_errors=True))
+        token = compile_request.set(request)
+        try:
+            yield
+        finally:
+            compile_request.reset(token)
+
+
+def first_time(key) -> bool:
+    with _lock:
+        if key in _done:
+            return False
+        _done.add(key)
+        return True
+
+
+def step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate) -> tuple:
+    return (p, tuning, q.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]), initial_state is None, cu_seqlens is None,
+            raw_gate is None or raw_gate[1] is None, q.device)
+
+
+def run_training_step(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate) -> None:
+    """The forward (with its residual) and the backward of the inputs, as a training step runs them; under
+    ``compiling_only`` nothing is launched."""
+    from la_compiler.kernels.chunk.bwd import chunk_bwd
+    from la_compiler.kernels.chunk.fwd import chunk_fwd, plan_of
+    from la_compiler.kernels.chunk.residual import residual_size
+
+    size = residual_size(p, q, v, cu_seqlens, tuning.keep_residual)
+    residual = torch.empty((size,), dtype=torch.float32, device=q.device) if size else None
+    o, _ = chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=residual, tuning=tuning,
+                     raw_gate=raw_gate)
+    if raw_gate is not None:
+        return  # the raw-gate forward's backward is the decode phase's (kernels/decode/phased.py)
+    _, _, state_shape = plan_of(p, q, k, v, g, beta, initial_state, cu_seqlens, tuning)
+    do = torch.empty(o.shape, dtype=q.dtype, device=q.device)
+    dht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
+    chunk_bwd(p, q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=residual, tuning=tuning)
+
+
+def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
+                          raw_gate=None) -> None:
+    """Before the first training forward of its kind: every kernel of its forward and backward compiled in
+    parallel (see the module's docstring)."""
+    if not tuning.compile_ahead or not available(q.device):
+        return
+    if not first_time(step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate)):
+        return
+    with torch.no_grad(), compiling_only():
+        run_training_step(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate)

@@ -31,9 +31,9 @@ from tests.ir_inputs import random_inputs
 ROOT = Path(__file__).parents[2]
 # a value each field refuses (a wrong type or a value outside its choices) and one it takes besides its default
 BAD = {"gemm": "fp8", "fp32_dot": "tf32", "key_block": 48, "bwd_key_block": True,
-       "keep_residual": "1", "serial_stages": 0, "autotune": 1, "nan_fill": "yes"}
+       "keep_residual": "1", "serial_stages": 0, "autotune": 1, "compile_ahead": "off", "nan_fill": "yes"}
 GOOD = {"gemm": "tf32", "fp32_dot": "tf32x3", "key_block": 16, "bwd_key_block": 32,
-        "keep_residual": "all", "serial_stages": 2, "autotune": True, "nan_fill": False}
+        "keep_residual": "all", "serial_stages": 2, "autotune": True, "compile_ahead": False, "nan_fill": False}
 FIELDS = [(cls, f.name) for cls in (NumericsOptions, TuningOptions) for f in dataclasses.fields(cls)]
 
 
@@ -82,7 +82,8 @@ def test_defaults_write_nothing_and_options_round_trip():
     tuning = TuningOptions(**{k: GOOD[k] for k in TuningOptions.keys()})
     spec = RecurrenceSpec(kind="kda").replace(numerics=numerics, tuning=tuning)
     assert str(spec).endswith("kernel=auto; n.bwd_key_block=32; n.fp32_dot=tf32x3; n.gemm=tf32; n.key_block=16; "
-                              "t.autotune=true; t.keep_residual=all; t.nan_fill=false; t.serial_stages=2]")
+                              "t.autotune=true; t.compile_ahead=false; t.keep_residual=all; t.nan_fill=false; "
+                              "t.serial_stages=2]")
     again = RecurrenceSpec.parse(str(spec))
     assert again == spec and again.numerics_options == numerics and again.tuning_options == tuning
     assert NumericsOptions.from_dict(numerics.to_dict()) == numerics
@@ -157,7 +158,8 @@ def test_tuning_options_change_no_output_bit():
         return (o, ht, *torch.autograd.grad((o * o).sum() + ht.sum(), xs))
 
     want = run({})
-    for tuning in ({"keep_residual": "all", "serial_stages": 2}, {"keep_residual": "none", "nan_fill": False}):
+    for tuning in ({"keep_residual": "all", "serial_stages": 2},
+                   {"keep_residual": "none", "nan_fill": False, "compile_ahead": False}):
         for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), run(tuning), want):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} under {tuning}")
 

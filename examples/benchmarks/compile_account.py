@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +50,7 @@ class TritonLog:
     def __init__(self):
         self.compiles: list[dict] = []
         self.searches: list[dict] = []
+        self.ahead: list[float] = []  # seconds in laqat's compile-ahead of chunk training steps (per call)
         self._local = threading.local()
         self.installed = []
         self._install()
@@ -56,7 +58,21 @@ class TritonLog:
     def _install(self):
         from triton.runtime import autotuner, jit
 
+        from la_compiler.kernels.chunk import variant
+        from la_compiler.kernels.fla import autotune_searches
+
+        autotune_searches._install()  # laqat's wrapper inside the timing one: a search's compiles count in it
         log = self
+        compile_step = variant.compile_training_step
+
+        def timed_compile_step(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return compile_step(*args, **kwargs)
+            finally:
+                log.ahead.append(time.perf_counter() - t0)
+        variant.compile_training_step = timed_compile_step
+        self.installed.append("chunk variant's compile_training_step")
         do_compile = getattr(jit.JITFunction, "_do_compile", None)
         if do_compile is not None:
             def timed_compile(fn, *args, **kwargs):
@@ -84,17 +100,21 @@ class TritonLog:
                 log._local.search = outer
                 if len(tuner.cache) > before:
                     module = getattr(tuner.base_fn, "__module__", "") or ""
-                    log.searches.append({"kernel": name, "origin": origin(module), "configs": len(tuner.configs),
-                                         "s": time.perf_counter() - t0})
+                    timings = getattr(tuner, "configs_timings", None) or {}
+                    log.searches.append({
+                        "kernel": name, "origin": origin(module), "configs": len(tuner.configs),
+                        "s": time.perf_counter() - t0, "chosen": str(getattr(tuner, "best_config", "")),
+                        "timings_ms": {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
+                                       for c, t in timings.items()}})
         autotuner.Autotuner.run = timed_run
         self.installed.append("Autotuner.run")
 
     def mark(self):
-        return len(self.compiles), len(self.searches)
+        return len(self.compiles), len(self.searches), len(self.ahead)
 
     def since(self, mark) -> dict:
         compiles, searches = self.compiles[mark[0]:], self.searches[mark[1]:]
-        out = {}
+        out = {"laqat_compile_ahead_s": round(sum(self.ahead[mark[2]:]), 2)}
         for who in ("laqat", "fla", "other"):
             direct = [c for c in compiles if c["origin"] == who and c["in_search"] is None]
             found = [s for s in searches if s["origin"] == who]
@@ -113,36 +133,6 @@ class TritonLog:
         return out
 
 
-def compile_searches_ahead(threads: int) -> None:
-    """Before an autotuning search, compile its configurations in ``threads`` threads (Triton's
-    AsyncCompileMode), so that the search's own compiles are cache hits."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from triton.runtime import autotuner
-    from triton.runtime._async_compile import AsyncCompileMode
-
-    run = autotuner.Autotuner.run
-
-    def ahead(tuner, *args, **kwargs):
-        if len(tuner.configs) > 1:
-            tuner.nargs = dict(zip(tuner.arg_names, args))
-            named = {k: v for k, v in {**tuner.nargs, **kwargs}.items() if k in tuner.arg_names}
-            key = [named[k] for k in tuner.keys if k in named]
-            key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
-            if tuple(key) not in tuner.cache:
-                configs = tuner.prune_configs(kwargs)
-                if len(configs) > 1:
-                    with ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool, ignore_errors=True):
-                        for config in configs:
-                            try:
-                                tuner.fn.run(*args, grid=(1,), warmup=True, **kwargs, **config.all_kwargs())
-                            except Exception:
-                                pass
-        return run(tuner, *args, **kwargs)
-    autotuner.Autotuner.run = ahead
-
-
-
 def autotune_choices() -> dict:
     """Every autotuner's choices in this process: {module.kernel: {key: configuration}}."""
     import gc
@@ -151,7 +141,11 @@ def autotune_choices() -> dict:
 
     out = {}
     for obj in gc.get_objects():
-        if isinstance(obj, Autotuner) and obj.cache:
+        try:
+            tuned = isinstance(obj, Autotuner) and bool(obj.cache)
+        except ReferenceError:  # a dead weak proxy
+            continue
+        if tuned:
             fn = obj.base_fn
             out[f"{fn.__module__}.{fn.__name__}"] = {
                 "key_names": list(obj.keys),
@@ -180,14 +174,16 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lift-fla-gdn-guard", action="store_true")
     p.add_argument("--tag", default="")
+    p.add_argument("--full-searches", action="store_true",
+                   help="FLA's autotuning searches as Triton runs them, not laqat's quick ones "
+                        "(kernels/fla/autotune_searches.py)")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
-    p.add_argument("--compile-searches-ahead", type=int, default=0, metavar="THREADS",
-                   help="an experiment: compile each autotuning search's configurations in THREADS threads first")
     args = p.parse_args()
 
-    if args.compile_searches_ahead:
-        compile_searches_ahead(args.compile_searches_ahead)
+    if args.full_searches:
+        from la_compiler.kernels.fla import autotune_searches
+        autotune_searches.quick_searches = contextlib.nullcontext
     log = TritonLog()
     raise_recompile_limits()
     tuning = {}
@@ -208,8 +204,7 @@ def main():
     row.fn = (row.model if backend is None else torch.compile(row.model) if backend == "inductor"
               else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning}))
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
-              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "tuning": tuning, "hooks": log.installed,
-              "searches_compiled_ahead_threads": args.compile_searches_ahead,
+              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "tuning": tuning, "full_searches": args.full_searches, "hooks": log.installed,
               "caches": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                          "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
@@ -228,6 +223,7 @@ def main():
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     name = "compile_account" + (f"-{args.tag}" if args.tag else "") + ".json"
+    result["searches"] = [{k: v for k, v in x.items()} for x in log.searches]
     result["autotune_choices"] = autotune_choices()
     (out / name).write_text(json.dumps(result, indent=1))
     print(f"{args.family} {args.row} {args.layers} layers [{args.tag}]")
@@ -235,6 +231,7 @@ def main():
         t = s["triton"]
         top = sorted(s["phases_s"].items(), key=lambda kv: -kv[1])[:4]
         print(f"  step {s['step']}: {s['wall_s']:7.2f} s  "
+              + f"laqat compile-ahead {t['laqat_compile_ahead_s']} s  "
               + "  ".join(f"{who} {t[who]['compiles']} compiles {t[who]['compile_s']} s, {t[who]['searches']} "
                           f"searches {t[who]['search_s']} s" for who in ("laqat", "fla", "other"))
               + "  phases: " + ", ".join(f"{n} {v}" for n, v in top))

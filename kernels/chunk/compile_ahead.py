@@ -2,11 +2,11 @@
 
 A training step launches its forward stages and, later, its backward stages (chunk/fwd.py, chunk/bwd.py); Triton
 compiles each kernel at its first launch, one after another. ``compile_training_step`` runs the forward and the
-backward recipes once with every launch turned into a compile request (``JITFunction.run(..., warmup=True)``
-under Triton's ``AsyncCompileMode``): the requests carry the very arguments, constexprs, warps and stages the real
-launches will, so they compile the kernels the step reaches, keyed as those launches look them up. The compiles run
-in a thread pool (Triton's compiler releases the GIL in its passes and runs ptxas as a subprocess); the real launches
-then find them compiled. Nothing runs on the device but the buffers' allocation and the residual's gap clearing.
+backward recipes once with every launch turned into a compile request (``JITFunction.run(..., warmup=True)``,
+compiled in threads: kernels/common/parallel_compile.py). The requests carry the very arguments, constexprs, warps
+and stages the real launches will, so they compile the kernels the step reaches, keyed as those launches look them
+up; the real launches then find them compiled. Nothing runs on the device but the buffers' allocation and the
+residual's gap clearing.
 
 Once per (params, tuning, dtype, head shapes, varlen, initial state, device) and process; the tuning option
 ``t.compile_ahead`` turns it off. Not under Triton's interpreter (nothing is compiled there), nor on a Triton
@@ -16,31 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
+from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
-
-COMPILE_THREADS = min(16, os.cpu_count() or 1)
 
 # set while a recipe runs for its compiles: receives (kernel, keyword arguments of the launch) instead of a launch
 compile_request: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("compile_request", default=None)
 
 _done: set = set()
 _lock = threading.Lock()
-
-
-def async_compile_mode():
-    """Triton's AsyncCompileMode, or None where this Triton has none."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return None
-    return AsyncCompileMode
 
 
 def available(device: torch.device) -> bool:
@@ -53,17 +41,13 @@ def request_compile(kernel, arguments: dict) -> None:
 
 
 @contextlib.contextmanager
-def compiling_only(request: Callable | None = None, threads: int = COMPILE_THREADS):
-    """Inside: chunk/launch.py's ``launch`` hands each launch to ``request`` (default ``request_compile``) instead
-    of launching; Triton's compiles run in ``threads`` threads and all have finished on exit (a compile that fails
-    is left to the real launch, which raises it)."""
-    mode = async_compile_mode()
+def compiling_only(request: Callable | None = None, threads: int | None = None):
+    """Inside: chunk/launch.py's ``launch`` hands each launch to ``request`` (default ``request_compile``, whose
+    compiles run in ``threads`` threads: kernels/common/parallel_compile.py) instead of launching."""
     with contextlib.ExitStack() as stack:
         if request is None:
             request = request_compile
-            if mode is not None:
-                pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="laqat-compile"))
-                stack.enter_context(mode(pool, ignore_errors=True))
+            stack.enter_context(compiles_in_threads(threads))
         token = compile_request.set(request)
         try:
             yield

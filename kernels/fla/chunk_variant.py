@@ -19,6 +19,7 @@ import torch
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.common.autograd_inside_op import recompute_vjp
 from la_compiler.kernels.common.support import needs, not_float64
+from la_compiler.kernels.fla.autotune_searches import searched
 from la_compiler.kernels.registry import SelectionContext, get_variant, register_variant, spec_of
 
 
@@ -52,7 +53,7 @@ def _check(spec, q):
 
 
 def _run(spec, q, k, v, g, beta, initial_state, cu_seqlens, scale):
-    o, ht = _fla_chunk(spec.kind)(
+    o, ht = searched(_fla_chunk(spec.kind))(
         q, k, v, g, beta,
         scale=scale, initial_state=initial_state, output_final_state=True,
         state_v_first=spec.state == "vk", cu_seqlens=cu_seqlens,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from la_compiler.kernels.common.autograd_inside_op import autograd_enabled
+from la_compiler.kernels.fla.autotune_searches import searched
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "silu", "swish")
@@ -84,9 +85,9 @@ def causal_conv1d(
     if x.is_cuda:
         from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
 
-        y, final = causal_conv1d_fwd(x=x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
-                                     output_final_state=output_final_state, activation=activation,
-                                     cu_seqlens=cu_seqlens)
+        y, final = searched(causal_conv1d_fwd)(
+            x=x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+            output_final_state=output_final_state, activation=activation, cu_seqlens=cu_seqlens)
         return y.contiguous(), final if output_final_state else _empty(x)
     y, final = causal_conv1d_reference(x, weight, bias, residual, initial_state, cu_seqlens, activation)
     return y.contiguous(), final.contiguous() if output_final_state else _empty(x)
@@ -117,9 +118,9 @@ def causal_conv1d_backward(
     if x.is_cuda:
         from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
 
-        dx, dw, db, dr, dh0 = causal_conv1d_bwd(x=x, dy=dy.contiguous(), dht=dht, weight=weight, bias=bias,
-                                                residual=residual, initial_state=initial_state,
-                                                activation=activation, cu_seqlens=cu_seqlens)
+        dx, dw, db, dr, dh0 = searched(causal_conv1d_bwd)(
+            x=x, dy=dy.contiguous(), dht=dht, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+            activation=activation, cu_seqlens=cu_seqlens)
         dr = None if dr is None else dr.clone()  # FLA returns dy itself; an op output may not alias an input
     else:
         inputs = [t.detach().requires_grad_(True) if t is not None else None

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from la_compiler.kernels.fla import glu_formulas
+from la_compiler.kernels.fla.autotune_searches import searched
 
 Tensor = torch.Tensor
 ACTIVATIONS = ("swiglu", "powglu")
@@ -30,8 +31,8 @@ def _activation(x, y, activation: str, power: float) -> Tensor:
 
         x, y = x.contiguous(), y.contiguous()
         if activation == "swiglu":
-            return swiglu_fwd(x=x, y=y, output_contiguous=True)
-        return powglu_fwd(x=x, y=y, power=power, output_contiguous=True)
+            return searched(swiglu_fwd)(x=x, y=y, output_contiguous=True)
+        return searched(powglu_fwd)(x=x, y=y, power=power, output_contiguous=True)
     if activation == "swiglu":
         return glu_formulas.swiglu_fwd(x, y)
     return glu_formulas.powglu_fwd(x, y, power)
@@ -43,8 +44,8 @@ def _activation_and_grads(x, y, dz, activation: str, power: float) -> tuple[Tens
         from fla.modules.activations.ops import powglu_fwdbwd, swiglu_fwdbwd
 
         if activation == "swiglu":
-            return swiglu_fwdbwd(x=x, y=y, g=dz, use_weight=True, output_contiguous=True)
-        return powglu_fwdbwd(x=x, y=y, g=dz, power=power, use_weight=True, output_contiguous=True)
+            return searched(swiglu_fwdbwd)(x=x, y=y, g=dz, use_weight=True, output_contiguous=True)
+        return searched(powglu_fwdbwd)(x=x, y=y, g=dz, power=power, use_weight=True, output_contiguous=True)
     if activation == "swiglu":
         return glu_formulas.swiglu_fwdbwd(x, y, dz, use_weight=True)
     return glu_formulas.powglu_fwdbwd(x, y, dz, power, use_weight=True)

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from la_compiler.kernels.fla.autotune_searches import searched
+
 Tensor = torch.Tensor
 
 
@@ -42,7 +44,7 @@ def l2_norm(x: Tensor, eps: float, output_dtype: Optional[torch.dtype]) -> tuple
     if x.is_cuda:
         from fla.modules.norm.l2norm import l2norm_fwd
 
-        y, rstd = l2norm_fwd(x.contiguous(), eps=eps, output_dtype=output_dtype)
+        y, rstd = searched(l2norm_fwd)(x.contiguous(), eps=eps, output_dtype=output_dtype)
         return y, rstd
     y, rstd = l2_norm_formula(x, eps, output_dtype)
     return y.contiguous(), rstd.contiguous()
@@ -60,7 +62,7 @@ def l2_norm_backward(dy: Tensor, y: Tensor, rstd: Tensor, eps: float, x_dtype: t
     if y.is_cuda:
         from fla.modules.norm.l2norm import l2norm_bwd
 
-        return l2norm_bwd(y=y, rstd=rstd, dy=dy.contiguous(), eps=eps).to(x_dtype).contiguous()
+        return searched(l2norm_bwd)(y=y, rstd=rstd, dy=dy.contiguous(), eps=eps).to(x_dtype).contiguous()
     return l2_norm_backward_formula(dy, y, rstd).to(x_dtype).contiguous()
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from la_compiler.kernels.common.autograd_inside_op import autograd_enabled
+from la_compiler.kernels.fla.autotune_searches import searched
 
 Tensor = torch.Tensor
 ACTIVATIONS = ("swish", "silu", "sigmoid")
@@ -60,8 +61,8 @@ def _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm):
     from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
 
     x2, g2 = x.reshape(-1, x.shape[-1]).contiguous(), g.reshape(-1, g.shape[-1]).contiguous()
-    y, mean, rstd, _ = layer_norm_gated_fwd(x=x2, g=g2, weight=weight, bias=bias, activation=activation, eps=eps,
-                                            is_rms_norm=is_rms_norm)
+    y, mean, rstd, _ = searched(layer_norm_gated_fwd)(
+        x=x2, g=g2, weight=weight, bias=bias, activation=activation, eps=eps, is_rms_norm=is_rms_norm)
     return x2, g2, y, mean, rstd
 
 
@@ -102,9 +103,9 @@ def layer_norm_gated_backward(
         from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd
 
         x2, g2, _, mean, rstd = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)
-        dx, dg, dw, db, _ = layer_norm_gated_bwd(dy=dy.reshape(x2.shape).contiguous(), x=x2, g=g2, weight=weight,
-                                                 bias=bias, activation=activation, eps=eps, mean=mean, rstd=rstd,
-                                                 is_rms_norm=is_rms_norm, x_dtype=x.dtype)
+        dx, dg, dw, db, _ = searched(layer_norm_gated_bwd)(
+            dy=dy.reshape(x2.shape).contiguous(), x=x2, g=g2, weight=weight, bias=bias, activation=activation, eps=eps,
+            mean=mean, rstd=rstd, is_rms_norm=is_rms_norm, x_dtype=x.dtype)
         dx, dg = dx.reshape(x.shape), dg.reshape(g.shape)
     else:
         inputs = [t.detach().requires_grad_(True) if t is not None else None for t in (x, g, weight, bias)]
@@ -143,7 +144,7 @@ def _fla_forward_plain(x, weight, bias, eps, is_rms_norm):
     from fla.modules.norm.layernorm import layer_norm_fwd
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, mean, rstd, _ = layer_norm_fwd(x=x2, weight=weight, bias=bias, eps=eps, is_rms_norm=is_rms_norm)
+    y, mean, rstd, _ = searched(layer_norm_fwd)(x=x2, weight=weight, bias=bias, eps=eps, is_rms_norm=is_rms_norm)
     return x2, y, mean, rstd
 
 
@@ -167,8 +168,9 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: O
         from fla.modules.norm.layernorm import layer_norm_bwd
 
         x2, _, mean, rstd = _fla_forward_plain(x, weight, bias, eps, is_rms_norm)
-        dx, dw, db, _ = layer_norm_bwd(dy=dy.reshape(x2.shape).contiguous(), x=x2, weight=weight, bias=bias,
-                                       mean=mean, rstd=rstd, is_rms_norm=is_rms_norm, x_dtype=x.dtype)
+        dx, dw, db, _ = searched(layer_norm_bwd)(
+            dy=dy.reshape(x2.shape).contiguous(), x=x2, weight=weight, bias=bias, mean=mean, rstd=rstd,
+            is_rms_norm=is_rms_norm, x_dtype=x.dtype)
         dx = dx.reshape(x.shape)
     else:
         inputs = [t.detach().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]

@@ -1,0 +1,107 @@
+"""The autotuning searches of the FLA kernels that laqat's ops launch: every candidate compiled at once, in
+parallel threads, then each timed over a short window.
+
+FLA autotunes its module kernels (SwiGLU, the short convolution, the l2 and gated norms, ...) over 3 to 30
+configurations per key, and Triton's ``Autotuner`` compiles and times them one after another, each over 25 ms of
+warm-up and 100 ms of repetitions. On a cold Triton cache that is most of a model's first step (docs/model-bench.md,
+"Where the first step's time goes"). Inside ``quick_searches()``, a search that Triton's Autotuner starts (a key not
+in its cache, more than one candidate after FLA's pruning) first compiles all its candidates in threads
+(kernels/common/parallel_compile.py), then runs as Triton runs it with each candidate timed over
+``SEARCH_WARMUP_MS`` and ``SEARCH_REP_MS``. Every candidate FLA lists is still timed and the fastest kept, in the
+autotuner's own cache (shared with FLA's eager calls) and, where FLA asks for it, Triton's disk cache. The kernels
+compute what they compute under any candidate; where a candidate splits a reduction differently, the last bits of
+that reduction follow the choice, as they follow FLA's own search from one machine to the next.
+
+The wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` and passes every call through
+unchanged outside one.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+
+from la_compiler.kernels.common.parallel_compile import compiles_in_threads
+
+SEARCH_WARMUP_MS = 5
+SEARCH_REP_MS = 20
+
+_inside: contextvars.ContextVar[bool] = contextvars.ContextVar("laqat_quick_searches", default=False)
+_lock = threading.Lock()
+_installed = False
+
+
+@contextlib.contextmanager
+def quick_searches():
+    """Autotuning searches started inside compile their candidates in parallel and time each briefly."""
+    _install()
+    token = _inside.set(True)
+    try:
+        yield
+    finally:
+        _inside.reset(token)
+
+
+def tuning_key(tuner, args, kwargs) -> tuple:
+    """The key Triton's Autotuner.run files a choice under: the key arguments' values, then every tensor
+    argument's dtype."""
+    named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items() if k in tuner.arg_names}
+    key = [named[k] for k in tuner.keys if k in named]
+    key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+    return tuple(key)
+
+
+def quick_bench(kernel_call, quantiles):
+    import triton.testing
+
+    return triton.testing.do_bench(kernel_call, warmup=SEARCH_WARMUP_MS, rep=SEARCH_REP_MS, quantiles=quantiles)
+
+
+def _search(run, tuner, args, kwargs):
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    candidates = tuner.prune_configs(kwargs)
+    if len(candidates) > 1:
+        meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's own
+        with compiles_in_threads():
+            for config in candidates:
+                try:
+                    tuner.fn.run(*args, grid=(1,), warmup=True, **meta, **config.all_kwargs())
+                except Exception:  # noqa: BLE001 - the search's own launch of this candidate reports it
+                    pass
+    own_bench = tuner.__dict__.get("_do_bench", AttributeError)
+    if own_bench is not AttributeError and own_bench is None:
+        tuner._do_bench = quick_bench
+    try:
+        return run(tuner, *args, **kwargs)
+    finally:
+        if own_bench is not AttributeError and own_bench is None:
+            tuner._do_bench = own_bench
+
+
+def _install() -> None:
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from triton.runtime.autotuner import Autotuner
+
+        run = Autotuner.run
+
+        @functools.wraps(run)
+        def run_with_quick_searches(tuner, *args, **kwargs):
+            if _inside.get() and len(tuner.configs) > 1 and tuning_key(tuner, args, kwargs) not in tuner.cache:
+                return _search(run, tuner, args, kwargs)
+            return run(tuner, *args, **kwargs)
+
+        Autotuner.run = run_with_quick_searches
+        _installed = True
+
+
+def searched(fn):
+    """``fn`` called inside ``quick_searches()``."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with quick_searches():
+            return fn(*args, **kwargs)
+    return call

@@ -487,10 +487,16 @@ class EnvironmentVariable:
 
 
 CACHE_DIR_ENV = "LAQAT_CACHE_DIR"
+FLA_SEARCHES_ENV = "LAQAT_FLA_SEARCHES"
+FLA_SEARCHES = ("narrowed", "full")
 ENVIRONMENT = (
     EnvironmentVariable(CACHE_DIR_ENV, "la_compiler.options.cache_dir", (
         "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
         "stay in Triton's own cache; default `$XDG_CACHE_HOME/laqat`, else `~/.cache/laqat`")),
+    EnvironmentVariable(FLA_SEARCHES_ENV, "la_compiler.options.fla_searches", (
+        "the autotuning searches of FLA's kernels that laqat's ops launch (SwiGLU, short convolution, l2 and gated "
+        "norms; kernels/fla/autotune_searches.py): `narrowed` (default) times the few candidates that win on the "
+        "H200, `full` every candidate FLA lists; either way the candidates compile in parallel threads first")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "
@@ -522,6 +528,14 @@ def cache_dir() -> Path:
         return Path(override).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "laqat"
+
+
+def fla_searches() -> str:
+    """``LAQAT_FLA_SEARCHES``: `narrowed` (default) or `full`; read at each call."""
+    value = os.environ.get(FLA_SEARCHES_ENV) or "narrowed"
+    if value not in FLA_SEARCHES:
+        raise OptionsError(f"{FLA_SEARCHES_ENV}: must be one of {list(FLA_SEARCHES)}, got {value!r}")
+    return value
 
 
 def interpreter() -> bool:

@@ -12,6 +12,11 @@ autotuner's own cache (shared with FLA's eager calls) and, where FLA asks for it
 compute what they compute under any candidate; where a candidate splits a reduction differently, the last bits of
 that reduction follow the choice, as they follow FLA's own search from one machine to the next.
 
+Where ``NARROWED`` lists a kernel, the search times only those of FLA's candidates: the ones within a few percent
+of the fastest on the H200 at hidden sizes 1024 and 2048 (docs/model-bench.md, "FLA's autotuning searches"), out of
+9 to 30. A kernel's list that matches none of FLA's candidates (another FLA release) leaves the search whole; so
+does ``LAQAT_FLA_SEARCHES=full`` (la_compiler.options.fla_searches), for a GPU where other candidates win.
+
 The wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` and passes every call through
 unchanged outside one.
 """
@@ -23,9 +28,22 @@ import functools
 import threading
 
 from la_compiler.kernels.common.parallel_compile import compiles_in_threads
+from la_compiler.options import fla_searches
 
 SEARCH_WARMUP_MS = 5
 SEARCH_REP_MS = 20
+
+# FLA kernel -> the candidates its search keeps: (meta-parameters, warps) pairs
+NARROWED = {
+    "swiglu_fwd_kernel": (({"B": 512}, 4), ({"B": 1024}, 8)),
+    "swiglu_fwdbwd_kernel": (({"B": 512}, 8), ({"B": 1024}, 16)),
+    "l2norm_fwd_kernel": (({"BT": 8}, 2), ({"BT": 32}, 1), ({"BT": 16}, 4)),
+    "l2norm_bwd_kernel": (({"BT": 16}, 8), ({"BT": 8}, 2), ({"BT": 32}, 8)),
+    "causal_conv1d_fwd_kernel": (({"BD": 32}, 4), ({"BD": 32}, 8), ({"BD": 64}, 4)),
+    "causal_conv1d_bwd_kernel": (({"BD": 32}, 4), ({"BD": 16}, 4)),
+    "layer_norm_gated_fwd_kernel": (({"BT": 32}, 8), ({"BT": 32}, 4), ({"BT": 64}, 8)),
+    "layer_norm_gated_bwd_kernel": (({"BT": 32}, 16), ({"BT": 64}, 16)),
+}
 
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("laqat_quick_searches", default=False)
 _lock = threading.Lock()
@@ -58,7 +76,26 @@ def quick_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=SEARCH_WARMUP_MS, rep=SEARCH_REP_MS, quantiles=quantiles)
 
 
+def narrowed(name: str, configs: list) -> list:
+    """The candidates of ``configs`` that ``NARROWED`` keeps for kernel ``name`` (all where it keeps none)."""
+    keep = NARROWED.get(name) if fla_searches() == "narrowed" else None
+    if not keep:
+        return configs
+    kept = [c for c in configs
+            if any(c.num_warps == warps and all(c.kwargs.get(k) == v for k, v in meta.items()) for meta, warps in keep)]
+    return kept or configs
+
+
 def _search(run, tuner, args, kwargs):
+    full = tuner.configs
+    tuner.configs = narrowed(getattr(tuner.base_fn, "__name__", ""), full)
+    try:
+        return _timed_search(run, tuner, args, kwargs)
+    finally:
+        tuner.configs = full
+
+
+def _timed_search(run, tuner, args, kwargs):
     tuner.nargs = dict(zip(tuner.arg_names, args))
     candidates = tuner.prune_configs(kwargs)
     if len(candidates) > 1:

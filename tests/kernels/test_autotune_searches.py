@@ -7,9 +7,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.interpreter import InterpretedFunction
 
 from la_compiler.kernels.fla import autotune_searches
-from triton.runtime.interpreter import InterpretedFunction
+from la_compiler.options import OptionsError
 
 CONFIGS = [triton.Config({"B": b}, num_warps=w) for b in (16, 32) for w in (2, 4)]
 
@@ -99,3 +101,56 @@ def test_searched_calls_inside_quick_searches():
         return a + b
     assert autotune_searches.searched(fn)(1, b=2) == 3 and fn(1) == 1
     assert seen == [True, False]
+
+
+@pytest.mark.parametrize("setting,keep,searched_configs", [
+    (None, (({"B": 32}, 2), ({"B": 16}, 4)), [CONFIGS[2], CONFIGS[1]]),
+    ("full", (({"B": 32}, 2), ({"B": 16}, 4)), CONFIGS),
+    (None, (({"B": 64}, 2),), CONFIGS),  # a list that matches none of the kernel's candidates: the whole search
+])
+def test_a_narrowed_kernel_searches_only_its_listed_candidates(setting, keep, searched_configs, events, monkeypatch):
+    kernel = make_kernel()
+    if setting is None:
+        monkeypatch.delenv("LAQAT_FLA_SEARCHES", raising=False)
+    else:
+        monkeypatch.setenv("LAQAT_FLA_SEARCHES", setting)
+    monkeypatch.setitem(autotune_searches.NARROWED, "add_one", keep)
+    timer = Timer(events)
+    monkeypatch.setattr(autotune_searches, "quick_bench", timer)
+    with autotune_searches.quick_searches():
+        launch(kernel)
+    compiled = [e for e in events if isinstance(e, tuple)]
+    assert sorted(compiled) == sorted(("compile", c.kwargs["B"], c.num_warps) for c in searched_configs)
+    assert timer.calls == len(searched_configs)
+    assert kernel.configs == CONFIGS  # FLA's list restored
+    (choice,) = kernel.cache.values()
+    assert choice in searched_configs
+
+
+def test_a_bad_setting_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("LAQAT_FLA_SEARCHES", "some")
+    with pytest.raises(OptionsError, match=r"^LAQAT_FLA_SEARCHES: must be one of \['narrowed', 'full'\], got 'some'"):
+        with autotune_searches.quick_searches():
+            launch(make_kernel())
+
+
+def test_every_narrowed_candidate_is_one_of_flas():
+    """NARROWED names FLA's kernels and candidates as FLA's installed release lists them."""
+    fla = pytest.importorskip("fla")  # noqa: F841
+    from fla.modules.activations import ops as activations
+    from fla.modules.causal_conv1d import ops as conv
+    from fla.modules.norm import fused_norm_gate, l2norm
+
+    def autotuner(kernel):  # under FLA's heuristics where it has them
+        while not isinstance(kernel, Autotuner):
+            kernel = kernel.fn
+        return kernel
+
+    kernels = {autotuner(k).base_fn.__name__: autotuner(k) for k in (
+        activations.swiglu_fwd_kernel, activations.swiglu_fwdbwd_kernel, l2norm.l2norm_fwd_kernel,
+        l2norm.l2norm_bwd_kernel, conv.causal_conv1d_fwd_kernel, conv.causal_conv1d_bwd_kernel,
+        fused_norm_gate.layer_norm_gated_fwd_kernel, fused_norm_gate.layer_norm_gated_bwd_kernel)}
+    assert sorted(kernels) == sorted(autotune_searches.NARROWED)
+    for name, keep in autotune_searches.NARROWED.items():
+        kept = autotune_searches.narrowed(name, kernels[name].configs)
+        assert len(kept) == len(keep) < len(kernels[name].configs), name

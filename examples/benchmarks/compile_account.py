@@ -173,7 +173,9 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lift-fla-gdn-guard", action="store_true")
-    p.add_argument("--tag", default="")
+    p.add_argument("--tag", default="", help="a name for this measurement (the JSON's file name)")
+    p.add_argument("--caches", choices=["cold", "warm"], default=None,
+                   help="what the cache folders held: cold (empty) or warm (an earlier process's), as a label")
     p.add_argument("--full-searches", action="store_true",
                    help="FLA's autotuning searches as Triton runs them, not laqat's quick ones "
                         "(kernels/fla/autotune_searches.py)")
@@ -204,7 +206,7 @@ def main():
     row.fn = (row.model if backend is None else torch.compile(row.model) if backend == "inductor"
               else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning}))
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
-              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "tuning": tuning, "full_searches": args.full_searches, "hooks": log.installed,
+              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches, "tuning": tuning, "full_searches": args.full_searches, "hooks": log.installed,
               "caches": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                          "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}

@@ -25,7 +25,7 @@
 #              gradients against the fp32 oracle
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
-#              layers and GDN at 16, each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
+#              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
 #              then warm (a second process on the first's caches)
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
 #              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
@@ -143,19 +143,25 @@ suite_compile() {
   COLD_ROOT=${COLD_ROOT:-$(mktemp -d -t laqat-cold-XXXX)}
   local CA="python3 $B/compile_account.py --steps 2"
   # shellcheck disable=SC2046
-  part gdn-cold 300 $(compile_caches gdn) $CA --family gdn --row "laqat exact" --tag gdn-cold
+  part gdn-cold 300 $(compile_caches gdn) $CA --family gdn --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
-  part gdn-warm 120 $(compile_caches gdn) $CA --family gdn --row "laqat exact" --tag gdn-warm
+  part gdn-warm 120 $(compile_caches gdn) $CA --family gdn --row "laqat exact" --caches warm
   # shellcheck disable=SC2046
-  part kda-cold 300 $(compile_caches kda) $CA --family kda --row "laqat exact" --tag kda-cold
+  part kda-cold 300 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
-  part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --tag kda-warm
+  part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches warm
   # shellcheck disable=SC2046
   part gdn-16-cold 400 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
-    --heads 16 --tag gdn-16-cold
+    --heads 16 --caches cold
   # shellcheck disable=SC2046
   part gdn-16-warm 120 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
-    --heads 16 --tag gdn-16-warm
+    --heads 16 --caches warm
+  # shellcheck disable=SC2046
+  part kda-16-cold 400 $(compile_caches kda16) $CA --family kda --row "laqat exact" --layers 16 --hidden 2048 \
+    --heads 16 --caches cold
+  # shellcheck disable=SC2046
+  part kda-16-warm 120 $(compile_caches kda16) $CA --family kda --row "laqat exact" --layers 16 --hidden 2048 \
+    --heads 16 --caches warm
 }
 
 suite_train() {

@@ -141,7 +141,8 @@ def test_the_gpu_suites_call_existing_scripts_with_rows_and_cases_they_know():
     script = REPO / "examples" / "benchmarks" / "run_gpu.sh"
     listing = subprocess.run(["bash", str(script), "--list"], capture_output=True, text=True, check=True).stdout
     suites = [line for line in listing.splitlines() if not line.startswith(" ")]
-    assert suites == ["exactness", "chunk-gdn", "chunk-kda", "decode", "recurrent", "model", "serving", "train"]
+    assert suites == ["exactness", "chunk-gdn", "chunk-kda", "decode", "recurrent", "model", "compile", "serving",
+                      "train"]
     dry = subprocess.run(["bash", str(script), "--dry-run", *suites], capture_output=True, text=True, check=True).stdout
     parts = [line.strip() for line in listing.splitlines() if line.startswith(" ")]
     commands = dry.strip().splitlines()
@@ -230,3 +231,32 @@ def test_interleaved_model_rows_and_the_decode_comparison_become_records_and_tab
             "2027-01-02-01 |") in page
     assert page.index("| GDN | FLA chunk exact |") < page.index("| GDN | FLA fused_recurrent fwd (suffix) |") \
         < page.index("| GDN | token |") < page.index("| GDN | replay |")
+
+
+def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_path):
+    out = tmp_path / "out" / "kda-cold"
+    out.mkdir(parents=True)
+    (out / "machine.json").write_text(json.dumps({"device": "GPU X", "gpus": 1, "torch": "2.11", "commit": "1234567"}))
+    (out / "command.txt").write_text("python3 examples/benchmarks/compile_account.py --family kda --caches cold\n")
+    account = {"family": "kda", "row": "laqat exact", "layers": 4, "hidden": 1024, "heads": 8, "head_dim": 128,
+               "tag": "", "caches": "cold", "tuning": {"compile_ahead": False}, "full_searches": True, "steps": [
+                   {"step": 0, "wall_s": 129.53, "phases_s": {"_compile.compile_inner": 6.32,
+                                                             "compile_fx.<locals>.bw_compiler": 1.69},
+                    "triton": {"laqat_compile_ahead_s": 0, "laqat": {"compiles": 10, "compile_s": 7.87, "searches": 0,
+                                                                      "search_s": 0},
+                               "fla": {"compiles": 2, "compile_s": 0.25, "searches": 11, "search_s": 108.87}}},
+                   {"step": 1, "wall_s": 0.06, "phases_s": {}, "triton": {}}]}
+    (out / "compile_account.json").write_text(json.dumps(account))
+    records = record.collect(tmp_path / "out", "2027-01-02-01")
+    assert [r["step"] for r in records] == [0, 1] and {r["benchmark"] for r in records} == {"compile"}
+    assert records[0]["figures"] == {"wall_s": 129.53, "graph_compile_s": 8.01, "laqat_compile_ahead_s": 0,
+                                     "laqat_compile_s": 7.87, "laqat_search_s": 0, "laqat_searches": 0,
+                                     "fla_compile_s": 0.25, "fla_search_s": 108.87, "fla_searches": 11}
+    assert records[0]["caches"] == "cold" and records[0]["config"] == {"layers": 4, "hidden": 1024, "heads": 8,
+                                                                       "head_dim": 128}
+    folder = tmp_path / "results"
+    folder.mkdir()
+    assert record.append(records, folder) == {"compile.jsonl": 2}
+    page = render.render(render.load(folder), [])
+    assert ("| KDA | 4 x 1024 | cold | t.compile_ahead=false, full searches | 129.5 | 8.0 | 0 | 7.9 | 108.9 | 0.2 | "
+            "1234567 | 2027-01-02-01 |") in page

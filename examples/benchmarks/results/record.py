@@ -3,7 +3,7 @@
     python examples/benchmarks/results/record.py OUT --run 2026-12-05-01 [--commit abc1234] [--write]
 
 Walks OUT for the files the benchmark scripts write (chunk_bench.json, decode_bench.json, recurrent_vs_fla.json,
-model_bench.json, train_fp8_state_gpu.json, pytest's junit.xml of the QDQ tests), converts each to records (one per
+model_bench.json, train_fp8_state_gpu.json, compile_account.json, pytest's junit.xml of the QDQ tests), converts each to records (one per
 measured row: README.md in this folder lists the fields) and prints how many of each it found; with --write it
 appends them to the *.jsonl files of this folder (a run id already there is refused). The command of a part is
 read from the command.txt that examples/benchmarks/run_gpu.sh writes beside its JSON; machine, versions and commit
@@ -118,6 +118,30 @@ def model_bench(data: dict, head: dict) -> list[dict]:
             for r in data.get("rows", [])]
 
 
+def compile_account(data: dict, head: dict) -> list[dict]:
+    """One record per step of ``compile_account.py``: the step's wall seconds, torch's graph compiles (Dynamo's
+    ``_compile.compile_inner`` and Inductor's backward compile), laqat's compile-ahead, the Triton compiles and
+    autotuning searches by origin."""
+    caches = data.get("caches") or next((w for w in ("cold", "warm") if w in data.get("tag", "").split("-")), None)
+    config = {k: data[k] for k in ("layers", "hidden", "heads", "head_dim") if k in data}
+    out = []
+    for step in data.get("steps", []):
+        phases, triton = step.get("phases_s", {}), step.get("triton", {})
+        figures = {"wall_s": step["wall_s"],
+                   "graph_compile_s": round(phases.get("_compile.compile_inner", 0)
+                                            + phases.get("compile_fx.<locals>.bw_compiler", 0), 2),
+                   "laqat_compile_ahead_s": triton.get("laqat_compile_ahead_s", 0)}
+        for who in ("laqat", "fla"):
+            part = triton.get(who, {})
+            figures[f"{who}_compile_s"] = part.get("compile_s", 0)
+            figures[f"{who}_search_s"] = part.get("search_s", 0)
+            figures[f"{who}_searches"] = part.get("searches", 0)
+        out.append({"benchmark": "compile", **head, "model": data["family"], "config": config, "row": data["row"],
+                    "caches": caches, "step": step["step"], "tuning": data.get("tuning") or {},
+                    "full_searches": bool(data.get("full_searches")), "figures": figures})
+    return out
+
+
 def decode_bench(data: dict, head: dict) -> list[dict]:
     out = []
     for r in data.get("accuracy", []):
@@ -206,11 +230,13 @@ def junit(xml_text: str, head: dict, setting: str) -> list[dict]:
 
 
 CONVERTERS = {"chunk_bench.json": chunk_bench, "model_bench.json": model_bench, "decode_bench.json": decode_bench,
-              "recurrent_vs_fla.json": recurrent_vs_fla, "train_fp8_state_gpu.json": train_fp8_state_gpu}
+              "recurrent_vs_fla.json": recurrent_vs_fla, "train_fp8_state_gpu.json": train_fp8_state_gpu,
+              "compile_account.json": compile_account}
 FILES = {"chunk": "chunk.jsonl", "chunk-kernels": "chunk_kernels.jsonl", "chunk-exactness": "chunk_exactness.jsonl",
          "fla-equality": "fla_equality.jsonl", "model": "model.jsonl", "decode": "decode.jsonl",
          "decode-accuracy": "decode.jsonl", "decode-compare": "decode.jsonl", "recurrent": "recurrent.jsonl", "recurrent-exactness": "recurrent.jsonl",
-         "train": "train.jsonl", "compiled-step": "train.jsonl", "qdq": "qdq.jsonl", "comparison": "comparisons.jsonl"}
+         "train": "train.jsonl", "compiled-step": "train.jsonl", "qdq": "qdq.jsonl", "comparison": "comparisons.jsonl",
+         "compile": "compile.jsonl"}
 
 
 def _nearest(path: Path, root: Path, name: str):

@@ -333,6 +333,33 @@ def model_shape_section(rows) -> list[str]:
                         "loss", "kernels", "error", "run"], lines) + notes.lines()
 
 
+def compile_section(records) -> list[str]:
+    rows = [r for r in of(records, "compile") if r["step"] == 0]
+    best = latest(rows, lambda r: (r["model"], tuple(sorted(r["config"].items())), r["caches"],
+                                   json.dumps(r["tuning"], sort_keys=True), r["full_searches"]))
+    out = ["## The first training step (`compile_account.py`, docs/model-bench.md)", "",
+           "The model benchmark's `laqat exact` row (B=2, T=4096, bf16), its first step in a fresh process: cold, every "
+           "cache empty (Triton's, laqat's, Inductor's); warm, the caches of a cold process before it. graph compiles: "
+           "Dynamo's capture with AOTAutograd and Inductor's forward compile, and Inductor's backward compile; "
+           "compile-ahead: laqat's chunk kernels compiled before their first launch; searches: the autotuning "
+           "searches of FLA's kernels under laqat's ops, compiles included. `full searches`: FLA's searches as "
+           "Triton runs them.", ""]
+    notes = Notes()
+    lines = []
+    for (model, _, caches, tuning, full), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
+                                                                                      kv[1]["run"])):
+        f, c = r["figures"], r["config"]
+        setting = ", ".join([f"t.{k}={json.dumps(v)}" for k, v in json.loads(tuning).items()] + (["full searches"] if full else []))
+        lines.append([model.upper(), f"{c.get('layers')} x {c.get('hidden')}", caches or "-", setting or "defaults",
+                      fmt(f["wall_s"], "{:.1f}"), fmt(f["graph_compile_s"], "{:.1f}"),
+                      fmt(f["laqat_compile_ahead_s"], "{:.1f}"), fmt(f["laqat_compile_s"], "{:.1f}"),
+                      fmt(f["fla_search_s"], "{:.1f}"), fmt(f["fla_compile_s"], "{:.1f}"), r["commit"],
+                      r["run"] + notes.mark(r)])
+    return out + table(["model", "layers x hidden", "caches", "setting", "first step s", "graph compiles s",
+                        "compile-ahead s", "laqat compiles s", "FLA searches s", "FLA compiles s", "commit", "run"],
+                       lines) + notes.lines()
+
+
 def qdq_section(records) -> list[str]:
     best = latest(of(records, "qdq"), lambda r: (r["command"].split("pytest")[-1], r["setting"]))
     out = ["## QDQ device functions on the GPU (`tests/kernels/test_qdq_triton.py`)", ""]
@@ -363,7 +390,8 @@ def unmeasured_section(items) -> list[str]:
 SECTIONS = ((("chunk",), chunk_section), (("chunk-kernels",), kernels_section),
             (("chunk-exactness",), exactness_section), (("fla-equality",), equality_section),
             (("recurrent", "recurrent-exactness"), recurrent_section), (("decode", "decode-accuracy", "decode-compare"), decode_section),
-            (("train", "compiled-step"), training_section), (("model",), model_section), (("qdq",), qdq_section),
+            (("train", "compiled-step"), training_section), (("model",), model_section),
+            (("compile",), compile_section), (("qdq",), qdq_section),
             (("comparison",), comparisons_section))
 
 

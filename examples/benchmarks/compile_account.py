@@ -1,16 +1,20 @@
 """Where the first training steps of one model-benchmark row spend their time: every Triton compile (kernel, origin,
-seconds), every autotuning search (kernel, configurations, seconds), torch's compile phases, per step.
+seconds), every autotuning search (kernel, candidates, seconds, each candidate's time), laqat's compile-ahead,
+torch's compile phases, per step.
 
     python examples/benchmarks/compile_account.py --family gdn --row "laqat exact" [--layers 4 --hidden 1024
-        --heads 8 --head-dim 128] [--steps 3] [--lift-fla-gdn-guard] [--tag cold]
+        --heads 8 --head-dim 128] [--steps 3] [--caches cold|warm] [--tuning compile_ahead=false]
+        [--full-searches] [--lift-fla-gdn-guard] [--tag NAME]
 
-One row per process (model_bench.py's models and rows): the caches are the environment's (``TRITON_CACHE_DIR``,
-``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``), so a cold measurement gives the process empty folders and a warm
-one the folders an earlier process filled. Per step it reports the wall seconds, torch's compile phases
-(``compilation_time_metrics``), and the seconds of the Triton compiles in this process by origin (``laqat``: the
-chunk, decode and module-op kernels under ``la_compiler``; ``fla``: FLA's; ``other``) with the autotuning searches
-apart (their compiles included in them). Inductor's generated kernels compile in its worker processes inside its
-compile phases. Writes ``$OUT/compile_account[-TAG].json`` and prints a table.
+One row per process (model_bench.py's models and rows). The caches are the environment's (``TRITON_CACHE_DIR``,
+``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``): a cold measurement gives the process empty folders, a warm one
+the folders an earlier process filled, and ``--caches`` labels which. Per step it reports the wall seconds, torch's
+compile phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
+and of the Triton compiles and autotuning searches in this process by the kernel's origin (``laqat``: laqat's own
+kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it.
+Inductor's generated kernels compile in its worker processes inside its compile phases. ``--full-searches``: FLA's
+searches as Triton runs them, not laqat's quick ones (kernels/fla/autotune_searches.py). Writes
+``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
 """
 from __future__ import annotations
 
@@ -173,7 +177,7 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lift-fla-gdn-guard", action="store_true")
-    p.add_argument("--tag", default="", help="a name for this measurement (the JSON's file name)")
+    p.add_argument("--tag", default="", help="a name for this measurement, in the JSON")
     p.add_argument("--caches", choices=["cold", "warm"], default=None,
                    help="what the cache folders held: cold (empty) or warm (an earlier process's), as a label")
     p.add_argument("--full-searches", action="store_true",
@@ -206,9 +210,10 @@ def main():
     row.fn = (row.model if backend is None else torch.compile(row.model) if backend == "inductor"
               else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning}))
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
-              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches, "tuning": tuning, "full_searches": args.full_searches, "hooks": log.installed,
-              "caches": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
-                                                         "TORCHINDUCTOR_CACHE_DIR")},
+              "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
+              "tuning": tuning, "full_searches": args.full_searches, "hooks": log.installed,
+              "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
+                                                             "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
     for i in range(args.steps):
         sync()
@@ -224,11 +229,10 @@ def main():
         print(json.dumps(step), flush=True)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    name = "compile_account" + (f"-{args.tag}" if args.tag else "") + ".json"
-    result["searches"] = [{k: v for k, v in x.items()} for x in log.searches]
+    result["searches"] = log.searches
     result["autotune_choices"] = autotune_choices()
-    (out / name).write_text(json.dumps(result, indent=1))
-    print(f"{args.family} {args.row} {args.layers} layers [{args.tag}]")
+    (out / "compile_account.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.family} {args.row} {args.layers} layers [{args.tag or args.caches or ''}]")
     for s in result["steps"]:
         t = s["triton"]
         top = sorted(s["phases_s"].items(), key=lambda kv: -kv[1])[:4]

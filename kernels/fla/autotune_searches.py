@@ -1,24 +1,24 @@
-"""The autotuning searches of the FLA kernels that laqat's ops launch: every candidate compiled at once, in
-parallel threads, then each timed over a short window.
+"""The autotuning searches of the FLA kernels that laqat's ops launch: fewer candidates, compiled at once in
+parallel threads, each timed over a short window.
 
 FLA autotunes its module kernels (SwiGLU, the short convolution, the l2 and gated norms, ...) over 3 to 30
 configurations per key, and Triton's ``Autotuner`` compiles and times them one after another, each over 25 ms of
-warm-up and 100 ms of repetitions. On a cold Triton cache that is most of a model's first step (docs/model-bench.md,
-"Where the first step's time goes"). Inside ``quick_searches()``, a search that Triton's Autotuner starts (a key not
-in its cache, more than one candidate after FLA's pruning) first compiles all its candidates in threads
-(kernels/common/parallel_compile.py), then runs as Triton runs it with each candidate timed over
-``SEARCH_WARMUP_MS`` and ``SEARCH_REP_MS``. Every candidate FLA lists is still timed and the fastest kept, in the
-autotuner's own cache (shared with FLA's eager calls) and, where FLA asks for it, Triton's disk cache. The kernels
-compute what they compute under any candidate; where a candidate splits a reduction differently, the last bits of
-that reduction follow the choice, as they follow FLA's own search from one machine to the next.
+warm-up and 100 ms of repetitions: on a cold Triton cache most of a model's first step (docs/model-bench.md, "Every
+compile and search of the first step"). Inside ``quick_searches()``, a search that Triton's Autotuner starts (a key
+not in its cache, more than one candidate):
 
-Where ``NARROWED`` lists a kernel, the search times only those of FLA's candidates: the ones within a few percent
-of the fastest on the H200 at hidden sizes 1024 and 2048 (docs/model-bench.md, "FLA's autotuning searches"), out of
-9 to 30. A kernel's list that matches none of FLA's candidates (another FLA release) leaves the search whole; so
-does ``LAQAT_FLA_SEARCHES=full`` (la_compiler.options.fla_searches), for a GPU where other candidates win.
+- keeps, for a kernel ``NARROWED`` lists, only the candidates it names: those within 1 % of the fastest on the H200
+  at hidden sizes 1024 and 2048. A list that matches none of FLA's candidates (another FLA release) keeps them all,
+  as does ``LAQAT_FLA_SEARCHES=full`` (la_compiler.options.fla_searches), for GPUs where other candidates win;
+- compiles the candidates in threads first (kernels/common/parallel_compile.py);
+- then runs as Triton runs it, each candidate timed over ``SEARCH_WARMUP_MS`` and ``SEARCH_REP_MS`` (unless the
+  kernel names its own bench), and keeps the fastest in the autotuner's own cache (shared with FLA's eager calls)
+  and, where FLA asks for it, Triton's disk cache.
 
-The wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` and passes every call through
-unchanged outside one.
+The kernels compute what they compute under any candidate; where a candidate splits a reduction differently, the
+last bits of that reduction follow the choice, as they follow FLA's own search from one machine to the next. The
+wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` and passes every call through unchanged
+outside one.
 """
 from __future__ import annotations
 
@@ -106,14 +106,15 @@ def _timed_search(run, tuner, args, kwargs):
                     tuner.fn.run(*args, grid=(1,), warmup=True, **meta, **config.all_kwargs())
                 except Exception:  # noqa: BLE001 - the search's own launch of this candidate reports it
                     pass
-    own_bench = tuner.__dict__.get("_do_bench", AttributeError)
-    if own_bench is not AttributeError and own_bench is None:
+    # the autotuner's own bench where the kernel names one (FLA's warmup / rep, a do_bench), else the short one
+    swap = "_do_bench" in tuner.__dict__ and tuner._do_bench is None
+    if swap:
         tuner._do_bench = quick_bench
     try:
         return run(tuner, *args, **kwargs)
     finally:
-        if own_bench is not AttributeError and own_bench is None:
-            tuner._do_bench = own_bench
+        if swap:
+            tuner._do_bench = None
 
 
 def _install() -> None:

@@ -97,3 +97,19 @@ def test_once_per_kind_of_step_and_never_when_turned_off(monkeypatch):
 def test_off_the_gpu_nothing_is_compiled_ahead():
     assert not compile_ahead.available(torch.device("cpu"))
     assert TuningOptions().compile_ahead is True
+
+
+def test_a_failing_compile_ahead_warns_and_the_step_runs(monkeypatch):
+    """Only the compiles' timing is at stake: a recipe that fails ahead warns, and the real launches run."""
+    monkeypatch.setattr(compile_ahead, "available", lambda device: True)
+    monkeypatch.setattr(compile_ahead, "_done", set())
+
+    def refuse(kernel, arguments):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(compile_ahead, "request_compile", refuse)
+    spec = RecurrenceSpec(kind="gdn", chunk=8, kernel="chunk")
+    xs, _ = random_inputs("gdn", B=1, T=9, H=1, K=8, V=8)
+    with pytest.warns(UserWarning, match=r"compiling the chunk kernels ahead failed \(RuntimeError: no compiler here\)"):
+        o, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))
+    want, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec.replace(tuning={"compile_ahead": False})))
+    assert torch.equal(o, want)

@@ -3,8 +3,8 @@
     python examples/benchmarks/results/record.py OUT --run 2026-12-05-01 [--commit abc1234] [--write]
 
 Walks OUT for the files the benchmark scripts write (chunk_bench.json, decode_bench.json, recurrent_vs_fla.json,
-model_bench.json, train_fp8_state_gpu.json, compile_account.json, pytest's junit.xml of the QDQ tests), converts each to records (one per
-measured row: README.md in this folder lists the fields) and prints how many of each it found; with --write it
+model_bench.json, train_fp8_state_gpu.json, compile_account.json, pytest's junit.xml of the QDQ tests), converts
+each to records (one per measured row: README.md in this folder lists the fields) and prints how many of each it found; with --write it
 appends them to the *.jsonl files of this folder (a run id already there is refused). The command of a part is
 read from the command.txt that examples/benchmarks/run_gpu.sh writes beside its JSON; machine, versions and commit
 from $OUT/machine.json (examples/benchmarks/gpu_chores.sh setup) or the JSON itself. Then render.py regenerates

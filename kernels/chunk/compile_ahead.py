@@ -15,18 +15,18 @@ without ``AsyncCompileMode``. The measured effect: docs/model-bench.md, "Where t
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 import warnings
 from typing import Callable
 
 import torch
 
+from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.fwd import chunk_fwd, plan_of
+from la_compiler.kernels.chunk.launch import compile_request
+from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
-
-# set while a recipe runs for its compiles: receives (kernel, keyword arguments of the launch) instead of a launch
-compile_request: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("compile_request", default=None)
 
 _done: set = set()
 _lock = threading.Lock()
@@ -72,10 +72,6 @@ def step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate) -> tuple:
 def run_training_step(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate) -> None:
     """The forward (with its residual) and the backward of the inputs, as a training step runs them; under
     ``compiling_only`` nothing is launched."""
-    from la_compiler.kernels.chunk.bwd import chunk_bwd
-    from la_compiler.kernels.chunk.fwd import chunk_fwd, plan_of
-    from la_compiler.kernels.chunk.residual import residual_size
-
     size = residual_size(p, q, v, cu_seqlens, tuning.keep_residual)
     residual = torch.empty((size,), dtype=torch.float32, device=q.device) if size else None
     o, _ = chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=residual, tuning=tuning,

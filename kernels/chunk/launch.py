@@ -18,14 +18,14 @@ of each stage module pass it to ``launch`` with the tensors. Inside chunk/compil
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 from triton.runtime.errors import OutOfResources
 
 from la_compiler.kernels.chunk import autotune as chunk_autotune
-from la_compiler.kernels.chunk.compile_ahead import compile_request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,10 @@ def next_power_of_2(n: int) -> int:
 
 
 _working_stages: dict[tuple, int] = {}
+
+# set while chunk/compile_ahead.py runs a recipe for its compiles: receives (kernel, the launch's keyword arguments)
+# instead of a launch
+compile_request: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("compile_request", default=None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ import functools
 
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk import stages
-from la_compiler.kernels.chunk.compile_ahead import compile_training_step
 from la_compiler.kernels.chunk.bwd import chunk_bwd
+from la_compiler.kernels.chunk.compile_ahead import compile_training_step
 from la_compiler.kernels.chunk.forms import max_head_k
 from la_compiler.kernels.chunk.fwd import chunk_fwd
 from la_compiler.kernels.chunk.params import ChunkParams, unsupported

@@ -36,7 +36,7 @@ from bench_common import ensure_la_compiler, fla_gdn_blocker, sync  # noqa: E402
 ensure_la_compiler()
 
 import la_compiler  # noqa: E402,F401
-from model_bench import ROWS, Row, build_model, plan, raise_recompile_limits  # noqa: E402
+from model_bench import ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
 
 
 def origin(module: str) -> str:
@@ -168,13 +168,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=["kda", "gdn"], required=True)
     p.add_argument("--row", required=True, choices=list(ROWS))
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_shape_arguments(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lift-fla-gdn-guard", action="store_true")
     p.add_argument("--tag", default="", help="a name for this measurement, in the JSON")

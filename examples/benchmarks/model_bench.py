@@ -426,16 +426,17 @@ def print_table(rows):
                   + ", ".join(f"{name} {seconds}" for name, seconds in phases) + f"; laqat passes {passes:.2f}")
 
 
+def add_model_shape_arguments(parser) -> None:
+    """The model's and the batch's shape: --layers, --hidden, --heads, --head-dim, --batch, --seq, --vocab."""
+    for name, default in (("layers", 4), ("hidden", 1024), ("heads", 8), ("head-dim", 128), ("batch", 2),
+                          ("seq", 4096), ("vocab", 32000)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", nargs="+", default=["kda", "gdn"], choices=["kda", "gdn"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_shape_arguments(parser)
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per row after its first step")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (one step of every row each)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows of: " + ", ".join(ROWS))

@@ -124,6 +124,11 @@ _working_stages: dict[tuple, int] = {}
 compile_request: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("compile_request", default=None)
 
 
+def _stages_key(kernel, config: LaunchConfig, constexprs: dict) -> tuple:
+    """What a working pipeline depth is remembered by: the kernel, its warps and constants."""
+    return id(kernel), config.num_warps, tuple(sorted(constexprs.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class StageLaunch:
     """One kernel launch of a chunk step, all but its tensors and what they say (an initial state or not, ...)."""
@@ -146,14 +151,13 @@ def launch(stage: StageLaunch, arguments: Mapping[str, object], **constexprs):
     constexprs = {**stage.constexprs, **constexprs}
     request = compile_request.get()
     if request is not None:  # chunk/compile_ahead.py: the compile this launch needs, no launch
-        stages = _working_stages.get((id(kernel), config.num_warps, tuple(sorted(constexprs.items()))),
-                                     config.num_stages)
+        stages = _working_stages.get(_stages_key(kernel, config, constexprs), config.num_stages)
         return request(kernel, {**arguments, **constexprs, "num_warps": config.num_warps, "num_stages": stages})
     if chunk_autotune.active(stage.autotune):
         config = chunk_autotune.tuner().best(
             chunk_autotune.key_of(kernel, grid, constexprs), chunk_autotune.candidates(config),
             lambda c: kernel[grid](**arguments, num_warps=c.num_warps, num_stages=c.num_stages, **constexprs))
-    key = (id(kernel), config.num_warps, tuple(sorted(constexprs.items())))
+    key = _stages_key(kernel, config, constexprs)
     stages = _working_stages.get(key, config.num_stages)
     while True:
         try:

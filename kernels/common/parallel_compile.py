@@ -5,12 +5,14 @@ launch (kernels/fla/autotune_searches.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 COMPILE_THREADS = min(16, os.cpu_count() or 1)
 
 
+@functools.lru_cache(maxsize=None)
 def async_compile_mode():
     """Triton's AsyncCompileMode, or None where this Triton has none."""
     try:

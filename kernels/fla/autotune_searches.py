@@ -119,6 +119,8 @@ def _timed_search(run, tuner, args, kwargs):
 
 def _install() -> None:
     global _installed
+    if _installed:  # every call of a searched FLA function comes here
+        return
     with _lock:
         if _installed:
             return

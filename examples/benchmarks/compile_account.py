@@ -4,7 +4,7 @@ torch's compile phases, per step.
 
     python examples/benchmarks/compile_account.py --family gdn --row "laqat exact" [--layers 4 --hidden 1024
         --heads 8 --head-dim 128] [--steps 3] [--caches cold|warm] [--tuning compile_ahead=false]
-        [--full-searches] [--lift-fla-gdn-guard] [--tag NAME]
+        [--full-searches] [--ready-on-first-launch] [--lift-fla-gdn-guard] [--tag NAME]
 
 One row per process (model_bench.py's models and rows). The caches are the environment's (``TRITON_CACHE_DIR``,
 ``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``): a cold measurement gives the process empty folders, a warm one
@@ -12,7 +12,9 @@ the folders an earlier process filled, and ``--caches`` labels which. Per step i
 compile phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
 and of the Triton compiles and autotuning searches in this process by the kernel's origin (``laqat``: laqat's own
 kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it.
-Inductor's generated kernels compile in its worker processes inside its compile phases. ``--full-searches``: FLA's
+A compiled kernel's readying for its first launch (binary loaded, C launcher built: ``CompiledKernel._init_handles``)
+is counted apart, on the step's thread and in compile threads. Inductor's generated kernels compile in its worker
+processes inside its compile phases. ``--full-searches``: FLA's
 searches as Triton runs them, not laqat's quick ones (kernels/fla/autotune_searches.py). Writes
 ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
 """
@@ -55,6 +57,7 @@ class TritonLog:
         self.compiles: list[dict] = []
         self.searches: list[dict] = []
         self.ahead: list[float] = []  # seconds in laqat's compile-ahead of chunk training steps (per call)
+        self.readies: list[dict] = []  # compiled kernels readied for their first launch (binary loaded, launcher)
         self._local = threading.local()
         self.installed = []
         self._install()
@@ -90,6 +93,22 @@ class TritonLog:
             jit.JITFunction._do_compile = timed_compile
             self.installed.append("JITFunction._do_compile")
 
+        from triton.compiler.compiler import CompiledKernel
+
+        ready = CompiledKernel._init_handles
+
+        def timed_ready(kernel, *args, **kwargs):
+            if getattr(kernel, "module", None) is not None:
+                return ready(kernel, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return ready(kernel, *args, **kwargs)
+            finally:
+                log.readies.append({"kernel": getattr(kernel, "name", "?"), "s": time.perf_counter() - t0,
+                                    "step_thread": threading.current_thread() is threading.main_thread()})
+        CompiledKernel._init_handles = timed_ready
+        self.installed.append("CompiledKernel._init_handles")
+
         run = autotuner.Autotuner.run
 
         def timed_run(tuner, *args, **kwargs):
@@ -114,11 +133,15 @@ class TritonLog:
         self.installed.append("Autotuner.run")
 
     def mark(self):
-        return len(self.compiles), len(self.searches), len(self.ahead)
+        return len(self.compiles), len(self.searches), len(self.ahead), len(self.readies)
 
     def since(self, mark) -> dict:
         compiles, searches = self.compiles[mark[0]:], self.searches[mark[1]:]
         out = {"laqat_compile_ahead_s": round(sum(self.ahead[mark[2]:]), 2)}
+        readies = self.readies[mark[3]:]
+        for where, on_step in (("step_thread", True), ("compile_threads", False)):
+            done = [r for r in readies if r["step_thread"] == on_step]
+            out[f"ready_{where}"] = {"kernels": len(done), "s": round(sum(r["s"] for r in done), 2)}
         for who in ("laqat", "fla", "other"):
             direct = [c for c in compiles if c["origin"] == who and c["in_search"] is None]
             found = [s for s in searches if s["origin"] == who]
@@ -177,6 +200,9 @@ def main():
     p.add_argument("--full-searches", action="store_true",
                    help="FLA's autotuning searches as Triton runs them, not laqat's quick ones "
                         "(kernels/fla/autotune_searches.py)")
+    p.add_argument("--ready-on-first-launch", action="store_true",
+                   help="laqat's compile threads compile only; each kernel is readied (binary loaded, launcher built) "
+                        "at its first launch, as Triton does (kernels/common/parallel_compile.py)")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     args = p.parse_args()
@@ -184,6 +210,9 @@ def main():
     if args.full_searches:
         from la_compiler.kernels.fla import autotune_searches
         autotune_searches.quick_searches = contextlib.nullcontext
+    if args.ready_on_first_launch:
+        from la_compiler.kernels.common import parallel_compile
+        parallel_compile.CompileAndReady = lambda pool: pool
     log = TritonLog()
     raise_recompile_limits()
     tuning = {}
@@ -205,7 +234,8 @@ def main():
               else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning}))
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
               "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
-              "tuning": tuning, "full_searches": args.full_searches, "hooks": log.installed,
+              "tuning": tuning, "full_searches": args.full_searches,
+              "ready_on_first_launch": args.ready_on_first_launch, "hooks": log.installed,
               "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                              "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
@@ -232,6 +262,8 @@ def main():
         top = sorted(s["phases_s"].items(), key=lambda kv: -kv[1])[:4]
         print(f"  step {s['step']}: {s['wall_s']:7.2f} s  "
               + f"laqat compile-ahead {t['laqat_compile_ahead_s']} s  "
+              + f"readied on the step's thread {t['ready_step_thread']['kernels']} "
+              + f"{t['ready_step_thread']['s']} s  "
               + "  ".join(f"{who} {t[who]['compiles']} compiles {t[who]['compile_s']} s, {t[who]['searches']} "
                           f"searches {t[who]['search_s']} s" for who in ("laqat", "fla", "other"))
               + "  phases: " + ", ".join(f"{n} {v}" for n, v in top))

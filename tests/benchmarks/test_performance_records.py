@@ -244,14 +244,17 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
                                                              "compile_fx.<locals>.bw_compiler": 1.69},
                     "triton": {"laqat_compile_ahead_s": 0, "laqat": {"compiles": 10, "compile_s": 7.87, "searches": 0,
                                                                       "search_s": 0},
-                               "fla": {"compiles": 2, "compile_s": 0.25, "searches": 11, "search_s": 108.87}}},
+                               "fla": {"compiles": 2, "compile_s": 0.25, "searches": 11, "search_s": 108.87},
+                               "ready_step_thread": {"kernels": 14, "s": 6.12},
+                               "ready_compile_threads": {"kernels": 0, "s": 0}}},
                    {"step": 1, "wall_s": 0.06, "phases_s": {}, "triton": {}}]}
     (out / "compile_account.json").write_text(json.dumps(account))
     records = record.collect(tmp_path / "out", "2027-01-02-01")
     assert [r["step"] for r in records] == [0, 1] and {r["benchmark"] for r in records} == {"compile"}
     assert records[0]["figures"] == {"wall_s": 129.53, "graph_compile_s": 8.01, "laqat_compile_ahead_s": 0,
                                      "laqat_compile_s": 7.87, "laqat_search_s": 0, "laqat_searches": 0,
-                                     "fla_compile_s": 0.25, "fla_search_s": 108.87, "fla_searches": 11}
+                                     "fla_compile_s": 0.25, "fla_search_s": 108.87, "fla_searches": 11,
+                                     "ready_step_thread_s": 6.12, "ready_step_thread_kernels": 14}
     assert records[0]["caches"] == "cold" and records[0]["config"] == {"layers": 4, "hidden": 1024, "heads": 8,
                                                                        "head_dim": 128}
     folder = tmp_path / "results"
@@ -259,4 +262,4 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
     assert record.append(records, folder) == {"compile.jsonl": 2}
     page = render.render(render.load(folder), [])
     assert ("| KDA | 4 x 1024 | cold | t.compile_ahead=false, full searches | 129.5 | 8.0 | 0 | 7.9 | 108.9 | 0.2 | "
-            "1234567 | 2027-01-02-01 |") in page
+            "6.1 | 1234567 | 2027-01-02-01 |") in page

@@ -5,8 +5,8 @@ compiles each kernel at its first launch, one after another. ``compile_training_
 backward recipes once with every launch turned into a compile request (``JITFunction.run(..., warmup=True)``,
 compiled in threads: kernels/common/parallel_compile.py). The requests carry the very arguments, constexprs, warps
 and stages the real launches will, so they compile the kernels the step reaches, keyed as those launches look them
-up; the real launches then find them compiled. Nothing runs on the device but the buffers' allocation and the
-residual's gap clearing.
+up; the real launches then find them compiled and readied (loaded, their launchers built). Nothing runs on the
+device but the buffers' allocation and the residual's gap clearing.
 
 Once per (params, tuning, dtype, head shapes, varlen, initial state, device) and process; the tuning option
 ``t.compile_ahead`` turns it off. Not under Triton's interpreter (nothing is compiled there), nor on a Triton

@@ -26,7 +26,9 @@
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
-#              then warm (a second process on the first's caches)
+#              then warm (a second process on the first's caches); KDA at 4 layers also with each kernel readied at its
+#              first launch (--ready-on-first-launch) and, at hidden 1536, with FLA's full searches (how close the
+#              narrowed searches come to every candidate at a shape they were not chosen from)
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
 #              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
 #              from raw projections, forward: server and forward: laqat), the server's pre-processing and the GDN and KDA
@@ -150,6 +152,12 @@ suite_compile() {
   part kda-cold 300 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
   part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches warm
+  # shellcheck disable=SC2046
+  part kda-cold-ready-on-launch 300 $(compile_caches kda-on-launch) $CA --family kda --row "laqat exact" --caches cold \
+    --ready-on-first-launch
+  # shellcheck disable=SC2046
+  part kda-1536-full-searches 400 $(compile_caches kda1536) $CA --family kda --row "laqat exact" --hidden 1536 \
+    --heads 12 --caches cold --full-searches
   # shellcheck disable=SC2046
   part gdn-16-cold 400 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
     --heads 16 --caches cold

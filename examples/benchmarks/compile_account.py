@@ -11,12 +11,14 @@ One row per process (model_bench.py's models and rows). The caches are the envir
 the folders an earlier process filled, and ``--caches`` labels which. Per step it reports the wall seconds, torch's
 compile phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
 and of the Triton compiles and autotuning searches in this process by the kernel's origin (``laqat``: laqat's own
-kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it.
-A compiled kernel's readying for its first launch (binary loaded, C launcher built: ``CompiledKernel._init_handles``)
-is counted apart, on the step's thread and in compile threads. Inductor's generated kernels compile in its worker
-processes inside its compile phases. ``--full-searches``: FLA's
-searches as Triton runs them, not laqat's quick ones (kernels/fla/autotune_searches.py). Writes
-``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
+kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it. A
+compile that laqat's compile-ahead requests counts in the compile-ahead's seconds (its request on the step's thread,
+its compile in a thread), not among the compiles. A compiled kernel's readying for its first launch (binary loaded,
+C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the step's thread and in other threads
+(laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
+compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
+(kernels/fla/autotune_searches.py). Writes ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns
+it into records) and prints a table.
 """
 from __future__ import annotations
 
@@ -74,9 +76,11 @@ class TritonLog:
 
         def timed_compile_step(*args, **kwargs):
             t0 = time.perf_counter()
+            log._local.ahead = True
             try:
                 return compile_step(*args, **kwargs)
             finally:
+                log._local.ahead = False
                 log.ahead.append(time.perf_counter() - t0)
         variant.compile_training_step = timed_compile_step
         self.installed.append("chunk variant's compile_training_step")
@@ -89,7 +93,8 @@ class TritonLog:
                 finally:
                     log.compiles.append({"kernel": fn.__name__, "origin": origin(fn.module or ""),
                                          "s": time.perf_counter() - t0,
-                                         "in_search": getattr(log._local, "search", None)})
+                                         "in_search": getattr(log._local, "search", None),
+                                         "in_ahead": getattr(log._local, "ahead", False)})
             jit.JITFunction._do_compile = timed_compile
             self.installed.append("JITFunction._do_compile")
 
@@ -139,9 +144,12 @@ class TritonLog:
         compiles, searches = self.compiles[mark[0]:], self.searches[mark[1]:]
         out = {"laqat_compile_ahead_s": round(sum(self.ahead[mark[2]:]), 2)}
         readies = self.readies[mark[3]:]
-        for where, on_step in (("step_thread", True), ("compile_threads", False)):
+        for where, on_step in (("step_thread", True), ("other_threads", False)):
             done = [r for r in readies if r["step_thread"] == on_step]
             out[f"ready_{where}"] = {"kernels": len(done), "s": round(sum(r["s"] for r in done), 2)}
+        ahead = [c for c in compiles if c["in_ahead"]]  # compile-ahead's requests: their seconds count in it
+        out["ahead_requests"] = {"compiles": len(ahead), "s": round(sum(c["s"] for c in ahead), 2)}
+        compiles = [c for c in compiles if not c["in_ahead"]]
         for who in ("laqat", "fla", "other"):
             direct = [c for c in compiles if c["origin"] == who and c["in_search"] is None]
             found = [s for s in searches if s["origin"] == who]

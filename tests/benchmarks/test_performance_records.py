@@ -246,7 +246,7 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
                                                                       "search_s": 0},
                                "fla": {"compiles": 2, "compile_s": 0.25, "searches": 11, "search_s": 108.87},
                                "ready_step_thread": {"kernels": 14, "s": 6.12},
-                               "ready_compile_threads": {"kernels": 0, "s": 0}}},
+                               "ready_other_threads": {"kernels": 0, "s": 0}}},
                    {"step": 1, "wall_s": 0.06, "phases_s": {}, "triton": {}}]}
     (out / "compile_account.json").write_text(json.dumps(account))
     records = record.collect(tmp_path / "out", "2027-01-02-01")

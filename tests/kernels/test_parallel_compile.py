@@ -4,7 +4,7 @@ returned as compiled."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from la_compiler.kernels.common.parallel_compile import CompileAndReady
+from la_compiler.kernels.common.parallel_compile import CompileAndReady, async_compile_mode, compiles_in_threads
 
 
 class StandInKernel:
@@ -56,3 +56,13 @@ def test_a_failed_compile_fails_its_future():
     with ThreadPoolExecutor(1) as pool:
         future = CompileAndReady(pool, (devices.current, devices.set)).submit(compile_fails)
         assert isinstance(future.exception(), ValueError)
+
+
+def test_the_compile_threads_ready_what_they_compile():
+    from triton.runtime import _async_compile
+
+    assert async_compile_mode() is not None  # the Triton this suite installs has it
+    with compiles_in_threads(2):
+        mode = _async_compile.active_mode.get()
+        assert isinstance(mode.executor, CompileAndReady) and mode.ignore_errors
+    assert _async_compile.active_mode.get() is None

@@ -57,6 +57,8 @@ def compiling_only(request: Callable | None = None, threads: int | None = None):
 
 
 def first_time(key) -> bool:
+    if key in _done:  # every training forward asks: the lock only for a new kind
+        return False
     with _lock:
         if key in _done:
             return False

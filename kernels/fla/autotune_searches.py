@@ -138,8 +138,9 @@ def _install() -> None:
         _installed = True
 
 
+@functools.lru_cache(maxsize=None)
 def searched(fn):
-    """``fn`` called inside ``quick_searches()``."""
+    """``fn`` called inside ``quick_searches()`` (one wrapper per function: the ops call this at every launch)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with quick_searches():

@@ -58,6 +58,7 @@ class BackendOptions:
     compiler: str | None = None  # what runs the rewritten graph; None: chosen by device (la_compiler.hand_off.compiler_choice)
     verify: bool = False  # the thorough rewrite check (the whole region); a bounded one runs on every compile
     tuning: TuningOptions = DEFAULT_TUNING  # the chunk kernels' launches (docs/options.md)
+    regional: bool = True  # Inductor: repeated layers compile once (la_compiler.hand_off.regions)
 
     @staticmethod
     def from_user(options: dict[str, Any] | None) -> "BackendOptions":
@@ -77,13 +78,16 @@ class BackendOptions:
         verify = options.get("verify", False)
         if not isinstance(verify, bool):
             raise BackendOptionsError(f"options['verify'] must be a bool, got {verify!r}")
+        regional = options.get("regional", True)
+        if not isinstance(regional, bool):
+            raise BackendOptionsError(f"options['regional'] must be a bool, got {regional!r}")
         try:
             tuning = TuningOptions.from_dict(options.get("tuning"), key="options['tuning'].")
         except OptionsError as e:
             raise BackendOptionsError(str(e)) from None
         policy = options.get("policy")
         return BackendOptions(policy=None if policy is None else load_policy(policy), compiler=compiler, verify=verify,
-                              tuning=tuning)
+                              tuning=tuning, regional=regional)
 
 
 def policy_for(option: Policy | None, root: torch.nn.Module | None) -> tuple[Policy, str]:
@@ -175,9 +179,11 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         record.hand_off, record.hand_off_reason = chosen.compiler, chosen.reason
         run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes, tuning=opts.tuning)
         log_graph(record)
+        graph.meta["laqat_record"] = record  # the hand-off adds how the graph was compiled
         return graph
 
-    hand_off = functools.partial(compile_rewritten, chosen, compile_fingerprint(policy, opts.tuning))
+    hand_off = functools.partial(compile_rewritten, chosen, compile_fingerprint(policy, opts.tuning),
+                                 regional=opts.regional)
     prefixes = root_prefixes(gm, root)
     if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
         compiled = ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)

@@ -40,7 +40,7 @@ from bench_common import ensure_la_compiler, fla_gdn_blocker, sync  # noqa: E402
 ensure_la_compiler()
 
 import la_compiler  # noqa: E402,F401
-from model_bench import ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
+from model_bench import ROW_OPTIONS, ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
 
 
 def origin(module: str) -> str:
@@ -239,7 +239,8 @@ def main():
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device).manual_seed(1))
     row.fn = (row.model if backend is None else torch.compile(row.model) if backend == "inductor"
-              else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning}))
+              else torch.compile(row.model, backend="laqat", options={"policy": policy, "tuning": tuning,
+                                                                   **ROW_OPTIONS.get(args.row, {})}))
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
               "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
               "tuning": tuning, "full_searches": args.full_searches,

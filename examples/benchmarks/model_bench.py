@@ -80,7 +80,9 @@ BASE_ROWS = {  # row -> (compile backend or None, policy)
     "torch.compile (Inductor)": ("inductor", None),
     "laqat exact": ("laqat", "exact"),
     "laqat exact (laqat chunk kernels)": ("laqat", CHUNK_EXACT),
+    "laqat exact (whole graph)": ("laqat", "exact"),
 }
+ROW_OPTIONS = {"laqat exact (whole graph)": {"regional": False}}  # laqat options beside the policy
 # the shipped recipes in table order; a recipe added to la_compiler/recipes/ later becomes a row after these
 RECIPE_ORDER = ("state_fp8", "state_int8_block32", "state_int8_hadamard32", "w_fp8", "prefill_operands_fp8",
                 "prefill_operands_nvfp4", "decode_token_state_fp8", "vllm_gdn_state_bf16", "vllm_kda_state_bf16")
@@ -234,7 +236,7 @@ def build(row: Row, base, ids, args, oracle, dtype) -> None:
         elif row.backend == "inductor":
             row.fn = torch.compile(row.model)
         else:
-            options = {"policy": row.policy}
+            options = {"policy": row.policy, **ROW_OPTIONS.get(row.name, {})}
             if args.laqat_compiler:
                 options["compiler"] = args.laqat_compiler
             row.fn = torch.compile(row.model, backend="laqat", options=options)

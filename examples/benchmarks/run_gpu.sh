@@ -26,7 +26,8 @@
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
-#              then warm (a second process on the first's caches); KDA at 4 layers also with each kernel readied at its
+#              then warm (a second process on the first's caches); GDN at 16 layers also compiled as one graph (the
+#              "laqat exact (whole graph)" row: options regional=False); KDA at 4 layers also with each kernel readied at its
 #              first launch (--ready-on-first-launch) and, at hidden 1536, with FLA's full searches (how close the
 #              narrowed searches come to every candidate at a shape they were not chosen from)
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
@@ -164,6 +165,9 @@ suite_compile() {
   # shellcheck disable=SC2046
   part gdn-16-warm 120 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
     --heads 16 --caches warm
+  # shellcheck disable=SC2046
+  part gdn-16-cold-whole 400 $(compile_caches gdn16-whole) $CA --family gdn --row "laqat exact (whole graph)" \
+    --layers 16 --hidden 2048 --heads 16 --caches cold
   # shellcheck disable=SC2046
   part kda-16-cold 400 $(compile_caches kda16) $CA --family kda --row "laqat exact" --layers 16 --hidden 2048 \
     --heads 16 --caches cold

@@ -8,6 +8,7 @@ there Inductor's C++ build costs a minute or more of the first step and its late
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -17,6 +18,7 @@ from la_compiler.hand_off.cache_key import cache_key_patches
 from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_linear_outputs
 from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
 from la_compiler.hand_off.recompute_tags import tag_recomputed_ops
+from la_compiler.hand_off.regions import compile_regions, layer_partitions, unsplit_reason
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
 
 
@@ -42,18 +44,38 @@ def choose_hand_off(option: str | None, gm: torch.fx.GraphModule, example_inputs
     return HandOff(CPU_HAND_OFF, "default: every tensor of the graph is on the CPU")
 
 
-def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs) -> Callable:
+def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs,
+                      regional: bool = True) -> Callable:
     """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler; a loss that overwrites its
     logits with their gradient runs after it, outside (loss_tails.py). ``fingerprint`` (cache_key.py) joins the keys
-    of Inductor's and AOTAutograd's caches."""
+    of Inductor's and AOTAutograd's caches. ``regional``: under Inductor, repeated layers compile once (regions.py);
+    ``graph.meta["laqat_record"]``, where set, learns how the graph was split."""
     tail = split_loss_tail(graph)
-    compiled = _compile_head(choice, fingerprint, graph, inputs)
+    compiled = _compile_head(choice, fingerprint, graph, inputs, regional)
     return with_loss_tail(compiled, tail) if tail is not None else compiled
 
 
-def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs) -> Callable:
+def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs, regional: bool) -> Callable:
     if choice.compiler == "eager":
         return graph.forward
+    record = graph.meta.get("laqat_record")
+    partition, layers = layer_partitions(graph)
+    why_whole = unsplit_reason(graph, inputs, layers) if regional else "options['regional'] is False"
+    if why_whole is None:
+        split, regions = compile_regions(graph, inputs, partition, layers,
+                                         functools.partial(_compile_piece, fingerprint))
+        if record is not None:
+            record.regions = regions.describe()
+        return split
+    if record is not None:
+        record.regions = f"whole: {why_whole}"
+    return _compile_piece(fingerprint, graph, inputs)
+
+
+def _compile_piece(fingerprint: str, graph: torch.fx.GraphModule, inputs, handed_back: frozenset | None = None
+                   ) -> Callable:
+    """Inductor's callable of ``graph``; ``handed_back``: the outputs that may leave through their own autograd node
+    (linear_outputs.py; None: any)."""
     from torch._inductor.compile_fx import compile_fx
 
     # AOTAutograd rebuilds an output that aliases an intermediate (FLA's logits view) by replaying the
@@ -61,7 +83,7 @@ def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule
     # ("shape '[140323329983992, 8766216997877507016, 32000]' is invalid", GatedDeltaNetForCausalLM at
     # T=4096). Without replay it rebuilds the alias with as_strided from the output's own size, stride and
     # offset: the same view of the same storage.
-    plan, count = hand_back_linear_outputs(graph)
+    plan, count = hand_back_linear_outputs(graph, handed_back)
     tag_recomputed_ops(graph)
     with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
         compiled = compile_fx(graph, inputs, config_patches=cache_key_patches(fingerprint))

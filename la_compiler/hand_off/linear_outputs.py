@@ -87,9 +87,10 @@ def linear_output_operands(graph: torch.fx.Graph, node) -> Optional[tuple]:
     return x, weight_index, bias_index
 
 
-def hand_back_linear_outputs(graph: torch.fx.GraphModule) -> tuple[list[LinearOutput], int]:
-    """Rewrites ``graph`` in place as the module docstring says; -> the outputs handed back and the graph's count of
-    outputs before (an empty list: ``graph`` unchanged)."""
+def hand_back_linear_outputs(graph: torch.fx.GraphModule, positions: Optional[frozenset] = None
+                             ) -> tuple[list[LinearOutput], int]:
+    """Rewrites ``graph`` in place as the module docstring says, for the outputs at ``positions`` (None: any); -> the
+    outputs handed back and the graph's count of outputs before (an empty list: ``graph`` unchanged)."""
     g = graph.graph
     output_node = next(n for n in reversed(g.nodes) if n.op == "output")
     outputs = output_node.args[0]
@@ -100,6 +101,8 @@ def hand_back_linear_outputs(graph: torch.fx.GraphModule) -> tuple[list[LinearOu
     plan: list[LinearOutput] = []
     seen = set()
     for i, node in enumerate(outputs[:count]):
+        if positions is not None and i not in positions:
+            continue
         found = linear_output_operands(g, node)
         if found is None or node in seen or outputs.count(node) > 1:
             continue

@@ -2,7 +2,7 @@
 graph, how the default is chosen, the measurements behind the CPU default, and what Inductor's caches save."""
 from __future__ import annotations
 
-from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF, HAND_OFFS, LOSS_TAIL
+from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF, HAND_OFFS, LOSS_TAIL, REGIONAL
 
 INTRO = f"""`torch.compile(..., options={{"compiler": ...}})` picks what runs a graph after laqat's passes
 (`la_compiler/hand_off/compiler_choice.py`). A value given is used as given, on any device. Unset (or `None`),
@@ -62,7 +62,7 @@ def hand_off_section() -> list[str]:
     lines = ["## Hand-off (`torch.compile(..., options={\"compiler\": ...})`)", "", INTRO, "",
              "| value | what runs the rewritten graph |", "|---|---|"]
     lines += [f"| `{name}` | {doc} |" for name, doc in HAND_OFFS.items()]
-    lines += ["| unset | by device, as above |", "", LOSS_TAIL + ".", "", "Measured: " + MEASURED_SETUP, "",
+    lines += ["| unset | by device, as above |", "", LOSS_TAIL + ".", "", REGIONAL + ".", "", "Measured: " + MEASURED_SETUP, "",
               "| laqat's kernels | `compiler` | ran | laqat's default | first forward s (CPU s) "
               "| first step s (CPU s) | later steps: median s (CPU s) | later steps |",
               "|---|---|---|---|---|---|---|---|"]

@@ -1,0 +1,172 @@
+"""Repeated layers compile once under the Inductor hand-off (la_compiler/hand_off/regions.py): the split graph's
+loss and every gradient against the uncompiled model; pieces that differ (a constant, an input's strides) compile
+apart; graphs that must compile whole do. Inductor's compile_fx is replaced by AOTAutograd with eager compilers
+(``aot_eager``): the forward and backward graphs, the partitioner and the lazy backward compile are AOTAutograd's,
+without a C++ build."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import la_compiler
+import la_compiler.backend
+from la_compiler.backend import BackendOptionsError
+from la_compiler.hand_off.regions import layer_of, piece_key
+from tests.helpers import assert_close_rel
+
+TOL = 1e-4
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The node count of every graph handed to Inductor's compile_fx, each compiled by aot_eager instead."""
+    import torch._inductor.compile_fx as inductor
+    from torch._dynamo.backends.debugging import aot_eager
+
+    calls = []
+
+    def recording(gm, inputs, *args, **kwargs):
+        calls.append(len(gm.graph.nodes))
+        return aot_eager(gm, inputs)
+    monkeypatch.setattr(inductor, "compile_fx", recording)
+    return calls
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, scale: float = 1.0):
+        super().__init__()
+        self.up, self.down, self.scale = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), scale
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x))) * self.scale
+
+
+class Stack(nn.Module):
+    def __init__(self, scales, width: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(Block(width, s) for s in scales)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x).square().mean()
+
+
+def _train_step(model, x, options=None):
+    """(loss, gradients) of the compiled model against the uncompiled copy's; -> the graph's record."""
+    reference = copy.deepcopy(model)
+    start = len(la_compiler.backend.last_record().graphs)
+    loss = torch.compile(model, backend="laqat", options={"compiler": "inductor", **(options or {})})(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    assert_close_rel(loss, expected, TOL, "loss")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, TOL, f"d{name}")
+    (graph,) = la_compiler.backend.last_record().graphs[start:]
+    return graph
+
+
+def test_identical_layers_compile_once(compiles):
+    graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8))
+    assert graph.regions == "6 pieces (4 layers), 3 compiled"
+    assert len(compiles) == 3
+
+
+def test_layers_differing_in_a_constant_compile_apart(compiles):
+    """Blocks that differ only in a Python constant: Dynamo bakes it into each layer's nodes, so their pieces
+    differ and share no compile (one shared compile would scale every layer alike: the loss and the gradients
+    above would be off)."""
+    graph = _train_step(Stack([1.0, 3.0, 1.0, 3.0]), torch.randn(3, 5, 8))
+    assert graph.regions == "6 pieces (4 layers), 4 compiled"
+
+
+def test_regional_false_compiles_the_graph_whole(compiles):
+    graph = _train_step(Stack([1.0] * 3), torch.randn(2, 4, 8), {"regional": False})
+    assert graph.regions == "whole: options['regional'] is False"
+    assert len(compiles) == 1
+
+
+def test_one_layer_compiles_whole(compiles):
+    graph = _train_step(Stack([1.0]), torch.randn(2, 4, 8))
+    assert graph.regions == "whole: fewer than two layers"
+
+
+def test_symbolic_shapes_compile_whole(compiles):
+    model, x = Stack([1.0] * 2), torch.randn(2, 4, 8)
+    torch._dynamo.mark_dynamic(x, 1)
+    graph = _train_step(model, x)
+    assert graph.regions == "whole: symbolic shapes"
+
+
+def test_eager_hand_off_does_not_split(compiles):
+    graph = _train_step(Stack([1.0] * 2), torch.randn(2, 4, 8), {"compiler": "eager"})
+    assert graph.regions == "" and compiles == []
+
+
+def test_regional_option_is_a_bool():
+    with pytest.raises(BackendOptionsError, match=r"options\['regional'\] must be a bool"):
+        torch.compile(Stack([1.0]), backend="laqat", options={"regional": "yes"})(torch.randn(1, 2, 8))
+
+
+def _node(*paths):
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["nn_module_stack"] = {f"k{i}": (p, nn.Module) for i, p in enumerate(paths)}
+    return node
+
+
+def test_layer_of_reads_the_outermost_module_list_item():
+    assert layer_of(_node("L['args'][0]", "L['args'][0].model", "L['args'][0].model.layers.2",
+                          "L['args'][0].model.layers.2.mlp.experts.5")) == ("L['args'][0].model.layers", 2)
+    assert layer_of(_node("L['self']", "L['self'].layers[11]")) == ("L['self'].layers", 11)
+    # a source's own index is no layer: the root module passed as the first argument
+    assert layer_of(_node("L['args'][0]", "L['args'][0].norm")) is None
+    assert layer_of(_node()) is None
+
+
+def test_piece_key_tells_strides_dtypes_and_sharing_apart():
+    piece = torch.fx.symbolic_trace(lambda a, b: a * 2 + b)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    key = piece_key(piece, [x, y], frozenset())
+    assert piece_key(piece, [x.clone(), y.clone()], frozenset()) == key
+    assert piece_key(piece, [x.t().contiguous().t(), y], frozenset()) != key  # strides
+    assert piece_key(piece, [x.double(), y], frozenset()) != key
+    assert piece_key(piece, [x, x], frozenset()) != key  # the two inputs share memory
+    assert piece_key(piece, [x, y.requires_grad_()], frozenset()) != key
+    assert piece_key(piece, [x, y], frozenset({0})) != key
+    other = torch.fx.symbolic_trace(lambda a, b: a * 3 + b)
+    assert piece_key(other, [x, y], frozenset()) != key
+
+
+def test_fla_causal_lm_layers_compile_once(compiles):
+    """FLA's GDN causal LM in training, its recurrences rewritten: three pieces compile for two layers, and the loss
+    and every gradient match FLA's layers run on their torch references."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from tests.passes.fla_oracle import naive_fla
+
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=2,
+                                                         expand_v=1, vocab_size=64, intermediate_size=64))
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (1, 6))
+    start = len(la_compiler.backend.last_record().graphs)
+    compiled = torch.compile(model, backend="laqat", options={"compiler": "inductor"})
+    loss = compiled(tokens, labels=tokens, use_cache=False).loss
+    loss.backward()
+    with naive_fla():
+        expected = reference(tokens, labels=tokens, use_cache=False).loss
+    expected.backward()
+    assert_close_rel(loss, expected, TOL, "loss")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, TOL, f"d{name}")
+    (graph,) = la_compiler.backend.last_record().graphs[start:]
+    assert [m.module for m in graph.matches] == ["model.layers.0.attn", "model.layers.1.attn"]
+    assert graph.regions == "4 pieces (2 layers), 3 compiled"
+    assert len(compiles) == 3

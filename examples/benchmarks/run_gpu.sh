@@ -22,7 +22,8 @@
 #   recurrent  recurrent_vs_fla.py: the fused recurrent kernels' exactness, then both kinds against FLA's kernels
 #   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
-#              gradients against the fp32 oracle
+#              gradients against the fp32 oracle; then (regional, regional-16) eager FLA against laqat exact with its
+#              repeated layers compiled once and compiled as one graph, at 4 layers and at 16 (KDA, hidden 2048)
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
@@ -127,6 +128,10 @@ suite_model() {
   part recipes-gdn 540 python3 $B/model_bench.py --family gdn --no-oracle --rounds 10 --budget-s 480 \
     --lift-fla-gdn-guard
   part gradients 540 python3 $B/model_bench.py --family gdn kda --rows "laqat exact"
+  part regional 540 python3 $B/model_bench.py --family kda gdn --no-oracle --rounds 10 --lift-fla-gdn-guard \
+    --rows "eager FLA,laqat exact,laqat exact (whole graph)"
+  part regional-16 540 python3 $B/model_bench.py --family kda --no-oracle --rounds 10 --layers 16 --hidden 2048 \
+    --heads 16 --rows "eager FLA,laqat exact,laqat exact (whole graph)"
 }
 
 suite_serving() {

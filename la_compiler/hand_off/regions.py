@@ -123,7 +123,7 @@ def _argument(value, names: dict) -> Any:
 def _input(value, storages: dict) -> Any:
     if not isinstance(value, torch.Tensor):
         return type(value).__name__, repr(value)
-    storage = storages.setdefault(id(value.untyped_storage()), len(storages))  # which inputs share memory
+    storage = storages.setdefault(value.untyped_storage()._cdata, len(storages))  # which inputs share memory
     return (type(value).__name__, isinstance(value, torch.nn.Parameter), tuple(value.shape), value.stride(),
             value.storage_offset(), value.dtype, value.device, value.requires_grad, value.is_leaf, storage)
 
@@ -167,6 +167,28 @@ def _graph_output_only(split: torch.fx.GraphModule, node: torch.fx.Node, single:
         return frozenset({0}) if only_output(node) else frozenset()
     return frozenset(user.args[1] for user in node.users
                      if user.op == "call_function" and user.target.__name__ == "getitem" and only_output(user))
+
+
+def _traced_outputs(piece: torch.fx.GraphModule, inputs: list) -> Optional[tuple]:
+    """The piece's outputs as Dynamo's fake values (``example_value``, which ``split_module`` copies with each node);
+    None where one has none."""
+    given = dict(zip(piece.graph.find_nodes(op="placeholder"), inputs))
+    output = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+    values = []
+    for node in output.args[0]:
+        value = given[node] if node in given else node.meta.get("example_value")
+        if value is None:
+            return None
+        values.append(value)
+    return tuple(values)
+
+
+def _fake_run(piece: torch.fx.GraphModule, inputs: list, fake_mode) -> tuple:
+    """The piece run on fake tensors, outside any saved-tensor hooks of the caller (they would see fakes)."""
+    no_hooks = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", nullcontext)
+    with (no_hooks(), fake_mode,
+          mock.patch.object(fake_mode, "allow_non_fake_inputs", True)):
+        return tuple(piece(*inputs))
 
 
 class CompiledPiece(torch.nn.Module):
@@ -225,8 +247,8 @@ def compile_regions(graph: torch.fx.GraphModule, inputs: list, partition: dict, 
         single = _tuple_outputs(piece)
         handed_back = _graph_output_only(split, node, single)
         key = piece_key(piece, list(args), handed_back)
-        with fake_mode, mock.patch.object(fake_mode, "allow_non_fake_inputs", True):
-            outputs = piece(*args)  # the next pieces' inputs; before the compile, whose passes may change ``piece``
+        # the next pieces' inputs; taken before the compile, whose passes may change ``piece``
+        outputs = _traced_outputs(piece, list(args)) or _fake_run(piece, list(args), fake_mode)
         if key not in compiled:
             with _piece_context(outer):
                 compiled[key] = compile_piece(piece, list(args), handed_back)

@@ -14,10 +14,12 @@ from torch import nn
 import la_compiler
 import la_compiler.backend
 from la_compiler.backend import BackendOptionsError
+from la_compiler.hand_off import regions
 from la_compiler.hand_off.regions import layer_of, piece_key
 from tests.helpers import assert_close_rel
 
 TOL = 1e-4
+_original_fake_run = regions._fake_run
 
 
 @pytest.fixture
@@ -73,10 +75,25 @@ def _train_step(model, x, options=None):
     return graph
 
 
-def test_identical_layers_compile_once(compiles):
+def _no_fake_run(*args):
+    raise AssertionError("a piece ran on fakes: Dynamo's example values should have been its outputs")
+
+
+def test_identical_layers_compile_once(compiles, monkeypatch):
+    monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
     graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8))
     assert graph.regions == "6 pieces (4 layers), 3 compiled"
     assert len(compiles) == 3
+
+
+def test_pieces_without_traced_values_run_on_fakes(compiles, monkeypatch):
+    """Where a piece's output has no Dynamo example value, the piece runs on fake tensors for the next one's inputs."""
+    fake_runs = []
+    monkeypatch.setattr(regions, "_traced_outputs", lambda piece, inputs: None)
+    monkeypatch.setattr(regions, "_fake_run", lambda *a: fake_runs.append(1) or _original_fake_run(*a))
+    graph = _train_step(Stack([1.0] * 3), torch.randn(3, 5, 8))
+    assert graph.regions == "5 pieces (3 layers), 3 compiled"
+    assert len(fake_runs) == 5
 
 
 def test_layers_differing_in_a_constant_compile_apart(compiles):
@@ -145,13 +162,14 @@ def test_piece_key_tells_strides_dtypes_and_sharing_apart():
     assert piece_key(other, [x, y], frozenset()) != key
 
 
-def test_fla_causal_lm_layers_compile_once(compiles):
+def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
     """FLA's GDN causal LM in training, its recurrences rewritten: three pieces compile for two layers, and the loss
     and every gradient match FLA's layers run on their torch references."""
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
     from tests.passes.fla_oracle import naive_fla
 
+    monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=2,
                                                          expand_v=1, vocab_size=64, intermediate_size=64))
     reference = copy.deepcopy(model)

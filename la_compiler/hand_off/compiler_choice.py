@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Callable
 
 import torch
@@ -20,6 +21,8 @@ from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
 from la_compiler.hand_off.recompute_tags import tag_recomputed_ops
 from la_compiler.hand_off.regions import compile_regions, layer_partitions, unsplit_reason
 from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +61,19 @@ def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphMo
 def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs, regional: bool) -> Callable:
     if choice.compiler == "eager":
         return graph.forward
-    record = graph.meta.get("laqat_record")
+    record = graph.meta.pop("laqat_record", None)
     partition, layers = layer_partitions(graph)
     why_whole = unsplit_reason(graph, inputs, layers) if regional else "options['regional'] is False"
     if why_whole is None:
-        split, regions = compile_regions(graph, inputs, partition, layers,
-                                         functools.partial(_compile_piece, fingerprint))
-        if record is not None:
-            record.regions = regions.describe()
-        return split
+        compiled, regions = compile_regions(graph, inputs, partition, layers,
+                                            functools.partial(_compile_piece, fingerprint))
+        described = regions.describe()
+    else:
+        compiled, described = _compile_piece(fingerprint, graph, inputs), f"whole: {why_whole}"
     if record is not None:
-        record.regions = f"whole: {why_whole}"
-    return _compile_piece(fingerprint, graph, inputs)
+        record.regions = described
+    logger.info("graph %s under Inductor: %s", "?" if record is None else record.graph_id, described)
+    return compiled
 
 
 def _compile_piece(fingerprint: str, graph: torch.fx.GraphModule, inputs, handed_back: frozenset | None = None

@@ -6,6 +6,7 @@ without a C++ build."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -79,11 +80,13 @@ def _no_fake_run(*args):
     raise AssertionError("a piece ran on fakes: Dynamo's example values should have been its outputs")
 
 
-def test_identical_layers_compile_once(compiles, monkeypatch):
+def test_identical_layers_compile_once(compiles, monkeypatch, caplog):
     monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
-    graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8))
+    with caplog.at_level(logging.INFO, logger="la_compiler.hand_off.compiler_choice"):
+        graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8))
     assert graph.regions == "6 pieces (4 layers), 3 compiled"
     assert len(compiles) == 3
+    assert f"graph {graph.graph_id} under Inductor: 6 pieces (4 layers), 3 compiled" in caplog.text
 
 
 def test_pieces_without_traced_values_run_on_fakes(compiles, monkeypatch):

@@ -90,7 +90,7 @@ def unsplit_reason(graph: torch.fx.GraphModule, inputs, layers: int) -> Optional
     if any(_has_symbols(x) for x in inputs):
         return "symbolic shapes"
     context = torch._guards.TracingContext.try_get()
-    if context is not None and context.ddp_optimizer_ctx is not None:
+    if getattr(context, "ddp_optimizer_ctx", None) is not None:
         return "DDPOptimizer splits the graph by gradient bucket"
     for node in graph.graph.nodes:
         if node.op == "get_attr" and isinstance(getattr(graph, node.target, None), torch.fx.GraphModule):
@@ -248,7 +248,9 @@ def compile_regions(graph: torch.fx.GraphModule, inputs: list, partition: dict, 
         handed_back = _graph_output_only(split, node, single)
         key = piece_key(piece, list(args), handed_back)
         # the next pieces' inputs; taken before the compile, whose passes may change ``piece``
-        outputs = _traced_outputs(piece, list(args)) or _fake_run(piece, list(args), fake_mode)
+        outputs = _traced_outputs(piece, list(args))
+        if outputs is None:
+            outputs = _fake_run(piece, list(args), fake_mode)
         if key not in compiled:
             with _piece_context(outer):
                 compiled[key] = compile_piece(piece, list(args), handed_back)

@@ -193,33 +193,14 @@ def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
     assert len(compiles) == 3
 
 
-def _partition_only(graph, inputs, **_):
-    """Inductor's joint-graph partition (the min-cut partitioner as Inductor calls it), the partitioned graphs run
-    eagerly: what the Inductor hand-off saves for the backward, without a C++ build."""
-    import functools
-
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    eager = lambda gm, _: make_boxed_func(gm)  # noqa: E731
-    return aot_module_simplified(graph, inputs, fw_compiler=eager, bw_compiler=eager,
-                                 partition_fn=functools.partial(min_cut_rematerialization_partition,
-                                                                compiler="inductor"))
-
-
 def test_the_split_graph_keeps_what_the_whole_graph_keeps(monkeypatch):
     """What the backward keeps is the same tensors, split or whole: FLA's KDA causal LM, bf16, three layers, under
     Inductor's partitioner (examples/benchmarks/memory_account.py walks the saved tensors; the parameters, which
     count no bytes, are left out: a piece may keep a view of one where the whole graph keeps another)."""
-    import sys
-    from pathlib import Path
-
     import torch._inductor.compile_fx as inductor
     from fla.models import KDAConfig, KDAForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "benchmarks"))
-    import memory_account
+    from tests.la_compiler.test_saved_tensors import _partition_only, memory_account
 
     monkeypatch.setattr(inductor, "compile_fx", _partition_only)
     base = KDAForCausalLM(KDAConfig(hidden_size=32, num_hidden_layers=3, head_dim=8, num_heads=2, expand_v=1,

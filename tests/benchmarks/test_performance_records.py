@@ -237,7 +237,8 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
     out = tmp_path / "out" / "kda-cold"
     out.mkdir(parents=True)
     (out / "machine.json").write_text(json.dumps({"device": "GPU X", "gpus": 1, "torch": "2.11", "commit": "1234567"}))
-    (out / "command.txt").write_text("python3 examples/benchmarks/compile_account.py --family kda --caches cold\n")
+    (out / "command.txt").write_text("TRITON_CACHE_DIR=/tmp/laqat-cold-Ab12/kda/triton python3 "
+                                     "examples/benchmarks/compile_account.py --family kda --caches cold\n")
     account = {"family": "kda", "row": "laqat exact", "layers": 4, "hidden": 1024, "heads": 8, "head_dim": 128,
                "tag": "", "caches": "cold", "tuning": {"compile_ahead": False}, "full_searches": True, "steps": [
                    {"step": 0, "wall_s": 129.53, "phases_s": {"_compile.compile_inner": 6.32,
@@ -257,6 +258,8 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
                                      "ready_step_thread_s": 6.12, "ready_step_thread_kernels": 14}
     assert records[0]["caches"] == "cold" and records[0]["config"] == {"layers": 4, "hidden": 1024, "heads": 8,
                                                                        "head_dim": 128}
+    assert records[0]["command"] == ("TRITON_CACHE_DIR=$COLD_ROOT/kda/triton python3 "
+                                     "examples/benchmarks/compile_account.py --family kda --caches cold")
     folder = tmp_path / "results"
     folder.mkdir()
     assert record.append(records, folder) == {"compile.jsonl": 2}

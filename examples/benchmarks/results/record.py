@@ -253,6 +253,15 @@ def _nearest(path: Path, root: Path, name: str):
     return None
 
 
+# run_gpu.sh's compile parts point each cache at a folder under a fresh temporary COLD_ROOT
+COLD_CACHE = re.compile(r"\b([A-Z_]+_DIR)=/\S*?/([\w.-]+/(?:triton|laqat|inductor))(?=\s|$)")
+
+
+def portable(command: str) -> str:
+    """The command with each cache folder under a temporary root written as ``$COLD_ROOT/<row>/<cache>``."""
+    return COLD_CACHE.sub(r"\1=$COLD_ROOT/\2", command)
+
+
 def collect(out: Path, run: str, commit: str | None = None) -> list[dict]:
     """Every record the files under ``out`` hold, headed by run, date, machine, versions, commit and command."""
     if not RUN_ID.fullmatch(run):
@@ -264,7 +273,7 @@ def collect(out: Path, run: str, commit: str | None = None) -> list[dict]:
         machine_file = _nearest(path, out, "machine.json")
         machine = json.loads(machine_file.read_text()) if machine_file else {}
         command_file = _nearest(path, out, "command.txt")
-        command = command_file.read_text().strip() if command_file else f"(a file {path.name}; no command.txt)"
+        command = portable(command_file.read_text().strip()) if command_file else f"(a file {path.name}; no command.txt)"
         if path.name == "junit.xml":
             data = {}
         else:

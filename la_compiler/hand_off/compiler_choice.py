@@ -59,9 +59,9 @@ def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphMo
 
 
 def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs, regional: bool) -> Callable:
+    record = graph.meta.pop("laqat_record", None)
     if choice.compiler == "eager":
         return graph.forward
-    record = graph.meta.pop("laqat_record", None)
     partition, layers = layer_partitions(graph)
     why_whole = unsplit_reason(graph, inputs, layers) if regional else "options['regional'] is False"
     if why_whole is None:

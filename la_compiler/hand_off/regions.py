@@ -19,6 +19,7 @@ DDPOptimizer, which splits the graph itself, by gradient bucket.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from contextlib import nullcontext
 from copy import copy
@@ -166,7 +167,7 @@ def _graph_output_only(split: torch.fx.GraphModule, node: torch.fx.Node, single:
     if single:
         return frozenset({0}) if only_output(node) else frozenset()
     return frozenset(user.args[1] for user in node.users
-                     if user.op == "call_function" and user.target.__name__ == "getitem" and only_output(user))
+                     if user.op == "call_function" and user.target is operator.getitem and only_output(user))
 
 
 def _traced_outputs(piece: torch.fx.GraphModule, inputs: list) -> Optional[tuple]:

@@ -183,7 +183,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         return graph
 
     hand_off = functools.partial(compile_rewritten, chosen, compile_fingerprint(policy, opts.tuning),
-                                 regional=opts.regional, ahead=opts.tuning.compile_ahead)
+                                 regional=opts.regional)
     prefixes = root_prefixes(gm, root)
     if root is not None and any(prefixes.values()):  # a graph traced inside a submodule: reused for its siblings
         compiled = ModuleSpecializedGraph(gm, example_inputs, root, prefixes, rewrite, hand_off)

@@ -42,7 +42,6 @@ class GraphRecord:
     hand_off: str = ""  # what runs the rewritten graph: "inductor" | "eager"
     hand_off_reason: str = ""  # "options['compiler']", or the devices the default was chosen by
     regions: str = ""  # Inductor: how many pieces the graph was split into and compiled, or why it compiled whole
-    kernels_ahead: str = ""  # Inductor on a GPU: the laqat op calls whose kernels compiled during the graph's compile
     pass_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 

@@ -4,7 +4,7 @@ torch's compile phases, per step.
 
     python examples/benchmarks/compile_account.py --family gdn --row "laqat exact" [--layers 4 --hidden 1024
         --heads 8 --head-dim 128] [--steps 3] [--caches cold|warm] [--tuning compile_ahead=false]
-        [--full-searches] [--ready-on-first-launch] [--no-kernels-ahead] [--lift-fla-gdn-guard] [--tag NAME]
+        [--full-searches] [--ready-on-first-launch] [--lift-fla-gdn-guard] [--tag NAME]
 
 One row per process (model_bench.py's models and rows). The caches are the environment's (``TRITON_CACHE_DIR``,
 ``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``): a cold measurement gives the process empty folders, a warm one
@@ -16,10 +16,8 @@ compile that laqat's compile-ahead requests counts in the compile-ahead's second
 its compile in a thread), not among the compiles. A compiled kernel's readying for its first launch (binary loaded,
 C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the step's thread and in other threads
 (laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
-compile phases. The kernels of laqat's op calls that the hand-off compiles in a background thread during the graph
-compile (la_compiler/hand_off/kernels_ahead.py) count apart: that thread's seconds, how long the step waited for
-it, and its compiles (``--no-kernels-ahead`` leaves them to their first launches). ``--full-searches``: FLA's
-searches as Triton runs them, not laqat's quick ones (kernels/fla/autotune_searches.py). Writes ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns
+compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
+(kernels/fla/autotune_searches.py). Writes ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns
 it into records) and prints a table.
 """
 from __future__ import annotations
@@ -62,7 +60,6 @@ class TritonLog:
         self.searches: list[dict] = []
         self.ahead: list[float] = []  # seconds in laqat's compile-ahead of chunk training steps (per call)
         self.readies: list[dict] = []  # compiled kernels readied for their first launch (binary loaded, launcher)
-        self.jobs: list = []  # the hand-off's background compiles of laqat's op calls (hand_off/kernels_ahead.py)
         self._local = threading.local()
         self.installed = []
         self._install()
@@ -70,17 +67,14 @@ class TritonLog:
     def _install(self):
         from triton.runtime import autotuner, jit
 
-        from la_compiler.hand_off import kernels_ahead
         from la_compiler.kernels.chunk import variant
         from la_compiler.kernels.fla import autotune_searches
 
-        autotune_searches.install_search_wrapper()  # laqat's wrapper inside the timing one: a search's compiles count in it
+        autotune_searches._install()  # laqat's wrapper inside the timing one: a search's compiles count in it
         log = self
         compile_step = variant.compile_training_step
 
         def timed_compile_step(*args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():  # la_compiler/hand_off/kernels_ahead.py
-                return compile_step(*args, **kwargs)
             t0 = time.perf_counter()
             log._local.ahead = True
             try:
@@ -90,15 +84,6 @@ class TritonLog:
                 log.ahead.append(time.perf_counter() - t0)
         variant.compile_training_step = timed_compile_step
         self.installed.append("chunk variant's compile_training_step")
-        start_ahead = kernels_ahead.start
-
-        def recorded_start(*args, **kwargs):
-            job = start_ahead(*args, **kwargs)
-            if job is not None:
-                log.jobs.append(job)
-            return job
-        kernels_ahead.start = recorded_start
-        self.installed.append("hand_off.kernels_ahead.start")
         do_compile = getattr(jit.JITFunction, "_do_compile", None)
         if do_compile is not None:
             def timed_compile(fn, *args, **kwargs):
@@ -109,9 +94,7 @@ class TritonLog:
                     log.compiles.append({"kernel": fn.__name__, "origin": origin(fn.module or ""),
                                          "s": time.perf_counter() - t0,
                                          "in_search": getattr(log._local, "search", None),
-                                         "in_ahead": getattr(log._local, "ahead", False),
-                                         "in_background": threading.current_thread().name.startswith(
-                                             ("laqat-kernels-ahead", "laqat-compile-only"))})
+                                         "in_ahead": getattr(log._local, "ahead", False)})
             jit.JITFunction._do_compile = timed_compile
             self.installed.append("JITFunction._do_compile")
 
@@ -155,23 +138,15 @@ class TritonLog:
         self.installed.append("Autotuner.run")
 
     def mark(self):
-        return len(self.compiles), len(self.searches), len(self.ahead), len(self.readies), len(self.jobs)
+        return len(self.compiles), len(self.searches), len(self.ahead), len(self.readies)
 
     def since(self, mark) -> dict:
         compiles, searches = self.compiles[mark[0]:], self.searches[mark[1]:]
         out = {"laqat_compile_ahead_s": round(sum(self.ahead[mark[2]:]), 2)}
-        jobs = self.jobs[mark[4]:]
-        out["kernels_ahead"] = {"graphs": len(jobs), "calls": sum(len(j.calls) for j in jobs),
-                                "s": round(sum(j.seconds or 0 for j in jobs), 2),
-                                "waited_s": round(sum(j.waited_s or 0 for j in jobs), 2),
-                                "failed": [f for j in jobs for f in j.failed]}
         readies = self.readies[mark[3]:]
-        for where, on_step in (("step_thread", True), ("other_threads", False)):  # the step's: the main thread
+        for where, on_step in (("step_thread", True), ("other_threads", False)):
             done = [r for r in readies if r["step_thread"] == on_step]
             out[f"ready_{where}"] = {"kernels": len(done), "s": round(sum(r["s"] for r in done), 2)}
-        background = [c for c in compiles if c["in_background"]]  # during the graph compile: counted apart
-        out["kernels_ahead"]["compiles"] = len(background)
-        compiles = [c for c in compiles if not c["in_background"]]
         ahead = [c for c in compiles if c["in_ahead"]]  # compile-ahead's requests: their seconds count in it
         out["ahead_requests"] = {"compiles": len(ahead), "s": round(sum(c["s"] for c in ahead), 2)}
         compiles = [c for c in compiles if not c["in_ahead"]]
@@ -236,9 +211,6 @@ def main():
     p.add_argument("--ready-on-first-launch", action="store_true",
                    help="laqat's compile threads compile only; each kernel is readied (binary loaded, launcher built) "
                         "at its first launch, as Triton does (kernels/common/parallel_compile.py)")
-    p.add_argument("--no-kernels-ahead", action="store_true",
-                   help="laqat's op kernels compile at their first launches, not during the graph compile "
-                        "(la_compiler/hand_off/kernels_ahead.py)")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     args = p.parse_args()
@@ -250,9 +222,6 @@ def main():
         from la_compiler.kernels.common import parallel_compile
         parallel_compile.CompileAndReady = lambda pool: pool
     log = TritonLog()
-    if args.no_kernels_ahead:
-        from la_compiler.hand_off import kernels_ahead
-        kernels_ahead.start = lambda *a, **k: None
     raise_recompile_limits()
     tuning = {}
     for item in args.tuning:
@@ -275,8 +244,7 @@ def main():
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
               "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
               "tuning": tuning, "full_searches": args.full_searches,
-              "ready_on_first_launch": args.ready_on_first_launch, "no_kernels_ahead": args.no_kernels_ahead,
-              "hooks": log.installed,
+              "ready_on_first_launch": args.ready_on_first_launch, "hooks": log.installed,
               "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                              "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
@@ -303,8 +271,6 @@ def main():
         top = sorted(s["phases_s"].items(), key=lambda kv: -kv[1])[:4]
         print(f"  step {s['step']}: {s['wall_s']:7.2f} s  "
               + f"laqat compile-ahead {t['laqat_compile_ahead_s']} s  "
-              + f"kernels during the graph compile {t['kernels_ahead']['calls']} calls {t['kernels_ahead']['s']} s "
-              + f"(waited {t['kernels_ahead']['waited_s']} s, failed {t['kernels_ahead']['failed']})  "
               + f"readied on the step's thread {t['ready_step_thread']['kernels']} "
               + f"{t['ready_step_thread']['s']} s  "
               + "  ".join(f"{who} {t[who]['compiles']} compiles {t[who]['compile_s']} s, {t[who]['searches']} "

@@ -28,11 +28,9 @@
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
 #              then warm (a second process on the first's caches); GDN at 16 layers also compiled as one graph (the
-#              "laqat exact (whole graph)" row: options regional=False); KDA at 4 and GDN at 16 layers also with laqat's
-#              op kernels compiled at their first launches, not during the graph compile (--no-kernels-ahead); KDA at 4
-#              layers also with each kernel readied at its first launch (--ready-on-first-launch) and, at hidden 1536,
-#              with FLA's full searches (how close the narrowed searches come to every candidate at a shape they were
-#              not chosen from)
+#              "laqat exact (whole graph)" row: options regional=False); KDA at 4 layers also with each kernel readied at its
+#              first launch (--ready-on-first-launch) and, at hidden 1536, with FLA's full searches (how close the
+#              narrowed searches come to every candidate at a shape they were not chosen from)
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
 #              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
 #              from raw projections, forward: server and forward: laqat), the server's pre-processing and the GDN and KDA
@@ -161,9 +159,6 @@ suite_compile() {
   # shellcheck disable=SC2046
   part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches warm
   # shellcheck disable=SC2046
-  part kda-cold-no-ahead 300 $(compile_caches kda-no-ahead) $CA --family kda --row "laqat exact" --caches cold \
-    --no-kernels-ahead
-  # shellcheck disable=SC2046
   part kda-cold-ready-on-launch 300 $(compile_caches kda-on-launch) $CA --family kda --row "laqat exact" --caches cold \
     --ready-on-first-launch
   # shellcheck disable=SC2046
@@ -175,9 +170,6 @@ suite_compile() {
   # shellcheck disable=SC2046
   part gdn-16-warm 120 $(compile_caches gdn16) $CA --family gdn --row "laqat exact" --layers 16 --hidden 2048 \
     --heads 16 --caches warm
-  # shellcheck disable=SC2046
-  part gdn-16-cold-no-ahead 400 $(compile_caches gdn16-no-ahead) $CA --family gdn --row "laqat exact" --layers 16 \
-    --hidden 2048 --heads 16 --caches cold --no-kernels-ahead
   # shellcheck disable=SC2046
   part gdn-16-cold-whole 400 $(compile_caches gdn16-whole) $CA --family gdn --row "laqat exact (whole graph)" \
     --layers 16 --hidden 2048 --heads 16 --caches cold

@@ -33,12 +33,6 @@ def triton_device_calls() -> tuple[Callable[[], int], Callable[[int], None]]:
     return driver.active.get_current_device, driver.active.set_current_device
 
 
-def _enclosing_mode():
-    from triton.runtime._async_compile import active_mode
-
-    return active_mode.get()
-
-
 class CompileAndReady(Executor):
     """An executor for AsyncCompileMode whose jobs, once a kernel is compiled, ready it for its first launch on the
     device current where the compile was requested (``CompiledKernel._init_handles``: load the binary, build the
@@ -70,16 +64,15 @@ class CompileAndReady(Executor):
 
 
 @contextlib.contextmanager
-def compiles_in_threads(threads: int | None = None, name: str = "laqat-compile"):
+def compiles_in_threads(threads: int | None = None):
     """Inside: a Triton kernel compile (a launch with ``warmup=True``) is queued to ``threads`` threads (default
     ``COMPILE_THREADS``), which also ready each kernel for its first launch (``CompileAndReady``); all have
     finished on exit. A compile that fails is dropped: the kernel's real launch compiles it again and raises.
-    Without AsyncCompileMode, compiles run where they are requested; inside an enclosing block, they join its threads
-    (and have finished when it ends)."""
+    Without AsyncCompileMode, compiles run where they are requested."""
     mode = async_compile_mode()
-    if mode is None or _enclosing_mode() is not None:
+    if mode is None:
         yield
         return
-    with ThreadPoolExecutor(threads or COMPILE_THREADS, thread_name_prefix=name) as pool, \
+    with ThreadPoolExecutor(threads or COMPILE_THREADS, thread_name_prefix="laqat-compile") as pool, \
             mode(CompileAndReady(pool), ignore_errors=True):
         yield

@@ -15,14 +15,10 @@ not in its cache, more than one candidate):
   kernel names its own bench), and keeps the fastest in the autotuner's own cache (shared with FLA's eager calls)
   and, where FLA asks for it, Triton's disk cache.
 
-Inside kernels/common/compile_only.py's ``compile_only()`` such a search only compiles the candidates it would time
-(narrowed inside ``quick_searches()``, all of them outside) and launches nothing: the search itself then runs at the
-kernel's first real launch, on kernels already compiled (la_compiler/hand_off/kernels_ahead.py).
-
 The kernels compute what they compute under any candidate; where a candidate splits a reduction differently, the
 last bits of that reduction follow the choice, as they follow FLA's own search from one machine to the next. The
-wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` or ``compile_only()`` and passes every
-call through unchanged outside them.
+wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` and passes every call through unchanged
+outside one.
 """
 from __future__ import annotations
 
@@ -31,7 +27,6 @@ import contextvars
 import functools
 import threading
 
-from la_compiler.kernels.common import compile_only
 from la_compiler.kernels.common.parallel_compile import compiles_in_threads
 from la_compiler.options import fla_searches
 
@@ -58,7 +53,7 @@ _installed = False
 @contextlib.contextmanager
 def quick_searches():
     """Autotuning searches started inside compile their candidates in parallel and time each briefly."""
-    install_search_wrapper()
+    _install()
     token = _inside.set(True)
     try:
         yield
@@ -101,7 +96,16 @@ def _search(run, tuner, args, kwargs):
 
 
 def _timed_search(run, tuner, args, kwargs):
-    _compile_candidates(tuner, args, kwargs, at_least=2)
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    candidates = tuner.prune_configs(kwargs)
+    if len(candidates) > 1:
+        meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's own
+        with compiles_in_threads():
+            for config in candidates:
+                try:
+                    tuner.fn.run(*args, grid=(1,), warmup=True, **meta, **config.all_kwargs())
+                except Exception:  # noqa: BLE001 - the search's own launch of this candidate reports it
+                    pass
     # the autotuner's own bench where the kernel names one (FLA's warmup / rep, a do_bench), else the short one
     swap = "_do_bench" in tuner.__dict__ and tuner._do_bench is None
     if swap:
@@ -113,39 +117,7 @@ def _timed_search(run, tuner, args, kwargs):
             tuner._do_bench = None
 
 
-def _compile_candidates(tuner, args, kwargs, at_least: int = 1) -> None:
-    """Every candidate of ``tuner.configs`` that its pruning keeps for these arguments compiled, in threads (where
-    there are ``at_least`` of them)."""
-    tuner.nargs = dict(zip(tuner.arg_names, args))
-    try:
-        candidates = tuner.prune_configs(kwargs)
-    finally:
-        tuner.nargs = None
-    if len(candidates) < at_least:
-        return
-    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's own
-    with compiles_in_threads():
-        for config in candidates:
-            try:
-                tuner.fn.run(*args, grid=(1,), warmup=True, **meta, **config.all_kwargs())
-            except Exception:  # noqa: BLE001 - the search's own launch of this candidate reports it
-                pass
-
-
-def _compile_search(tuner, args, kwargs) -> None:
-    """Under kernels/common/compile_only.py: the compiles of the search this launch would start, and no search."""
-    full = tuner.configs
-    if _inside.get():
-        tuner.configs = narrowed(getattr(tuner.base_fn, "__name__", ""), full)
-    try:
-        _compile_candidates(tuner, args, kwargs)
-    finally:
-        tuner.configs = full
-
-
-def install_search_wrapper() -> None:
-    """Laqat's wrapper around Triton's ``Autotuner.run`` (once per process): quick searches inside
-    ``quick_searches()``, compiles only inside kernels/common/compile_only.py's ``compile_only()``."""
+def _install() -> None:
     global _installed
     if _installed:  # every call of a searched FLA function comes here
         return
@@ -158,10 +130,7 @@ def install_search_wrapper() -> None:
 
         @functools.wraps(run)
         def run_with_quick_searches(tuner, *args, **kwargs):
-            if ((_inside.get() or compile_only.active()) and len(tuner.configs) > 1
-                    and tuning_key(tuner, args, kwargs) not in tuner.cache):
-                if compile_only.active():
-                    return _compile_search(tuner, args, kwargs)
+            if _inside.get() and len(tuner.configs) > 1 and tuning_key(tuner, args, kwargs) not in tuner.cache:
                 return _search(run, tuner, args, kwargs)
             return run(tuner, *args, **kwargs)
 

@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from la_compiler.hand_off import kernels_ahead
 from la_compiler.hand_off.cache_key import cache_key_patches
 from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_linear_outputs
 from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
@@ -49,18 +48,14 @@ def choose_hand_off(option: str | None, gm: torch.fx.GraphModule, example_inputs
 
 
 def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs,
-                      regional: bool = True, ahead: bool = True) -> Callable:
+                      regional: bool = True) -> Callable:
     """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler; a loss that overwrites its
     logits with their gradient runs after it, outside (loss_tails.py). ``fingerprint`` (cache_key.py) joins the keys
-    of Inductor's and AOTAutograd's caches. ``regional``: under Inductor, repeated layers compile once (regions.py).
-    ``ahead``: under Inductor, the Triton kernels of laqat's ops compile while Inductor compiles the graph
-    (kernels_ahead.py). ``graph.meta["laqat_record"]``, where set, learns how the graph was split and compiled."""
-    record = graph.meta.get("laqat_record")
-    job = kernels_ahead.start(graph, record) if ahead and choice.compiler == "inductor" else None
+    of Inductor's and AOTAutograd's caches. ``regional``: under Inductor, repeated layers compile once (regions.py);
+    ``graph.meta["laqat_record"]``, where set, learns how the graph was split."""
     tail = split_loss_tail(graph)
     compiled = _compile_head(choice, fingerprint, graph, inputs, regional)
-    compiled = with_loss_tail(compiled, tail) if tail is not None else compiled
-    return kernels_ahead.after_kernels_ahead(compiled, job, record)
+    return with_loss_tail(compiled, tail) if tail is not None else compiled
 
 
 def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs, regional: bool) -> Callable:

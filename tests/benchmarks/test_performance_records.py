@@ -265,38 +265,4 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
     assert record.append(records, folder) == {"compile.jsonl": 2}
     page = render.render(render.load(folder), [])
     assert ("| KDA | 4 x 1024 | cold | t.compile_ahead=false, full searches | 129.5 | 8.0 | 0 | 7.9 | 108.9 | 0.2 | "
-            "6.1 | - | 1234567 | 2027-01-02-01 |") in page
-
-
-def test_the_background_compile_of_laqat_ops_is_its_own_figure_and_setting(tmp_path):
-    """compile_account.py's ``kernels_ahead`` (la_compiler/hand_off/kernels_ahead.py) becomes three figures and the
-    page's column "op kernels during the graph compile s"; ``--no-kernels-ahead`` becomes a setting of its own."""
-    for tag, no_ahead, figures in (("with", False, {"graphs": 1, "calls": 9, "s": 5.27, "waited_s": 0.41,
-                                                    "failed": [], "compiles": 40}),
-                                   ("without", True, {"graphs": 0, "calls": 0, "s": 0, "waited_s": 0, "failed": [],
-                                                      "compiles": 0})):
-        out = tmp_path / "out" / tag
-        out.mkdir(parents=True)
-        (out / "machine.json").write_text(json.dumps({"device": "GPU X", "gpus": 1, "torch": "2.11",
-                                                      "commit": "1234567"}))
-        (out / "command.txt").write_text("python3 examples/benchmarks/compile_account.py --family kda\n")
-        account = {"family": "kda", "row": "laqat exact", "layers": 4, "hidden": 1024, "heads": 8, "head_dim": 128,
-                   "tag": "", "caches": "cold", "tuning": {}, "full_searches": False, "no_kernels_ahead": no_ahead,
-                   "steps": [{"step": 0, "wall_s": 17.0 if not no_ahead else 21.0,
-                              "phases_s": {"_compile.compile_inner": 6.0},
-                              "triton": {"laqat_compile_ahead_s": 0.1, "kernels_ahead": figures,
-                                         "ready_step_thread": {"kernels": 1, "s": 0.2}}}]}
-        (out / "compile_account.json").write_text(json.dumps(account))
-    records = record.collect(tmp_path / "out", "2027-01-02-01")
-    by_setting = {bool(r.get("no_kernels_ahead")): r for r in records}
-    assert by_setting[False]["figures"]["kernels_ahead_s"] == 5.27
-    assert by_setting[False]["figures"]["kernels_ahead_waited_s"] == 0.41
-    assert by_setting[False]["figures"]["kernels_ahead_calls"] == 9
-    assert by_setting[True]["figures"]["kernels_ahead_calls"] == 0
-    folder = tmp_path / "results"
-    folder.mkdir()
-    record.append(records, folder)
-    page = render.render(render.load(folder), [])
-    assert "| KDA | 4 x 1024 | cold | defaults | 17.0 | 6.0 | 0.1 |" in page
-    assert "| 0.2 | 5.3 (0.4) | 1234567 |" in page
-    assert "| KDA | 4 x 1024 | cold | op kernels at their first launch | 21.0 |" in page
+            "6.1 | 1234567 | 2027-01-02-01 |") in page

@@ -121,8 +121,7 @@ def model_bench(data: dict, head: dict) -> list[dict]:
 def compile_account(data: dict, head: dict) -> list[dict]:
     """One record per step of ``compile_account.py``: the step's wall seconds, torch's graph compiles (Dynamo's
     ``_compile.compile_inner`` and Inductor's backward compile), laqat's compile-ahead, the Triton compiles and
-    autotuning searches by origin, the kernels readied for their first launch on the step's thread, the background
-    compile of laqat's op calls during the graph compile (its seconds and the step's wait for it)."""
+    autotuning searches by origin, the kernels readied for their first launch on the step's thread."""
     caches = data.get("caches") or next((w for w in ("cold", "warm") if w in data.get("tag", "").split("-")), None)
     config = {k: data[k] for k in ("layers", "hidden", "heads", "head_dim") if k in data}
     out = []
@@ -137,10 +136,6 @@ def compile_account(data: dict, head: dict) -> list[dict]:
             figures[f"{who}_compile_s"] = part.get("compile_s", 0)
             figures[f"{who}_search_s"] = part.get("search_s", 0)
             figures[f"{who}_searches"] = part.get("searches", 0)
-        if "kernels_ahead" in triton:  # laqat's op calls compiled in the background during the graph compile
-            figures["kernels_ahead_s"] = triton["kernels_ahead"]["s"]
-            figures["kernels_ahead_waited_s"] = triton["kernels_ahead"]["waited_s"]
-            figures["kernels_ahead_calls"] = triton["kernels_ahead"]["calls"]
         if "ready_step_thread" in triton:  # kernels readied for their first launch on the step's thread
             figures["ready_step_thread_s"] = triton["ready_step_thread"]["s"]
             figures["ready_step_thread_kernels"] = triton["ready_step_thread"]["kernels"]
@@ -148,7 +143,6 @@ def compile_account(data: dict, head: dict) -> list[dict]:
                     "caches": caches, "step": step["step"], "tuning": data.get("tuning") or {},
                     "full_searches": bool(data.get("full_searches")),
                     **({"ready_on_first_launch": True} if data.get("ready_on_first_launch") else {}),
-                    **({"no_kernels_ahead": True} if data.get("no_kernels_ahead") else {}),
                     "figures": figures})
     return out
 

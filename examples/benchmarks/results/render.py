@@ -333,50 +333,39 @@ def model_shape_section(rows) -> list[str]:
                         "loss", "kernels", "error", "run"], lines) + notes.lines()
 
 
-def _kernels_ahead(f: dict) -> str:
-    if "kernels_ahead_s" not in f:
-        return "-"
-    return f"{f['kernels_ahead_s']:.1f} ({f['kernels_ahead_waited_s']:.1f})"
-
-
 def compile_section(records) -> list[str]:
     rows = [r for r in of(records, "compile") if r["step"] == 0]
     best = latest(rows, lambda r: (r["model"], tuple(sorted(r["config"].items())), r["caches"],
                                    json.dumps(r["tuning"], sort_keys=True), r["full_searches"],
-                                   r.get("ready_on_first_launch", False), r.get("no_kernels_ahead", False), r["row"]))
+                                   r.get("ready_on_first_launch", False), r["row"]))
     out = ["## The first training step (`compile_account.py`, docs/model-bench.md)", "",
            "The model benchmark's `laqat exact` row (B=2, T=4096, bf16), its first step in a fresh process: cold, every "
            "cache empty (Triton's, laqat's, Inductor's); warm, the caches of a cold process before it. graph compiles: "
            "Dynamo's capture with AOTAutograd and Inductor's forward compile, and Inductor's backward compile; "
            "compile-ahead: laqat's chunk kernels compiled before their first launch; searches: the autotuning "
            "searches of FLA's kernels under laqat's ops, compiles included; readied on the step: compiled kernels "
-           "loaded and their launchers built on the step's own thread (a dash where a run did not record it); op "
-           "kernels during the graph compile: the kernels of laqat's op calls compiled in a background thread while "
-           "Inductor compiles (la_compiler/hand_off/kernels_ahead.py), its seconds and, in brackets, how long the "
-           "step waited for it (a dash before it existed); `op kernels at their first launch`: without that thread "
-           "(`--no-kernels-ahead`). "
+           "loaded and their launchers built on the step's own thread (a dash where a run did not record it). "
            "`full searches`: FLA's searches as Triton runs them; `readied at first launch`: laqat's compile threads "
            "compile only (`--ready-on-first-launch`); `one graph`: the row `laqat exact (whole graph)`, "
            "`options={\"regional\": False}` (every layer compiled, as before laqat's regional hand-off; "
            "docs/options.md, \"Hand-off\").", ""]
     notes = Notes()
     lines = []
-    for (model, _, caches, tuning, full, on_launch, no_ahead, row), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
+    for (model, _, caches, tuning, full, on_launch, row), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
                                                                                       kv[1]["run"])):
         f, c = r["figures"], r["config"]
         setting = ", ".join([f"t.{k}={json.dumps(v)}" for k, v in json.loads(tuning).items()]
                             + (["full searches"] if full else []) + (["readied at first launch"] if on_launch else [])
-                            + (["one graph"] if row == "laqat exact (whole graph)" else [])
-                            + (["op kernels at their first launch"] if no_ahead else []))
+                            + (["one graph"] if row == "laqat exact (whole graph)" else []))
         lines.append([model.upper(), f"{c.get('layers')} x {c.get('hidden')}", caches or "-", setting or "defaults",
                       fmt(f["wall_s"], "{:.1f}"), fmt(f["graph_compile_s"], "{:.1f}"),
                       fmt(f["laqat_compile_ahead_s"], "{:.1f}"), fmt(f["laqat_compile_s"], "{:.1f}"),
                       fmt(f["fla_search_s"], "{:.1f}"), fmt(f["fla_compile_s"], "{:.1f}"),
-                      fmt(f.get("ready_step_thread_s"), "{:.1f}"), _kernels_ahead(f), r["commit"],
+                      fmt(f.get("ready_step_thread_s"), "{:.1f}"), r["commit"],
                       r["run"] + notes.mark(r)])
     return out + table(["model", "layers x hidden", "caches", "setting", "first step s", "graph compiles s",
                         "compile-ahead s", "laqat compiles s", "FLA searches s", "FLA compiles s",
-                        "readied on the step s", "op kernels during the graph compile s", "commit", "run"],
+                        "readied on the step s", "commit", "run"],
                        lines) + notes.lines()
 
 

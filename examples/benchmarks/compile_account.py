@@ -4,7 +4,7 @@ torch's compile phases, per step.
 
     python examples/benchmarks/compile_account.py --family gdn --row "laqat exact" [--layers 4 --hidden 1024
         --heads 8 --head-dim 128] [--steps 3] [--caches cold|warm] [--tuning compile_ahead=false]
-        [--full-searches] [--ready-on-first-launch] [--lift-fla-gdn-guard] [--tag NAME]
+        [--full-searches] [--ready-on-first-launch] [--profile N] [--lift-fla-gdn-guard] [--tag NAME]
 
 One row per process (model_bench.py's models and rows). The caches are the environment's (``TRITON_CACHE_DIR``,
 ``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``): a cold measurement gives the process empty folders, a warm one
@@ -17,7 +17,8 @@ its compile in a thread), not among the compiles. A compiled kernel's readying f
 C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the step's thread and in other threads
 (laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
 compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
-(kernels/fla/autotune_searches.py). Writes ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns
+(kernels/fla/autotune_searches.py). ``--profile N``: the first step's N functions with the most cumulative seconds
+(cProfile, the main thread). Writes ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns
 it into records) and prints a table.
 """
 from __future__ import annotations
@@ -25,8 +26,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import sys
 import threading
 import time
@@ -195,6 +198,17 @@ def phases_since(counted: dict) -> dict:
             if len(times) > counted.get(name, 0)}
 
 
+def profile_top(profiler, count: int) -> list[dict]:
+    """The ``count`` functions of the step's main thread with the most cumulative seconds (cProfile)."""
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = filename.split("site-packages/")[-1].replace(str(Path(__file__).resolve().parents[2]) + "/", "")
+        rows.append({"function": f"{where}:{line}({name})", "calls": calls, "own_s": round(own, 3),
+                     "cumulative_s": round(cumulative, 3)})
+    return sorted(rows, key=lambda r: -r["cumulative_s"])[:count]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=["kda", "gdn"], required=True)
@@ -211,6 +225,8 @@ def main():
     p.add_argument("--ready-on-first-launch", action="store_true",
                    help="laqat's compile threads compile only; each kernel is readied (binary loaded, launcher built) "
                         "at its first launch, as Triton does (kernels/common/parallel_compile.py)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="cProfile the first step's main thread: its N functions with the most cumulative seconds")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     args = p.parse_args()
@@ -252,12 +268,19 @@ def main():
         sync()
         counted = {name: len(t) for name, t in torch._dynamo.utils.compilation_time_metrics.items()}
         mark = log.mark()
+        profiler = cProfile.Profile() if args.profile and i == 0 else None
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         row.optimizer.zero_grad(set_to_none=True)
         loss = row.step(ids)
         sync()
+        if profiler is not None:
+            profiler.disable()
         step = {"step": i, "wall_s": round(time.perf_counter() - t0, 2), "loss": round(loss.item(), 4),
                 "phases_s": phases_since(counted), "triton": log.since(mark)}
+        if profiler is not None:
+            step["profile"] = profile_top(profiler, args.profile)
         result["steps"].append(step)
         print(json.dumps(step), flush=True)
     out = Path(os.environ.get("OUT", "out"))

@@ -58,7 +58,7 @@ class BackendOptions:
     compiler: str | None = None  # what runs the rewritten graph; None: chosen by device (la_compiler.hand_off.compiler_choice)
     verify: bool = False  # the thorough rewrite check (the whole region); a bounded one runs on every compile
     tuning: TuningOptions = DEFAULT_TUNING  # the chunk kernels' launches (docs/options.md)
-    regional: bool = True  # Inductor: repeated layers compile once (la_compiler.hand_off.regions)
+    regional: bool | int = True  # Inductor: repeated layers compile once; an int: layers per piece (hand_off.regions)
 
     @staticmethod
     def from_user(options: dict[str, Any] | None) -> "BackendOptions":
@@ -79,8 +79,9 @@ class BackendOptions:
         if not isinstance(verify, bool):
             raise BackendOptionsError(f"options['verify'] must be a bool, got {verify!r}")
         regional = options.get("regional", True)
-        if not isinstance(regional, bool):
-            raise BackendOptionsError(f"options['regional'] must be a bool, got {regional!r}")
+        if not isinstance(regional, (bool, int)) or (not isinstance(regional, bool) and regional < 1):
+            raise BackendOptionsError(f"options['regional'] must be a bool or a number of layers per piece (>= 1), "
+                                      f"got {regional!r}")
         try:
             tuning = TuningOptions.from_dict(options.get("tuning"), key="options['tuning'].")
         except OptionsError as e:

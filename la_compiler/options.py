@@ -212,6 +212,7 @@ REGIONAL = ("Under Inductor, `options={\"regional\": True}` (the default) splits
             "does under Dynamo's DDPOptimizer (which splits by gradient bucket) and with `False`. The graph's record "
             "(`la_compiler.backend.last_record().graphs[i].regions`) says how it was split (`18 pieces (16 layers), "
             "3 compiled`) or why it compiled whole")
+LAYERS_PER_PIECE = 4  # options["regional"] True: the layers of one piece
 DEVICE_HAND_OFF = "inductor"  # unset, where a tensor of the graph is on an accelerator (CUDA, XPU, ...)
 CPU_HAND_OFF = "eager"  # unset, where every tensor of the graph is on the CPU
 

@@ -81,8 +81,10 @@ BASE_ROWS = {  # row -> (compile backend or None, policy)
     "laqat exact": ("laqat", "exact"),
     "laqat exact (laqat chunk kernels)": ("laqat", CHUNK_EXACT),
     "laqat exact (whole graph)": ("laqat", "exact"),
+    "laqat exact (1 layer per piece)": ("laqat", "exact"),
 }
-ROW_OPTIONS = {"laqat exact (whole graph)": {"regional": False}}  # laqat options beside the policy
+ROW_OPTIONS = {"laqat exact (whole graph)": {"regional": False},  # laqat options beside the policy
+               "laqat exact (1 layer per piece)": {"regional": 1}}
 # the shipped recipes in table order; a recipe added to la_compiler/recipes/ later becomes a row after these
 RECIPE_ORDER = ("state_fp8", "state_int8_block32", "state_int8_hadamard32", "w_fp8", "prefill_operands_fp8",
                 "prefill_operands_nvfp4", "decode_token_state_fp8", "vllm_gdn_state_bf16", "vllm_kda_state_bf16")

@@ -20,7 +20,7 @@ from la_compiler.hand_off.linear_outputs import hand_back_linear_outputs, with_l
 from la_compiler.hand_off.loss_tails import split_loss_tail, with_loss_tail
 from la_compiler.hand_off.recompute_tags import tag_recomputed_ops
 from la_compiler.hand_off.regions import compile_regions, layer_partitions, unsplit_reason
-from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF
+from la_compiler.options import CPU_HAND_OFF, DEVICE_HAND_OFF, LAYERS_PER_PIECE
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +48,28 @@ def choose_hand_off(option: str | None, gm: torch.fx.GraphModule, example_inputs
 
 
 def compile_rewritten(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs,
-                      regional: bool = True) -> Callable:
+                      regional: bool | int = True) -> Callable:
     """The callable that runs ``graph`` (laqat's passes done) under the chosen compiler; a loss that overwrites its
     logits with their gradient runs after it, outside (loss_tails.py). ``fingerprint`` (cache_key.py) joins the keys
-    of Inductor's and AOTAutograd's caches. ``regional``: under Inductor, repeated layers compile once (regions.py);
+    of Inductor's and AOTAutograd's caches. ``regional``: under Inductor, repeated layers compile once, ``True``
+    ``LAYERS_PER_PIECE`` of them per piece, an int that many (regions.py);
     ``graph.meta["laqat_record"]``, where set, learns how the graph was split."""
     tail = split_loss_tail(graph)
     compiled = _compile_head(choice, fingerprint, graph, inputs, regional)
     return with_loss_tail(compiled, tail) if tail is not None else compiled
 
 
-def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs, regional: bool) -> Callable:
+def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule, inputs,
+                  regional: bool | int) -> Callable:
     record = graph.meta.pop("laqat_record", None)
     if choice.compiler == "eager":
         return graph.forward
-    partition, layers = layer_partitions(graph)
-    why_whole = unsplit_reason(graph, inputs, layers) if regional else "options['regional'] is False"
+    per_piece = LAYERS_PER_PIECE if regional is True else int(regional)
+    partition, layers = layer_partitions(graph, per_piece)
+    why_whole = unsplit_reason(graph, inputs, layers, per_piece) if regional else "options['regional'] is False"
     if why_whole is None:
         compiled, regions = compile_regions(graph, inputs, partition, layers,
-                                            functools.partial(_compile_piece, fingerprint))
+                                            functools.partial(_compile_piece, fingerprint), per_piece)
         described = regions.describe()
     else:
         compiled, described = _compile_piece(fingerprint, graph, inputs), f"whole: {why_whole}"

@@ -41,13 +41,16 @@ PieceCompiler = Callable[[torch.fx.GraphModule, list, frozenset], Callable]
 
 @dataclasses.dataclass(frozen=True)
 class Regions:
-    """How a graph was split: its pieces, how many of them were layers, and how many compiles they took."""
+    """How a graph was split: its pieces, how many of them were layers (``per_piece`` layers each), and how many
+    compiles they took."""
     pieces: int
     layers: int
     compiles: int
+    per_piece: int = 1
 
     def describe(self) -> str:
-        return f"{self.pieces} pieces ({self.layers} layers), {self.compiles} compiled"
+        groups = f"{self.layers} layers" if self.per_piece == 1 else f"{self.layers} runs of {self.per_piece} layers"
+        return f"{self.pieces} pieces ({groups}), {self.compiles} compiled"
 
 
 def layer_of(node: torch.fx.Node) -> Optional[tuple[str, int]]:
@@ -59,15 +62,18 @@ def layer_of(node: torch.fx.Node) -> Optional[tuple[str, int]]:
     return None
 
 
-def layer_partitions(graph: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, int], int]:
-    """Each computing node's piece, numbered in graph order: a new piece wherever the layer changes, the nodes
-    outside any layer included; -> (the pieces, how many of them are layers)."""
+def layer_partitions(graph: torch.fx.GraphModule, per_piece: int = 1) -> tuple[dict[torch.fx.Node, int], int]:
+    """Each computing node's piece, numbered in graph order: a new piece wherever the run of ``per_piece``
+    consecutive layers (layers 0 to per_piece - 1 of a module list, then the next per_piece) changes, the nodes
+    outside any layer included; -> (the pieces, how many of them are layer runs)."""
     partition: dict[torch.fx.Node, int] = {}
     current, count, layers = None, -1, 0
     for node in graph.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         layer = layer_of(node)
+        if layer is not None:
+            layer = layer[0], layer[1] // per_piece
         if count < 0 or layer != current:
             count += 1
             layers += layer is not None
@@ -84,10 +90,10 @@ def _has_symbols(value) -> bool:
     return False
 
 
-def unsplit_reason(graph: torch.fx.GraphModule, inputs, layers: int) -> Optional[str]:
-    """Why ``graph`` compiles whole; None where it splits."""
+def unsplit_reason(graph: torch.fx.GraphModule, inputs, layers: int, per_piece: int = 1) -> Optional[str]:
+    """Why ``graph`` compiles whole; None where it splits (``layers``: its runs of ``per_piece`` layers)."""
     if layers < 2:
-        return "fewer than two layers"
+        return "fewer than two layers" if per_piece == 1 else f"fewer than two runs of {per_piece} layers"
     if any(_has_symbols(x) for x in inputs):
         return "symbolic shapes"
     context = torch._guards.TracingContext.try_get()
@@ -220,7 +226,7 @@ def _piece_context(outer):
 
 
 def compile_regions(graph: torch.fx.GraphModule, inputs: list, partition: dict, layers: int,
-                    compile_piece: PieceCompiler) -> tuple[torch.fx.GraphModule, Regions]:
+                    compile_piece: PieceCompiler, per_piece: int = 1) -> tuple[torch.fx.GraphModule, Regions]:
     """``graph`` split by ``partition`` (``layer_partitions``), each distinct piece compiled once by
     ``compile_piece``; -> the split graph (called with the graph's inputs) and what was done."""
     split = split_module(graph, None, lambda node: partition[node], keep_original_order=True)
@@ -258,4 +264,4 @@ def compile_regions(graph: torch.fx.GraphModule, inputs: list, partition: dict, 
         setattr(split, node.target, CompiledPiece(compiled[key], single))
         env[node] = outputs[0] if single else outputs
     split.recompile()
-    return split, Regions(pieces=pieces, layers=layers, compiles=len(compiled))
+    return split, Regions(pieces=pieces, layers=layers, compiles=len(compiled), per_piece=per_piece)

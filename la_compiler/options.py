@@ -203,15 +203,20 @@ LOSS_TAIL = ("Under both, FLA's fused cross-entropy with `inplace_backward=True`
              "the logits' gradient into the logits, as FLA's does, where a compiled graph would allocate another "
              "tensor of their size (la_compiler/hand_off/loss_tails.py, docs/memory.md)")
 REGIONAL = ("Under Inductor, `options={\"regional\": True}` (the default) splits a graph whose nodes fall in two or "
-            "more layers of a module list (Dynamo's module paths `model.layers.0`, `layers[3]`) at the layers' bounds "
-            "and compiles each distinct piece once: layers with the same code and the same input shapes, strides and "
-            "dtypes run one compiled forward and backward, each with its own parameters (la_compiler/hand_off/"
-            "regions.py). The partitioner then decides what each piece keeps for its backward, and Inductor fuses "
-            "within a piece, not across two. A graph with fewer than two layers, symbolic shapes, a higher-order op "
-            "(activation checkpointing's, say) or a node that changes autocast or grad mode compiles whole, as it "
-            "does under Dynamo's DDPOptimizer (which splits by gradient bucket) and with `False`. The graph's record "
-            "(`la_compiler.backend.last_record().graphs[i].regions`) says how it was split (`18 pieces (16 layers), "
-            "3 compiled`) or why it compiled whole")
+            "more runs of `LAYERS_PER_PIECE` (4) consecutive layers of a module list (Dynamo's module paths "
+            "`model.layers.0`, `layers[3]`; layers 0-3 are a run, 4-7 the next) at the runs' bounds and compiles each "
+            "distinct piece once: runs with the same code and the same input shapes, strides and dtypes run one "
+            "compiled forward and backward, each with its own parameters (la_compiler/hand_off/regions.py). An int "
+            "`n` makes runs of `n` layers (`1`: a piece per layer). Each piece's call costs the step the Python of an "
+            "AOTAutograd graph, forward and backward: on the H200 a piece per layer made the step of a 4-layer LM "
+            "1.12-1.16x slower than one graph; runs of four keep it within 2 % of one graph at 16 layers, with less "
+            "than half its graph compile time (docs/model-bench.md, \"Repeated layers compile once\"). The partitioner then decides what each "
+            "piece keeps for its backward, and Inductor fuses within a piece, not across two. A graph with fewer than "
+            "two runs (a 4-layer LM, by default), symbolic shapes, a higher-order op (activation checkpointing's, "
+            "say) or a node that changes autocast or grad mode compiles whole, as it does under Dynamo's "
+            "DDPOptimizer (which splits by gradient bucket) and with `False`. The graph's record "
+            "(`la_compiler.backend.last_record().graphs[i].regions`) says how it was split (`6 pieces (4 runs of 4 "
+            "layers), 3 compiled`) or why it compiled whole")
 LAYERS_PER_PIECE = 4  # options["regional"] True: the layers of one piece
 DEVICE_HAND_OFF = "inductor"  # unset, where a tensor of the graph is on an accelerator (CUDA, XPU, ...)
 CPU_HAND_OFF = "eager"  # unset, where every tensor of the graph is on the CPU

@@ -17,6 +17,7 @@ import la_compiler.backend
 from la_compiler.backend import BackendOptionsError
 from la_compiler.hand_off import regions
 from la_compiler.hand_off.regions import layer_of, piece_key
+from la_compiler.options import LAYERS_PER_PIECE
 from tests.helpers import assert_close_rel
 
 TOL = 1e-4
@@ -83,10 +84,32 @@ def _no_fake_run(*args):
 def test_identical_layers_compile_once(compiles, monkeypatch, caplog):
     monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
     with caplog.at_level(logging.INFO, logger="la_compiler.hand_off.compiler_choice"):
-        graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8))
+        graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8), {"regional": 1})
     assert graph.regions == "6 pieces (4 layers), 3 compiled"
     assert len(compiles) == 3
     assert f"graph {graph.graph_id} under Inductor: 6 pieces (4 layers), 3 compiled" in caplog.text
+
+
+def test_by_default_runs_of_four_layers_compile_once(compiles, monkeypatch):
+    """``regional: True``: a piece per run of LAYERS_PER_PIECE (4) layers; ten layers make two runs of four and a
+    run of two, so the head, one run of four, the run of two and the tail compile."""
+    monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
+    assert LAYERS_PER_PIECE == 4
+    graph = _train_step(Stack([1.0] * 10), torch.randn(3, 5, 8))
+    assert graph.regions == "5 pieces (3 runs of 4 layers), 4 compiled"
+    assert len(compiles) == 4
+
+
+def test_a_number_of_layers_per_piece(compiles):
+    graph = _train_step(Stack([1.0] * 6), torch.randn(3, 5, 8), {"regional": 2})
+    assert graph.regions == "5 pieces (3 runs of 2 layers), 3 compiled"
+    assert len(compiles) == 3
+
+
+def test_four_layers_compile_whole_by_default(compiles):
+    graph = _train_step(Stack([1.0] * 4), torch.randn(3, 5, 8))
+    assert graph.regions == "whole: fewer than two runs of 4 layers"
+    assert len(compiles) == 1
 
 
 def test_pieces_without_traced_values_run_on_fakes(compiles, monkeypatch):
@@ -94,7 +117,7 @@ def test_pieces_without_traced_values_run_on_fakes(compiles, monkeypatch):
     fake_runs = []
     monkeypatch.setattr(regions, "_traced_outputs", lambda piece, inputs: None)
     monkeypatch.setattr(regions, "_fake_run", lambda *a: fake_runs.append(1) or _original_fake_run(*a))
-    graph = _train_step(Stack([1.0] * 3), torch.randn(3, 5, 8))
+    graph = _train_step(Stack([1.0] * 3), torch.randn(3, 5, 8), {"regional": 1})
     assert graph.regions == "5 pieces (3 layers), 3 compiled"
     assert len(fake_runs) == 5
 
@@ -103,23 +126,23 @@ def test_layers_differing_in_a_constant_compile_apart(compiles):
     """Blocks that differ only in a Python constant: Dynamo bakes it into each layer's nodes, so their pieces
     differ and share no compile (one shared compile would scale every layer alike: the loss and the gradients
     above would be off)."""
-    graph = _train_step(Stack([1.0, 3.0, 1.0, 3.0]), torch.randn(3, 5, 8))
+    graph = _train_step(Stack([1.0, 3.0, 1.0, 3.0]), torch.randn(3, 5, 8), {"regional": 1})
     assert graph.regions == "6 pieces (4 layers), 4 compiled"
 
 
 def test_regional_false_compiles_the_graph_whole(compiles):
-    graph = _train_step(Stack([1.0] * 3), torch.randn(2, 4, 8), {"regional": False})
+    graph = _train_step(Stack([1.0] * 8), torch.randn(2, 4, 8), {"regional": False})
     assert graph.regions == "whole: options['regional'] is False"
     assert len(compiles) == 1
 
 
 def test_one_layer_compiles_whole(compiles):
-    graph = _train_step(Stack([1.0]), torch.randn(2, 4, 8))
+    graph = _train_step(Stack([1.0]), torch.randn(2, 4, 8), {"regional": 1})
     assert graph.regions == "whole: fewer than two layers"
 
 
 def test_symbolic_shapes_compile_whole(compiles):
-    model, x = Stack([1.0] * 2), torch.randn(2, 4, 8)
+    model, x = Stack([1.0] * 8), torch.randn(2, 4, 8)
     torch._dynamo.mark_dynamic(x, 1)
     graph = _train_step(model, x)
     assert graph.regions == "whole: symbolic shapes"
@@ -130,9 +153,10 @@ def test_eager_hand_off_does_not_split(compiles):
     assert graph.regions == "" and compiles == []
 
 
-def test_regional_option_is_a_bool():
-    with pytest.raises(BackendOptionsError, match=r"options\['regional'\] must be a bool"):
-        torch.compile(Stack([1.0]), backend="laqat", options={"regional": "yes"})(torch.randn(1, 2, 8))
+@pytest.mark.parametrize("value", ["yes", 0, -2, 1.5])
+def test_regional_option_is_a_bool_or_a_number_of_layers(value):
+    with pytest.raises(BackendOptionsError, match=r"options\['regional'\] must be a bool or a number of layers"):
+        torch.compile(Stack([1.0]), backend="laqat", options={"regional": value})(torch.randn(1, 2, 8))
 
 
 def _node(*paths):
@@ -178,7 +202,7 @@ def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
     reference = copy.deepcopy(model)
     tokens = torch.randint(0, 64, (1, 6))
     start = len(la_compiler.backend.last_record().graphs)
-    compiled = torch.compile(model, backend="laqat", options={"compiler": "inductor"})
+    compiled = torch.compile(model, backend="laqat", options={"compiler": "inductor", "regional": 1})
     loss = compiled(tokens, labels=tokens, use_cache=False).loss
     loss.backward()
     with naive_fla():
@@ -207,11 +231,11 @@ def test_the_split_graph_keeps_what_the_whole_graph_keeps(monkeypatch):
                                     vocab_size=64, intermediate_size=64)).to(torch.bfloat16)
     tokens = torch.randint(0, 64, (2, 70))
     kept = {}
-    for regional in (True, False):
+    for regional in (1, False):
         model = copy.deepcopy(base)
         compiled = torch.compile(model, backend="laqat", options={"compiler": "inductor", "regional": regional})
         acc = memory_account.account(lambda: compiled(tokens, labels=tokens, use_cache=False).loss, model)
         kept[regional] = sorted((tuple(s.shape), s.dtype, s.bytes) for s in acc.saved if not s.parameter)
         assert acc.saved and acc.packed_bytes == acc.total_bytes
     assert la_compiler.backend.last_record().graphs[-2].regions == "5 pieces (3 layers), 3 compiled"
-    assert kept[True] == kept[False]
+    assert kept[1] == kept[False]

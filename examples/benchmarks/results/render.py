@@ -348,7 +348,10 @@ def compile_section(records) -> list[str]:
            "`full searches`: FLA's searches as Triton runs them; `readied at first launch`: laqat's compile threads "
            "compile only (`--ready-on-first-launch`); `one graph`: the row `laqat exact (whole graph)`, "
            "`options={\"regional\": False}` (every layer compiled, as before laqat's regional hand-off; "
-           "docs/options.md, \"Hand-off\").", ""]
+           "docs/options.md, \"Hand-off\"); `a piece per layer`: the row `laqat exact (1 layer per piece)`, "
+           "`options={\"regional\": 1}`; `defaults` are the options' defaults at the row's commit: under Inductor a "
+           "piece per layer at commits b95d7b8 to 283d824 (runs 2026-12-04-03 to -06), runs of four layers from "
+           "9624feb on.", ""]
     notes = Notes()
     lines = []
     for (model, _, caches, tuning, full, on_launch, row), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
@@ -356,7 +359,8 @@ def compile_section(records) -> list[str]:
         f, c = r["figures"], r["config"]
         setting = ", ".join([f"t.{k}={json.dumps(v)}" for k, v in json.loads(tuning).items()]
                             + (["full searches"] if full else []) + (["readied at first launch"] if on_launch else [])
-                            + (["one graph"] if row == "laqat exact (whole graph)" else []))
+                            + (["one graph"] if row == "laqat exact (whole graph)" else [])
+                            + (["a piece per layer"] if row == "laqat exact (1 layer per piece)" else []))
         lines.append([model.upper(), f"{c.get('layers')} x {c.get('hidden')}", caches or "-", setting or "defaults",
                       fmt(f["wall_s"], "{:.1f}"), fmt(f["graph_compile_s"], "{:.1f}"),
                       fmt(f["laqat_compile_ahead_s"], "{:.1f}"), fmt(f["laqat_compile_s"], "{:.1f}"),

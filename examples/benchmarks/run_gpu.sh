@@ -23,7 +23,8 @@
 #   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
 #              gradients against the fp32 oracle; then (regional, regional-16) eager FLA against laqat exact with its
-#              repeated layers compiled once and compiled as one graph, at 4 layers and at 16 (KDA, hidden 2048)
+#              repeated layers compiled once in runs of four layers (the default; a 4-layer LM compiles whole), a
+#              piece per layer, and as one graph, at 4 layers and at 16 (hidden 2048)
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
@@ -129,9 +130,10 @@ suite_model() {
     --lift-fla-gdn-guard
   part gradients 540 python3 $B/model_bench.py --family gdn kda --rows "laqat exact"
   part regional 540 python3 $B/model_bench.py --family kda gdn --no-oracle --rounds 10 --lift-fla-gdn-guard \
-    --rows "eager FLA,laqat exact,laqat exact (whole graph)"
-  part regional-16 540 python3 $B/model_bench.py --family kda --no-oracle --rounds 10 --layers 16 --hidden 2048 \
-    --heads 16 --rows "eager FLA,laqat exact,laqat exact (whole graph)"
+    --rows "eager FLA,laqat exact,laqat exact (1 layer per piece)"
+  part regional-16 540 python3 $B/model_bench.py --family kda gdn --no-oracle --rounds 8 --layers 16 --hidden 2048 \
+    --heads 16 --lift-fla-gdn-guard \
+    --rows "eager FLA,laqat exact,laqat exact (whole graph),laqat exact (1 layer per piece)"
 }
 
 suite_serving() {

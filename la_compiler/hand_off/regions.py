@@ -9,8 +9,9 @@ nodes before, between and after them. Each piece compiles through the same steps
 (``compile_piece``); a piece equal to one compiled before (the same code node for node, the same metadata of its
 inputs; ``piece_key``) runs that piece's compiled callable, forward and backward, instead of compiling again. A run
 takes its layers' parameters as inputs, so identical runs share one compile. Each piece's call costs the step the
-Python of one AOTAutograd graph, forward and backward: a piece per layer made a 4-layer LM's step 1.12-1.16x slower
-than one graph on the H200, hence runs of several layers (la_compiler.options.LAYERS_PER_PIECE).
+Python of one AOTAutograd graph, forward and backward: a piece per layer made the step measurably slower than one
+graph, runs of several layers (la_compiler.options.LAYERS_PER_PIECE) did not (docs/model-bench.md, "Repeated layers
+compile once").
 
 What runs is what the whole graph's compile would run but for the bounds: the partitioner decides what each piece
 keeps for its backward, and Inductor fuses within a piece, not across two.

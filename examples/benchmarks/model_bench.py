@@ -9,7 +9,8 @@
 Rows: ``eager FLA`` (the uncompiled model), ``torch.compile (Inductor)``, and ``torch.compile(model,
 backend="laqat")`` with the default options (Inductor hand-off) under every shipped recipe
 (la_compiler/recipes/*.yaml; ``laqat exact`` is the ``exact`` recipe) that applies to the family, plus ``laqat exact
-(laqat chunk kernels)``. A recipe with a decode phase (``decode_token_state_fp8``, the serving profiles
+(laqat chunk kernels)``; where ``--rows`` names them, the hand-off settings ``laqat exact (whole graph)``
+(``options={"regional": False}``) and ``laqat exact (1 layer per piece)`` (``{"regional": 1}``). A recipe with a decode phase (``decode_token_state_fp8``, the serving profiles
 ``vllm_gdn_state_bf16`` for GDN and ``vllm_kda_state_bf16`` for KDA) runs inside ``la_compiler.phase(...)`` with
 the first half of every sequence its prefix. A recipe the family refuses (a serving profile of the other kind) is
 no row of that family. FLA's ``KDAForCausalLM`` / ``GatedDeltaNetForCausalLM`` with FLA's default fusions, bf16.
@@ -443,7 +444,9 @@ def main():
     add_model_shape_arguments(parser)
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per row after its first step")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (one step of every row each)")
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows of: " + ", ".join(ROWS))
+    parser.add_argument("--rows", default=",".join(r for r in ROWS if r not in ROW_OPTIONS),
+                        help="comma-separated rows of: " + ", ".join(ROWS) + " (default: all but the rows of a "
+                             "hand-off setting, " + ", ".join(ROW_OPTIONS) + ")")
     parser.add_argument("--no-oracle", action="store_true", help="skip the fp32 gradient oracle")
     parser.add_argument("--lift-fla-gdn-guard", action="store_true",
                         help="GDN's eager FLA and Inductor rows: FLA's chunk backward past its Hopper guard, timing "

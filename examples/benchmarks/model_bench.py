@@ -10,9 +10,10 @@ Rows: ``eager FLA`` (the uncompiled model), ``torch.compile (Inductor)``, and ``
 backend="laqat")`` with the default options (Inductor hand-off) under every shipped recipe
 (la_compiler/recipes/*.yaml; ``laqat exact`` is the ``exact`` recipe) that applies to the family, plus ``laqat exact
 (laqat chunk kernels)``; where ``--rows`` names them, the hand-off settings ``laqat exact (whole graph)``
-(``options={"regional": False}``) and ``laqat exact (1 layer per piece)`` (``{"regional": 1}``). A recipe with a decode phase (``decode_token_state_fp8``, the serving profiles
-``vllm_gdn_state_bf16`` for GDN and ``vllm_kda_state_bf16`` for KDA) runs inside ``la_compiler.phase(...)`` with
-the first half of every sequence its prefix. A recipe the family refuses (a serving profile of the other kind) is
+(``options={"regional": False}``) and ``laqat exact (1 layer per piece)`` (``{"regional": 1}``). A recipe with a
+decode phase (``decode_token_state_fp8``, the serving profiles ``vllm_gdn_state_bf16`` for GDN and
+``vllm_kda_state_bf16`` for KDA) runs inside ``la_compiler.phase(...)`` with the first half of every sequence its
+prefix. A recipe the family refuses (a serving profile of the other kind) is
 no row of that family. FLA's ``KDAForCausalLM`` / ``GatedDeltaNetForCausalLM`` with FLA's default fusions, bf16.
 
 Method, per family (one process holds all its rows):

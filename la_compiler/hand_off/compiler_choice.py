@@ -64,7 +64,7 @@ def _compile_head(choice: HandOff, fingerprint: str, graph: torch.fx.GraphModule
     record = graph.meta.pop("laqat_record", None)
     if choice.compiler == "eager":
         return graph.forward
-    per_piece = LAYERS_PER_PIECE if regional is True else max(1, int(regional))
+    per_piece = LAYERS_PER_PIECE if isinstance(regional, bool) else regional
     partition, layers = layer_partitions(graph, per_piece)
     why_whole = unsplit_reason(graph, inputs, layers, per_piece) if regional else "options['regional'] is False"
     if why_whole is None:

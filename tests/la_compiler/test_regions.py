@@ -217,6 +217,33 @@ def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
     assert len(compiles) == 3
 
 
+def test_fla_causal_lm_in_runs_of_four_layers_by_default(compiles):
+    """FLA's KDA causal LM, eight layers, the default options in training: two runs of four layers share one compile
+    (the head, one run, the tail), and the loss and every gradient match FLA's layers run on their torch
+    references."""
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    from tests.passes.fla_oracle import naive_fla
+
+    model = KDAForCausalLM(KDAConfig(hidden_size=32, num_hidden_layers=8, head_dim=8, num_heads=2, expand_v=1,
+                                     vocab_size=64, intermediate_size=64))
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (1, 6))
+    start = len(la_compiler.backend.last_record().graphs)
+    loss = torch.compile(model, backend="laqat", options={"compiler": "inductor"})(
+        tokens, labels=tokens, use_cache=False).loss
+    loss.backward()
+    with naive_fla():
+        expected = reference(tokens, labels=tokens, use_cache=False).loss
+    expected.backward()
+    assert_close_rel(loss, expected, TOL, "loss")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, TOL, f"d{name}")
+    (graph,) = la_compiler.backend.last_record().graphs[start:]
+    assert graph.regions == "4 pieces (2 runs of 4 layers), 3 compiled"
+    assert len(compiles) == 3
+
+
 def test_the_split_graph_keeps_what_the_whole_graph_keeps(monkeypatch):
     """What the backward keeps is the same tensors, split or whole: FLA's KDA causal LM, bf16, three layers, under
     Inductor's partitioner (examples/benchmarks/memory_account.py walks the saved tensors; the parameters, which

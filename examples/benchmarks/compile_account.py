@@ -18,8 +18,8 @@ C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the ste
 (laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
 compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
 (kernels/fla/autotune_searches.py). ``--profile N``: the first step's N functions with the most cumulative seconds
-(cProfile, the main thread). Writes ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns
-it into records) and prints a table.
+and the N with the most seconds of their own, with their callers (cProfile, the main thread). Writes
+``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
 """
 from __future__ import annotations
 
@@ -198,15 +198,22 @@ def phases_since(counted: dict) -> dict:
             if len(times) > counted.get(name, 0)}
 
 
-def profile_top(profiler, count: int) -> list[dict]:
-    """The ``count`` functions of the step's main thread with the most cumulative seconds (cProfile)."""
-    stats = pstats.Stats(profiler)
-    rows = []
-    for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
-        where = filename.split("site-packages/")[-1].replace(str(Path(__file__).resolve().parents[2]) + "/", "")
-        rows.append({"function": f"{where}:{line}({name})", "calls": calls, "own_s": round(own, 3),
-                     "cumulative_s": round(cumulative, 3)})
-    return sorted(rows, key=lambda r: -r["cumulative_s"])[:count]
+def function_name(key: tuple) -> str:
+    filename, line, name = key
+    where = filename.split("site-packages/")[-1].replace(str(Path(__file__).resolve().parents[2]) + "/", "")
+    return f"{where}:{line}({name})"
+
+
+def profile_top(profiler, count: int) -> dict:
+    """The step's main thread (cProfile): the ``count`` functions with the most cumulative seconds, and the
+    ``count`` with the most seconds of their own, each of those with its callers."""
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": function_name(key), "calls": calls, "own_s": round(own, 3), "cumulative_s": round(cum, 3),
+             "callers": [function_name(c) for c in callers]}
+            for key, (_, calls, own, cum, callers) in stats.items()]
+    cumulative = sorted(rows, key=lambda r: -r["cumulative_s"])[:count]
+    own = sorted(rows, key=lambda r: -r["own_s"])[:count]
+    return {"cumulative": [{k: v for k, v in r.items() if k != "callers"} for r in cumulative], "own": own}
 
 
 def main():
@@ -226,7 +233,8 @@ def main():
                    help="laqat's compile threads compile only; each kernel is readied (binary loaded, launcher built) "
                         "at its first launch, as Triton does (kernels/common/parallel_compile.py)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="cProfile the first step's main thread: its N functions with the most cumulative seconds")
+                   help="cProfile the first step's main thread: its N functions with the most cumulative seconds and "
+                        "the N with the most seconds of their own (with their callers)")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     args = p.parse_args()

@@ -351,7 +351,7 @@ def compile_section(records) -> list[str]:
            "docs/options.md, \"Hand-off\"); `a piece per layer`: the row `laqat exact (1 layer per piece)`, "
            "`options={\"regional\": 1}`; `defaults` are the options' defaults at the row's commit: under Inductor a "
            "piece per layer at commits b95d7b8 to 283d824 (runs 2026-12-04-03 to -06), runs of four layers from "
-           "9624feb on.", ""]
+           "9624feb on (a 4-layer LM compiled whole).", ""]
     notes = Notes()
     lines = []
     for (model, _, caches, tuning, full, on_launch, row), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],

@@ -510,9 +510,10 @@ ENVIRONMENT = (
         "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
         "stay in Triton's own cache; default `$XDG_CACHE_HOME/laqat`, else `~/.cache/laqat`")),
     EnvironmentVariable(FLA_SEARCHES_ENV, "la_compiler.options.fla_searches", (
-        "the autotuning searches of FLA's kernels that laqat's ops launch (SwiGLU, short convolution, l2 and gated "
-        "norms; kernels/fla/autotune_searches.py): `narrowed` (default) times the few candidates that win on the "
-        "H200, `full` every candidate FLA lists; either way the candidates compile in parallel threads first")),
+        "the autotuning searches of FLA's kernels that laqat's ops launch (SwiGLU, short convolution, l2, gated "
+        "and plain norms; kernels/fla/autotune_searches.py): `narrowed` (default) times the few candidates that "
+        "win on the H200, `full` every candidate FLA lists; either way the candidates compile in parallel threads "
+        "first")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "

@@ -1,7 +1,7 @@
 """The autotuning searches of the FLA kernels that laqat's ops launch: fewer candidates, compiled at once in
 parallel threads, each timed over a short window.
 
-FLA autotunes its module kernels (SwiGLU, the short convolution, the l2 and gated norms, ...) over 3 to 30
+FLA autotunes its module kernels (SwiGLU, the short convolution, the l2, gated and plain norms, ...) over 3 to 30
 configurations per key, and Triton's ``Autotuner`` compiles and times them one after another, each over 25 ms of
 warm-up and 100 ms of repetitions: on a cold Triton cache most of a model's first step (docs/model-bench.md, "Every
 compile and search of the first step"). Inside ``quick_searches()``, a search that Triton's Autotuner starts (a key
@@ -43,6 +43,8 @@ NARROWED = {
     "causal_conv1d_bwd_kernel": (({"BD": 32}, 4), ({"BD": 16}, 4)),
     "layer_norm_gated_fwd_kernel": (({"BT": 32}, 8), ({"BT": 32}, 4), ({"BT": 64}, 8)),
     "layer_norm_gated_bwd_kernel": (({"BT": 32}, 16), ({"BT": 64}, 16)),
+    "layer_norm_fwd_kernel_row": (({}, 2), ({}, 4), ({}, 8)),
+    "layer_norm_bwd_kernel_row": (({}, 8), ({}, 4)),
 }
 
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("laqat_quick_searches", default=False)

@@ -139,7 +139,7 @@ def test_every_narrowed_candidate_is_one_of_flas():
     fla = pytest.importorskip("fla")  # noqa: F841
     from fla.modules.activations import ops as activations
     from fla.modules.causal_conv1d import ops as conv
-    from fla.modules.norm import fused_norm_gate, l2norm
+    from fla.modules.norm import fused_norm_gate, l2norm, layernorm
 
     def autotuner(kernel):  # under FLA's heuristics where it has them
         while not isinstance(kernel, Autotuner):
@@ -149,7 +149,8 @@ def test_every_narrowed_candidate_is_one_of_flas():
     kernels = {autotuner(k).base_fn.__name__: autotuner(k) for k in (
         activations.swiglu_fwd_kernel, activations.swiglu_fwdbwd_kernel, l2norm.l2norm_fwd_kernel,
         l2norm.l2norm_bwd_kernel, conv.causal_conv1d_fwd_kernel, conv.causal_conv1d_bwd_kernel,
-        fused_norm_gate.layer_norm_gated_fwd_kernel, fused_norm_gate.layer_norm_gated_bwd_kernel)}
+        fused_norm_gate.layer_norm_gated_fwd_kernel, fused_norm_gate.layer_norm_gated_bwd_kernel,
+        layernorm.layer_norm_fwd_kernel_row, layernorm.layer_norm_bwd_kernel_row)}
     assert sorted(kernels) == sorted(autotune_searches.NARROWED)
     for name, keep in autotune_searches.NARROWED.items():
         kept = autotune_searches.narrowed(name, kernels[name].configs)

@@ -22,9 +22,10 @@
 #   recurrent  recurrent_vs_fla.py: the fused recurrent kernels' exactness, then both kinds against FLA's kernels
 #   model      model_bench.py: FLA's causal LMs, one training step per row (eager FLA, Inductor, laqat under every
 #              shipped recipe), all rows of a family in one process and timed interleaved; then the exact rows'
-#              gradients against the fp32 oracle; then (regional, regional-16) eager FLA against laqat exact with its
-#              repeated layers compiled once in runs of four layers (the default; a 4-layer LM compiles whole), a
-#              piece per layer, and as one graph, at 4 layers and at 16 (hidden 2048)
+#              gradients against the fp32 oracle; then (regional) eager FLA against laqat exact with its repeated layers
+#              compiled once in runs of four layers (the default; a 4-layer LM compiles whole) and a piece per layer,
+#              at 4 layers; (regional-16-kda, regional-16-gdn) eager FLA against the default and one graph at 16
+#              layers (hidden 2048), a family per part (FLA's cold searches of eager FLA's 16-layer step take ~4 min)
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
@@ -131,9 +132,10 @@ suite_model() {
   part gradients 540 python3 $B/model_bench.py --family gdn kda --rows "laqat exact"
   part regional 540 python3 $B/model_bench.py --family kda gdn --no-oracle --rounds 10 --lift-fla-gdn-guard \
     --rows "eager FLA,laqat exact,laqat exact (1 layer per piece)"
-  part regional-16 540 python3 $B/model_bench.py --family kda gdn --no-oracle --rounds 8 --layers 16 --hidden 2048 \
-    --heads 16 --lift-fla-gdn-guard \
-    --rows "eager FLA,laqat exact,laqat exact (whole graph),laqat exact (1 layer per piece)"
+  part regional-16-kda 540 python3 $B/model_bench.py --family kda --no-oracle --rounds 10 --layers 16 --hidden 2048 \
+    --heads 16 --budget-s 480 --rows "eager FLA,laqat exact,laqat exact (whole graph)"
+  part regional-16-gdn 540 python3 $B/model_bench.py --family gdn --no-oracle --rounds 10 --layers 16 --hidden 2048 \
+    --heads 16 --budget-s 480 --lift-fla-gdn-guard --rows "eager FLA,laqat exact,laqat exact (whole graph)"
 }
 
 suite_serving() {

@@ -202,11 +202,13 @@ LOSS_TAIL = ("Under both, FLA's fused cross-entropy with `inplace_backward=True`
              "input, that nothing else in the graph reads, runs after the graph, outside it: its backward writes "
              "the logits' gradient into the logits, as FLA's does, where a compiled graph would allocate another "
              "tensor of their size (la_compiler/hand_off/loss_tails.py, docs/memory.md)")
+LAYERS_PER_PIECE = 4  # options["regional"] True: the layers of one piece
 REGIONAL = ("Under Inductor, `options={\"regional\": True}` (the default) splits a graph whose nodes fall in two or "
-            "more runs of `LAYERS_PER_PIECE` (4) consecutive layers of a module list (Dynamo's module paths "
-            "`model.layers.0`, `layers[3]`; layers 0-3 are a run, 4-7 the next) at the runs' bounds and compiles each "
-            "distinct piece once: runs with the same code and the same input shapes, strides and dtypes run one "
-            "compiled forward and backward, each with its own parameters (la_compiler/hand_off/regions.py). An int "
+            f"more runs of `LAYERS_PER_PIECE` ({LAYERS_PER_PIECE}) consecutive layers of a module list (Dynamo's "
+            "module paths `model.layers.0`, `layers[3]`; layers 0-3 are a run, 4-7 the next) at the runs' bounds "
+            "and compiles each distinct piece once: runs with the same code and the same input shapes, strides and "
+            "dtypes run one compiled forward and backward, each with its own parameters (la_compiler/hand_off/"
+            "regions.py). An int "
             "`n` makes runs of `n` layers (`1`: a piece per layer). Each piece's call costs the step the Python of an "
             "AOTAutograd graph, forward and backward: a piece per layer made the step measurably slower than one "
             "graph, runs of four did not, at less than half its graph compile time (measured: docs/model-bench.md, "
@@ -217,7 +219,6 @@ REGIONAL = ("Under Inductor, `options={\"regional\": True}` (the default) splits
             "DDPOptimizer (which splits by gradient bucket) and with `False`. The graph's record "
             "(`la_compiler.backend.last_record().graphs[i].regions`) says how it was split (`6 pieces (4 runs of 4 "
             "layers), 3 compiled`) or why it compiled whole")
-LAYERS_PER_PIECE = 4  # options["regional"] True: the layers of one piece
 DEVICE_HAND_OFF = "inductor"  # unset, where a tensor of the graph is on an accelerator (CUDA, XPU, ...)
 CPU_HAND_OFF = "eager"  # unset, where every tensor of the graph is on the CPU
 

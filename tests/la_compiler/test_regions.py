@@ -189,21 +189,15 @@ def test_piece_key_tells_strides_dtypes_and_sharing_apart():
     assert piece_key(other, [x, y], frozenset()) != key
 
 
-def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
-    """FLA's GDN causal LM in training, its recurrences rewritten: three pieces compile for two layers, and the loss
-    and every gradient match FLA's layers run on their torch references."""
-    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-
+def _fla_lm_trains_as_on_torch_references(model, options):
+    """One training step of FLA's causal LM ``model`` compiled with ``options`` against a copy run with FLA's layers on
+    their torch references: the loss and every gradient; -> the compiled graph's record."""
     from tests.passes.fla_oracle import naive_fla
 
-    monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
-    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=2,
-                                                         expand_v=1, vocab_size=64, intermediate_size=64))
     reference = copy.deepcopy(model)
     tokens = torch.randint(0, 64, (1, 6))
     start = len(la_compiler.backend.last_record().graphs)
-    compiled = torch.compile(model, backend="laqat", options={"compiler": "inductor", "regional": 1})
-    loss = compiled(tokens, labels=tokens, use_cache=False).loss
+    loss = torch.compile(model, backend="laqat", options=options)(tokens, labels=tokens, use_cache=False).loss
     loss.backward()
     with naive_fla():
         expected = reference(tokens, labels=tokens, use_cache=False).loss
@@ -212,6 +206,18 @@ def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_close_rel(p.grad, q.grad, TOL, f"d{name}")
     (graph,) = la_compiler.backend.last_record().graphs[start:]
+    return graph
+
+
+def test_fla_causal_lm_layers_compile_once(compiles, monkeypatch):
+    """FLA's GDN causal LM in training, its recurrences rewritten: three pieces compile for two layers, and the loss
+    and every gradient match FLA's layers run on their torch references."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    monkeypatch.setattr(regions, "_fake_run", _no_fake_run)
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=2,
+                                                         expand_v=1, vocab_size=64, intermediate_size=64))
+    graph = _fla_lm_trains_as_on_torch_references(model, {"compiler": "inductor", "regional": 1})
     assert [m.module for m in graph.matches] == ["model.layers.0.attn", "model.layers.1.attn"]
     assert graph.regions == "4 pieces (2 layers), 3 compiled"
     assert len(compiles) == 3
@@ -223,23 +229,9 @@ def test_fla_causal_lm_in_runs_of_four_layers_by_default(compiles):
     references."""
     from fla.models import KDAConfig, KDAForCausalLM
 
-    from tests.passes.fla_oracle import naive_fla
-
     model = KDAForCausalLM(KDAConfig(hidden_size=32, num_hidden_layers=8, head_dim=8, num_heads=2, expand_v=1,
                                      vocab_size=64, intermediate_size=64))
-    reference = copy.deepcopy(model)
-    tokens = torch.randint(0, 64, (1, 6))
-    start = len(la_compiler.backend.last_record().graphs)
-    loss = torch.compile(model, backend="laqat", options={"compiler": "inductor"})(
-        tokens, labels=tokens, use_cache=False).loss
-    loss.backward()
-    with naive_fla():
-        expected = reference(tokens, labels=tokens, use_cache=False).loss
-    expected.backward()
-    assert_close_rel(loss, expected, TOL, "loss")
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert_close_rel(p.grad, q.grad, TOL, f"d{name}")
-    (graph,) = la_compiler.backend.last_record().graphs[start:]
+    graph = _fla_lm_trains_as_on_torch_references(model, {"compiler": "inductor"})
     assert graph.regions == "4 pieces (2 runs of 4 layers), 3 compiled"
     assert len(compiles) == 3
 

@@ -32,7 +32,6 @@ from la_compiler.hand_off.cache_key import compile_fingerprint
 from la_compiler.hand_off.ddp_buckets import check_pieces
 import la_compiler.ir.log_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
 from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
-from la_compiler.kernels.common import compile_workers
 from la_compiler.hand_off.compiler_choice import choose_hand_off, compile_rewritten
 from la_compiler.hand_off.module_specialized_graph import ModuleSpecializedGraph
 from la_compiler.options import DEFAULT_TUNING, HAND_OFFS, OptionsError, TuningOptions
@@ -173,7 +172,6 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
     check_pieces(root)  # under DDPOptimizer: no recurrence split across two graph pieces
     policy, policy_source = policy_for(opts.policy, root)
     chosen = choose_hand_off(opts.compiler, gm, example_inputs)
-    compile_workers.start_for(example_inputs)  # they import while the graph compiles
 
     def rewrite(graph: torch.fx.GraphModule, prefixes: dict[str, str]) -> torch.fx.GraphModule:
         record = sink.new_graph()

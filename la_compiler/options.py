@@ -506,7 +506,6 @@ class EnvironmentVariable:
 CACHE_DIR_ENV = "LAQAT_CACHE_DIR"
 FLA_SEARCHES_ENV = "LAQAT_FLA_SEARCHES"
 FLA_SEARCHES = ("narrowed", "full")
-COMPILE_WORKERS_ENV = "LAQAT_COMPILE_WORKERS"
 ENVIRONMENT = (
     EnvironmentVariable(CACHE_DIR_ENV, "la_compiler.options.cache_dir", (
         "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
@@ -516,11 +515,6 @@ ENVIRONMENT = (
         "and plain norms; kernels/fla/autotune_searches.py): `narrowed` (default) times the few candidates that "
         "win on the H200, `full` every candidate FLA lists; either way the candidates compile in parallel threads "
         "first")),
-    EnvironmentVariable(COMPILE_WORKERS_ENV, "la_compiler.options.compile_workers", (
-        "how many worker processes compile the Triton kernels that laqat's compile threads request (the chunk "
-        "kernels' compile-ahead, the candidates of FLA's searches; kernels/common/compile_workers.py), out of "
-        "the interpreter's lock; default half the CPU cores, at most 8; `0`: the threads compile them. Started "
-        "when a graph on a CUDA device is compiled; each exits after two minutes without work")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "
@@ -560,16 +554,6 @@ def fla_searches() -> str:
     if value not in FLA_SEARCHES:
         raise OptionsError(f"{FLA_SEARCHES_ENV}: must be one of {list(FLA_SEARCHES)}, got {value!r}")
     return value
-
-
-def compile_workers() -> int:
-    """``LAQAT_COMPILE_WORKERS``: how many compile worker processes (default half the CPU cores, at most 8)."""
-    value = os.environ.get(COMPILE_WORKERS_ENV)
-    if not value:
-        return min(8, (os.cpu_count() or 1) // 2)
-    if not value.isdigit():
-        raise OptionsError(f"{COMPILE_WORKERS_ENV}: must be a whole number of processes (0: none), got {value!r}")
-    return int(value)
 
 
 def interpreter() -> bool:

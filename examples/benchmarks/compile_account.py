@@ -16,8 +16,7 @@ compile that laqat's compile-ahead requests counts in the compile-ahead's second
 its compile in a thread), not among the compiles. A compiled kernel's readying for its first launch (binary loaded,
 C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the step's thread and in other threads
 (laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
-compile phases. The compiles laqat's compile threads hand to its worker processes (kernels/common/compile_workers.py;
-``LAQAT_COMPILE_WORKERS=0``: none) are counted apart: handed, compiled there, seconds waited. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
+compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
 (kernels/fla/autotune_searches.py). ``--profile N``: the first step's N functions with the most cumulative seconds
 and the N with the most seconds of their own, with their callers (cProfile, the main thread). Writes
 ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
@@ -44,7 +43,6 @@ from bench_common import ensure_la_compiler, fla_gdn_blocker, sync  # noqa: E402
 ensure_la_compiler()
 
 import la_compiler  # noqa: E402,F401
-from la_compiler.options import compile_workers  # noqa: E402
 from model_bench import ROW_OPTIONS, ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
 
 
@@ -65,7 +63,6 @@ class TritonLog:
         self.searches: list[dict] = []
         self.ahead: list[float] = []  # seconds in laqat's compile-ahead of chunk training steps (per call)
         self.readies: list[dict] = []  # compiled kernels readied for their first launch (binary loaded, launcher)
-        self.worker_jobs: list[dict] = []  # compiles handed to laqat's compile workers (compiled there or not)
         self._local = threading.local()
         self.installed = []
         self._install()
@@ -120,18 +117,6 @@ class TritonLog:
         CompiledKernel._init_handles = timed_ready
         self.installed.append("CompiledKernel._init_handles")
 
-        from la_compiler.kernels.common import compile_workers as workers_module
-
-        hand_to_worker = workers_module.WORKERS.compile
-
-        def timed_worker_compile(job):
-            t0 = time.perf_counter()
-            done = hand_to_worker(job)
-            log.worker_jobs.append({"kernel": job.qualname, "compiled": done, "s": time.perf_counter() - t0})
-            return done
-        workers_module.WORKERS.compile = timed_worker_compile
-        self.installed.append("CompileWorkers.compile")
-
         run = autotuner.Autotuner.run
 
         def timed_run(tuner, *args, **kwargs):
@@ -156,7 +141,7 @@ class TritonLog:
         self.installed.append("Autotuner.run")
 
     def mark(self):
-        return len(self.compiles), len(self.searches), len(self.ahead), len(self.readies), len(self.worker_jobs)
+        return len(self.compiles), len(self.searches), len(self.ahead), len(self.readies)
 
     def since(self, mark) -> dict:
         compiles, searches = self.compiles[mark[0]:], self.searches[mark[1]:]
@@ -165,9 +150,6 @@ class TritonLog:
         for where, on_step in (("step_thread", True), ("other_threads", False)):
             done = [r for r in readies if r["step_thread"] == on_step]
             out[f"ready_{where}"] = {"kernels": len(done), "s": round(sum(r["s"] for r in done), 2)}
-        jobs = self.worker_jobs[mark[4]:]
-        out["worker_jobs"] = {"handed": len(jobs), "compiled": sum(j["compiled"] for j in jobs),
-                              "s": round(sum(j["s"] for j in jobs), 2)}
         ahead = [c for c in compiles if c["in_ahead"]]  # compile-ahead's requests: their seconds count in it
         out["ahead_requests"] = {"compiles": len(ahead), "s": round(sum(c["s"] for c in ahead), 2)}
         compiles = [c for c in compiles if not c["in_ahead"]]
@@ -287,7 +269,6 @@ def main():
               "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
               "tuning": tuning, "full_searches": args.full_searches,
               "ready_on_first_launch": args.ready_on_first_launch, "hooks": log.installed,
-              "compile_workers": compile_workers(),
               "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                              "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
@@ -323,7 +304,6 @@ def main():
               + f"laqat compile-ahead {t['laqat_compile_ahead_s']} s  "
               + f"readied on the step's thread {t['ready_step_thread']['kernels']} "
               + f"{t['ready_step_thread']['s']} s  "
-              + f"worker compiles {t['worker_jobs']['compiled']} of {t['worker_jobs']['handed']}  "
               + "  ".join(f"{who} {t[who]['compiles']} compiles {t[who]['compile_s']} s, {t[who]['searches']} "
                           f"searches {t[who]['search_s']} s" for who in ("laqat", "fla", "other"))
               + "  phases: " + ", ".join(f"{n} {v}" for n, v in top))

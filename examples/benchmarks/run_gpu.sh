@@ -29,8 +29,7 @@
 #   compile    compile_account.py: where the first two training steps of the model benchmark's laqat exact rows spend
 #              their time (every Triton compile and autotuning search, torch's compile phases), GDN and KDA at 4
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
-#              then warm (a second process on the first's caches), and cold with no compile workers
-#              (LAQAT_COMPILE_WORKERS=0: the compile threads compile every kernel themselves); GDN at 16 layers also compiled as one graph (the
+#              then warm (a second process on the first's caches); GDN at 16 layers also compiled as one graph (the
 #              "laqat exact (whole graph)" row: options regional=False); KDA at 4 layers also with each kernel readied at its
 #              first launch (--ready-on-first-launch) and, at hidden 1536, with FLA's full searches (how close the
 #              narrowed searches come to every candidate at a shape they were not chosen from)
@@ -163,12 +162,6 @@ suite_compile() {
   part kda-cold 300 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
   part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches warm
-  # shellcheck disable=SC2046
-  part kda-cold-no-workers 300 $(compile_caches kda-no-workers) LAQAT_COMPILE_WORKERS=0 $CA --family kda \
-    --row "laqat exact" --caches cold
-  # shellcheck disable=SC2046
-  part gdn-cold-no-workers 300 $(compile_caches gdn-no-workers) LAQAT_COMPILE_WORKERS=0 $CA --family gdn \
-    --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
   part kda-cold-ready-on-launch 300 $(compile_caches kda-on-launch) $CA --family kda --row "laqat exact" --caches cold \
     --ready-on-first-launch

@@ -2,8 +2,7 @@
 GIL in its passes and runs ptxas as a subprocess, so compiles in threads overlap. Each thread also readies the
 kernel it compiled for its first launch: the kernel's binary loaded onto the device and its launcher built (Triton
 builds a C launcher per argument signature with the system's C compiler, another subprocess), work that Triton
-otherwise does at that first launch, one kernel after another. Where compile worker processes run, a thread first
-hands its compile to an idle one (kernels/common/compile_workers.py), out of the interpreter's lock. Used by the chunk kernels' compile-ahead
+otherwise does at that first launch, one kernel after another. Used by the chunk kernels' compile-ahead
 (kernels/chunk/compile_ahead.py) and the autotuning searches of FLA's kernels that laqat's ops launch
 (kernels/fla/autotune_searches.py)."""
 from __future__ import annotations
@@ -13,8 +12,6 @@ import functools
 import os
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable
-
-from la_compiler.kernels.common.compile_workers import compile_in_worker
 
 COMPILE_THREADS = min(16, os.cpu_count() or 1)
 
@@ -52,7 +49,6 @@ class CompileAndReady(Executor):
         return self._pool.submit(self._compile_and_ready, self._device_calls[0](), fn, args, kwargs)
 
     def _compile_and_ready(self, device: int, compile_fn: Callable, args, kwargs):
-        compile_in_worker(compile_fn)  # where it did, the compile below finds the kernel in Triton's cache
         kernel = compile_fn(*args, **kwargs)
         ready = getattr(kernel, "_init_handles", None)
         if ready is not None:

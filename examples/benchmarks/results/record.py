@@ -121,8 +121,7 @@ def model_bench(data: dict, head: dict) -> list[dict]:
 def compile_account(data: dict, head: dict) -> list[dict]:
     """One record per step of ``compile_account.py``: the step's wall seconds, torch's graph compiles (Dynamo's
     ``_compile.compile_inner`` and Inductor's backward compile), laqat's compile-ahead, the Triton compiles and
-    autotuning searches by origin, the kernels readied for their first launch on the step's thread, the compiles laqat's
-    compile workers did."""
+    autotuning searches by origin, the kernels readied for their first launch on the step's thread."""
     caches = data.get("caches") or next((w for w in ("cold", "warm") if w in data.get("tag", "").split("-")), None)
     config = {k: data[k] for k in ("layers", "hidden", "heads", "head_dim") if k in data}
     out = []
@@ -140,13 +139,10 @@ def compile_account(data: dict, head: dict) -> list[dict]:
         if "ready_step_thread" in triton:  # kernels readied for their first launch on the step's thread
             figures["ready_step_thread_s"] = triton["ready_step_thread"]["s"]
             figures["ready_step_thread_kernels"] = triton["ready_step_thread"]["kernels"]
-        if "worker_jobs" in triton:  # compiles laqat's compile workers did for the compile threads
-            figures["worker_compiles"] = triton["worker_jobs"]["compiled"]
         out.append({"benchmark": "compile", **head, "model": data["family"], "config": config, "row": data["row"],
                     "caches": caches, "step": step["step"], "tuning": data.get("tuning") or {},
                     "full_searches": bool(data.get("full_searches")),
                     **({"ready_on_first_launch": True} if data.get("ready_on_first_launch") else {}),
-                    **({"no_compile_workers": True} if data.get("compile_workers") == 0 else {}),
                     "figures": figures})
     return out
 

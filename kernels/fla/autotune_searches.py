@@ -7,11 +7,9 @@ warm-up and 100 ms of repetitions: on a cold Triton cache most of a model's firs
 compile and search of the first step"). Inside ``quick_searches()``, a search that Triton's Autotuner starts (a key
 not in its cache, more than one candidate):
 
-- keeps, for a kernel ``NARROWED`` lists, only the candidates it names: those within a few percent of the fastest
-  on the H200 at hidden sizes 1024 and 2048; one candidate where one was the fastest, or within the timing's noise
-  of it, at every measured shape: it is chosen without timing (its first launch compiles it), and filed as the
-  key's choice. A list that matches none of FLA's candidates (another FLA release) keeps them all, as does
-  ``LAQAT_FLA_SEARCHES=full`` (la_compiler.options.fla_searches), for GPUs where other candidates win;
+- keeps, for a kernel ``NARROWED`` lists, only the candidates it names: those within 1 % of the fastest on the H200
+  at hidden sizes 1024 and 2048. A list that matches none of FLA's candidates (another FLA release) keeps them all,
+  as does ``LAQAT_FLA_SEARCHES=full`` (la_compiler.options.fla_searches), for GPUs where other candidates win;
 - compiles the candidates in threads first (kernels/common/parallel_compile.py);
 - then runs as Triton runs it, each candidate timed over ``SEARCH_WARMUP_MS`` and ``SEARCH_REP_MS`` (unless the
   kernel names its own bench), and keeps the fastest in the autotuner's own cache (shared with FLA's eager calls)
@@ -37,16 +35,16 @@ SEARCH_REP_MS = 20
 
 # FLA kernel -> the candidates its search keeps: (meta-parameters, warps) pairs
 NARROWED = {
-    "swiglu_fwd_kernel": (({"B": 512}, 4),),
-    "swiglu_fwdbwd_kernel": (({"B": 512}, 8),),
+    "swiglu_fwd_kernel": (({"B": 512}, 4), ({"B": 1024}, 8)),
+    "swiglu_fwdbwd_kernel": (({"B": 512}, 8), ({"B": 1024}, 16)),
     "l2norm_fwd_kernel": (({"BT": 8}, 2), ({"BT": 32}, 1), ({"BT": 16}, 4)),
-    "l2norm_bwd_kernel": (({"BT": 16}, 8),),
+    "l2norm_bwd_kernel": (({"BT": 16}, 8), ({"BT": 8}, 2), ({"BT": 32}, 8)),
     "causal_conv1d_fwd_kernel": (({"BD": 32}, 4), ({"BD": 32}, 8), ({"BD": 64}, 4)),
-    "causal_conv1d_bwd_kernel": (({"BD": 32}, 4),),
+    "causal_conv1d_bwd_kernel": (({"BD": 32}, 4), ({"BD": 16}, 4)),
     "layer_norm_gated_fwd_kernel": (({"BT": 32}, 8), ({"BT": 32}, 4), ({"BT": 64}, 8)),
-    "layer_norm_gated_bwd_kernel": (({"BT": 64}, 16),),
+    "layer_norm_gated_bwd_kernel": (({"BT": 32}, 16), ({"BT": 64}, 16)),
     "layer_norm_fwd_kernel_row": (({}, 2), ({}, 4), ({}, 8)),
-    "layer_norm_bwd_kernel_row": (({}, 8),),
+    "layer_norm_bwd_kernel_row": (({}, 8), ({}, 4)),
 }
 
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("laqat_quick_searches", default=False)
@@ -102,9 +100,6 @@ def _search(run, tuner, args, kwargs):
 def _timed_search(run, tuner, args, kwargs):
     tuner.nargs = dict(zip(tuner.arg_names, args))
     candidates = tuner.prune_configs(kwargs)
-    if len(candidates) == 1:  # chosen without timing: filed as a search's choice, so later launches look it up
-        tuner.cache[tuning_key(tuner, args, kwargs)] = candidates[0]
-        return run(tuner, *args, **kwargs)
     if len(candidates) > 1:
         meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's own
         with compiles_in_threads():

@@ -127,29 +127,6 @@ def test_a_narrowed_kernel_searches_only_its_listed_candidates(setting, keep, se
     assert choice in searched_configs
 
 
-def test_a_kernel_narrowed_to_one_candidate_takes_it_untimed_and_files_it_as_the_keys_choice(events, monkeypatch):
-    kernel = make_kernel()
-    monkeypatch.delenv("LAQAT_FLA_SEARCHES", raising=False)
-    monkeypatch.setitem(autotune_searches.NARROWED, "add_one", (({"B": 16}, 4),))
-    timer = Timer(events)
-    monkeypatch.setattr(autotune_searches, "quick_bench", timer)
-    kernel._do_bench = Timer(events)  # Triton's own search would time with it
-    with autotune_searches.quick_searches():
-        launch(kernel)
-    assert events == ["launch"]  # no compile ahead in threads: its launch compiles it
-    assert "timed" not in events and timer.calls == 0 and kernel._do_bench.calls == 0
-    assert kernel.configs == CONFIGS
-    assert list(kernel.cache.values()) == [CONFIGS[1]]  # B 16, 4 warps
-    del events[:]
-    with autotune_searches.quick_searches():
-        launch(kernel, n=100)  # the same key: looked up
-    launch(kernel, n=100)  # and outside the searches too, as FLA's eager calls find it
-    assert events == ["launch", "launch"] and kernel._do_bench.calls == 0
-    with autotune_searches.quick_searches():
-        launch(kernel, n=300)  # another key: chosen again, untimed
-    assert len(kernel.cache) == 2 and set(kernel.cache.values()) == {CONFIGS[1]} and timer.calls == 0
-
-
 def test_a_bad_setting_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("LAQAT_FLA_SEARCHES", "some")
     with pytest.raises(OptionsError, match=r"^LAQAT_FLA_SEARCHES: must be one of \['narrowed', 'full'\], got 'some'"):

@@ -28,7 +28,9 @@ from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
 
+BACKWARD_IN_BACKGROUND = True
 _done: set = set()
+_background: list[threading.Thread] = []
 _lock = threading.Lock()
 
 
@@ -71,32 +73,73 @@ def step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate) -> tuple:
             None if raw_gate is None else raw_gate[1] is None, q.device)
 
 
-def run_training_step(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate) -> None:
-    """The forward (with its residual) and the backward of the inputs, as a training step runs them; under
-    ``compiling_only`` nothing is launched."""
+def request_forward(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate):
+    """The forward with its residual, as a training step runs it; under ``compiling_only`` nothing is launched.
+    Returns what the backward's requests take: (residual, o)."""
     size = residual_size(p, q, v, cu_seqlens, tuning.keep_residual)
     residual = torch.empty((size,), dtype=torch.float32, device=q.device) if size else None
     o, _ = chunk_fwd(p, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_to=residual, tuning=tuning,
                      raw_gate=raw_gate)
-    if raw_gate is not None:
-        return  # the raw-gate forward's backward is the decode phase's (kernels/decode/phased.py)
+    return residual, o
+
+
+def request_backward(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o) -> None:
+    """The backward of the inputs from the forward's residual, as a training step runs it."""
     _, _, state_shape = plan_of(p, q, k, v, g, beta, initial_state, cu_seqlens, tuning)
     do = torch.empty(o.shape, dtype=q.dtype, device=q.device)
     dht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
     chunk_bwd(p, q, k, v, g, beta, scale, do, dht, initial_state, cu_seqlens, saved=residual, tuning=tuning)
 
 
+def run_training_step(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate) -> None:
+    """The forward (with its residual) and the backward of the inputs, as a training step runs them; under
+    ``compiling_only`` nothing is launched."""
+    residual, o = request_forward(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate)
+    if raw_gate is None:  # the raw-gate forward's backward is the decode phase's (kernels/decode/phased.py)
+        request_backward(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o)
+
+
+def _warn_failed(e: Exception) -> None:
+    warnings.warn(f"laqat: compiling the chunk kernels ahead failed ({type(e).__name__}: {e}); each kernel "
+                  "compiles at its first launch instead (t.compile_ahead=false skips the attempt)", stacklevel=3)
+
+
+def _backward_in_background(device, args) -> None:
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    try:
+        with on_device, torch.no_grad(), compiling_only():
+            request_backward(*args)
+    except Exception as e:  # noqa: BLE001 - the backward's launches compile what is missing
+        _warn_failed(e)
+
+
 def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
                           raw_gate=None) -> None:
-    """Before the first training forward of its kind: every kernel of its forward and backward compiled in
-    parallel (see the module's docstring)."""
+    """Before the first training forward of its kind: every kernel of its forward compiled in parallel (see the
+    module's docstring); the backward's kernels then compile in a background thread while the step goes on."""
     if not tuning.compile_ahead or not available(q.device):
         return
     if not first_time(step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate)):
         return
     try:
         with torch.no_grad(), compiling_only():
-            run_training_step(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate)
+            residual, o = request_forward(p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, raw_gate)
     except Exception as e:  # noqa: BLE001 - only the compiles' timing is at stake: the real launches compile
-        warnings.warn(f"laqat: compiling the chunk kernels ahead failed ({type(e).__name__}: {e}); each kernel "
-                      "compiles at its first launch instead (t.compile_ahead=false skips the attempt)", stacklevel=2)
+        _warn_failed(e)
+        return
+    if raw_gate is not None:
+        return
+    args = (p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o)
+    if not BACKWARD_IN_BACKGROUND:
+        _backward_in_background(q.device, args)
+        return
+    thread = threading.Thread(target=_backward_in_background, args=(q.device, args), daemon=True,
+                              name="laqat-compile-ahead-backward")
+    _background.append(thread)
+    thread.start()
+
+
+def finish_background_compiles() -> None:
+    """Wait for the backward compiles started in the background so far."""
+    while _background:
+        _background.pop().join()

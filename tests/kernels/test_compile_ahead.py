@@ -81,6 +81,7 @@ def test_once_per_kind_of_step_and_never_when_turned_off(monkeypatch):
         spec = RecurrenceSpec(kind="gdn", chunk=8, kernel="chunk").replace(tuning=tuning)
         xs, _ = random_inputs("gdn", B=1, T=T, H=1, K=K, V=8)
         o, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))
+        compile_ahead.finish_background_compiles()
         return o
 
     train(9)
@@ -92,6 +93,40 @@ def test_once_per_kind_of_step_and_never_when_turned_off(monkeypatch):
     assert len(requests) == 2 * first
     train(9, K=32, compile_ahead=False)
     assert len(requests) == 2 * first
+
+
+def test_the_forward_compiles_before_the_step_goes_on_and_the_backward_in_a_background_thread(monkeypatch):
+    """compile_training_step requests the forward's kernels on the step's thread and returns; the backward's come
+    from a background thread, and both together are the whole recipe's requests."""
+    import threading
+
+    requests = []
+    monkeypatch.setattr(compile_ahead, "available", lambda device: True)
+    monkeypatch.setattr(compile_ahead, "_done", set())
+    release = threading.Event()
+
+    def request(kernel, arguments):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(timeout=60)  # the step's thread has returned before any backward compile is done
+        requests.append((threading.current_thread().name, describe(kernel, arguments)))
+    monkeypatch.setattr(compile_ahead, "request_compile", request)
+    spec = RecurrenceSpec(kind="kda", chunk=8, kernel="chunk")
+    xs, _ = random_inputs("kda", B=1, T=9, H=1, K=8, V=8)
+    torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))  # a training forward
+    forward = list(requests)
+    release.set()
+    compile_ahead.finish_background_compiles()
+    backward = requests[len(forward):]
+    assert forward and backward
+    assert {name for name, _ in forward} == {threading.main_thread().name}
+    assert {name for name, _ in backward} == {"laqat-compile-ahead-backward"}
+
+    whole = []
+    p, tuning = ChunkParams.from_spec(spec), spec.tuning_options
+    with torch.no_grad(), compile_ahead.compiling_only(lambda kernel, arguments: whole.append(
+            describe(kernel, arguments))):
+        compile_ahead.run_training_step(p, tuning, *(x.detach() for x in xs[:5]), 0.5, None, None, None)
+    assert sorted((r for _, r in requests), key=repr) == sorted(whole, key=repr)
 
 
 def test_off_the_gpu_nothing_is_compiled_ahead():

@@ -1,4 +1,4 @@
-"""Every Triton kernel of a chunk training step compiled at once, in parallel threads, before the first launch.
+"""Every Triton kernel of a chunk training step compiled in parallel threads before its first launch.
 
 A training step launches its forward stages and, later, its backward stages (chunk/fwd.py, chunk/bwd.py); Triton
 compiles each kernel at its first launch, one after another. ``compile_training_step`` runs the forward and the
@@ -8,9 +8,14 @@ and stages the real launches will, so they compile the kernels the step reaches,
 up; the real launches then find them compiled and readied (loaded, their launchers built). Nothing runs on the
 device but the buffers' allocation and the residual's gap clearing.
 
+The forward's kernels are compiled before the forward goes on; the backward's compile in a background thread while
+the rest of the first step runs (the other layers' forwards, FLA's searches, the backward graph's compile), off the
+chain of compiles the first step waits on. A backward launch that comes before its kernel's compile is done waits
+for it, or compiles it itself (Triton's disk cache then holds it once the thread's compile is done).
+
 Once per (params, tuning, dtype, head shapes, varlen, initial state, device) and process; the tuning option
 ``t.compile_ahead`` turns it off. Not under Triton's interpreter (nothing is compiled there), nor on a Triton
-without ``AsyncCompileMode``. The measured effect: docs/model-bench.md, "Where the first step's time goes".
+without ``AsyncCompileMode``. The measured effect: docs/model-bench.md, "Where the cold first step's time goes".
 """
 from __future__ import annotations
 
@@ -28,7 +33,6 @@ from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
 
-BACKWARD_IN_BACKGROUND = True
 _done: set = set()
 _background: list[threading.Thread] = []
 _lock = threading.Lock()
@@ -130,9 +134,6 @@ def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None
     if raw_gate is not None:
         return
     args = (p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o)
-    if not BACKWARD_IN_BACKGROUND:
-        _backward_in_background(q.device, args)
-        return
     thread = threading.Thread(target=_backward_in_background, args=(q.device, args), daemon=True,
                               name="laqat-compile-ahead-backward")
     _background.append(thread)

@@ -2,6 +2,8 @@
 recipe are exactly the launches a real training step makes (kernel, warps, stages, constexprs, every scalar
 argument, every tensor's dtype and shape), so every kernel the step reaches compiles ahead and none extra; it
 runs once per kind of step, never under t.compile_ahead=false, and launches nothing."""
+import threading
+
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -98,15 +100,14 @@ def test_once_per_kind_of_step_and_never_when_turned_off(monkeypatch):
 def test_the_forward_compiles_before_the_step_goes_on_and_the_backward_in_a_background_thread(monkeypatch):
     """compile_training_step requests the forward's kernels on the step's thread and returns; the backward's come
     from a background thread, and both together are the whole recipe's requests."""
-    import threading
-
     requests = []
     monkeypatch.setattr(compile_ahead, "available", lambda device: True)
     monkeypatch.setattr(compile_ahead, "_done", set())
     release = threading.Event()
+    step_thread = threading.current_thread()
 
     def request(kernel, arguments):
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not step_thread:
             release.wait(timeout=60)  # the step's thread has returned before any backward compile is done
         requests.append((threading.current_thread().name, describe(kernel, arguments)))
     monkeypatch.setattr(compile_ahead, "request_compile", request)
@@ -118,7 +119,7 @@ def test_the_forward_compiles_before_the_step_goes_on_and_the_backward_in_a_back
     compile_ahead.finish_background_compiles()
     backward = requests[len(forward):]
     assert forward and backward
-    assert {name for name, _ in forward} == {threading.main_thread().name}
+    assert {name for name, _ in forward} == {step_thread.name}
     assert {name for name, _ in backward} == {"laqat-compile-ahead-backward"}
 
     whole = []
@@ -127,6 +128,28 @@ def test_the_forward_compiles_before_the_step_goes_on_and_the_backward_in_a_back
             describe(kernel, arguments))):
         compile_ahead.run_training_step(p, tuning, *(x.detach() for x in xs[:5]), 0.5, None, None, None)
     assert sorted((r for _, r in requests), key=repr) == sorted(whole, key=repr)
+
+
+def test_a_failing_background_compile_warns_and_the_backward_runs(monkeypatch):
+    monkeypatch.setattr(compile_ahead, "available", lambda device: True)
+    monkeypatch.setattr(compile_ahead, "_done", set())
+    step_thread = threading.current_thread()
+
+    def request(kernel, arguments):
+        if threading.current_thread() is not step_thread:
+            raise RuntimeError("no compiler in this thread")
+    monkeypatch.setattr(compile_ahead, "request_compile", request)
+    spec = RecurrenceSpec(kind="gdn", chunk=8, kernel="chunk")
+    xs, _ = random_inputs("gdn", B=1, T=9, H=1, K=8, V=8)
+    weights = torch.randn(1, 9, 1, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"ahead failed \(RuntimeError: no compiler in this thread\)"):
+        o, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))
+        compile_ahead.finish_background_compiles()
+    grads = torch.autograd.grad((o * weights.to(o.dtype)).sum(), xs[:5])
+    off = spec.replace(tuning={"compile_ahead": False})
+    o_off, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(off))
+    want = torch.autograd.grad((o_off * weights.to(o.dtype)).sum(), xs[:5])
+    assert torch.equal(o, o_off) and all(torch.equal(a, b) for a, b in zip(grads, want))
 
 
 def test_off_the_gpu_nothing_is_compiled_ahead():

@@ -170,9 +170,9 @@ class TuningOptions(_Options):
         "off"))
     compile_ahead: bool = option(True, (True, False), (
         "on CUDA, the first training forward of each kind (spec, dtype, head shapes) compiles every Triton kernel of "
-        "its forward and backward at once, in parallel threads, before it launches any (kernels/chunk/"
-        "compile_ahead.py); `false`: each kernel compiles at its first launch, one after another. Compiles only: "
-        "what runs is the same"))
+        "its forward at once, in parallel threads, before it launches any, and its backward's in a background "
+        "thread while the step goes on (kernels/chunk/compile_ahead.py); `false`: each kernel compiles at its first "
+        "launch, one after another. Compiles only: what runs is the same"))
     nan_fill: bool | None = option(None, (None, True, False), (
         "whether the kernels' scratch and output buffers are NaN-filled before the kernels write them (an element "
         "no kernel writes then shows up); unset: under Triton's interpreter only (a fill costs a full write)"))

@@ -12,8 +12,9 @@ the folders an earlier process filled, and ``--caches`` labels which. Per step i
 compile phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
 and of the Triton compiles and autotuning searches in this process by the kernel's origin (``laqat``: laqat's own
 kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it. A
-compile that laqat's compile-ahead requests counts in the compile-ahead's seconds (its request on the step's thread,
-its compile in a thread), not among the compiles. A compiled kernel's readying for its first launch (binary loaded,
+compile that laqat's compile-ahead requests counts among its requests, not among the compiles: the forward's on the
+step's thread (their seconds in the compile-ahead's, which the step waits for), the backward's from the compile-ahead's
+background thread (which the step does not wait for). A compiled kernel's readying for its first launch (binary loaded,
 C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the step's thread and in other threads
 (laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
 compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
@@ -43,6 +44,7 @@ from bench_common import ensure_la_compiler, fla_gdn_blocker, sync  # noqa: E402
 ensure_la_compiler()
 
 import la_compiler  # noqa: E402,F401
+from la_compiler.kernels.chunk.compile_ahead import BACKGROUND_THREAD  # noqa: E402
 from model_bench import ROW_OPTIONS, ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
 
 
@@ -97,7 +99,8 @@ class TritonLog:
                     log.compiles.append({"kernel": fn.__name__, "origin": origin(fn.module or ""),
                                          "s": time.perf_counter() - t0,
                                          "in_search": getattr(log._local, "search", None),
-                                         "in_ahead": getattr(log._local, "ahead", False)})
+                                         "in_ahead": getattr(log._local, "ahead", False)
+                                         or threading.current_thread().name == BACKGROUND_THREAD})
             jit.JITFunction._do_compile = timed_compile
             self.installed.append("JITFunction._do_compile")
 

@@ -33,6 +33,7 @@ from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
 
+BACKGROUND_THREAD = "laqat-compile-ahead-backward"  # the name of the threads that compile a backward
 _done: set = set()
 _background: list[threading.Thread] = []
 _lock = threading.Lock()
@@ -135,7 +136,7 @@ def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None
         return
     args = (p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o)
     thread = threading.Thread(target=_backward_in_background, args=(q.device, args), daemon=True,
-                              name="laqat-compile-ahead-backward")
+                              name=BACKGROUND_THREAD)
     _background.append(thread)
     thread.start()
 

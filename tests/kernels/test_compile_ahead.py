@@ -120,7 +120,7 @@ def test_the_forward_compiles_before_the_step_goes_on_and_the_backward_in_a_back
     backward = requests[len(forward):]
     assert forward and backward
     assert {name for name, _ in forward} == {step_thread.name}
-    assert {name for name, _ in backward} == {"laqat-compile-ahead-backward"}
+    assert {name for name, _ in backward} == {compile_ahead.BACKGROUND_THREAD}
 
     whole = []
     p, tuning = ChunkParams.from_spec(spec), spec.tuning_options

@@ -137,7 +137,7 @@ def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None
     args = (p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o)
     thread = threading.Thread(target=_backward_in_background, args=(q.device, args), daemon=True,
                               name=BACKGROUND_THREAD)
-    _background.append(thread)
+    _background[:] = [t for t in _background if t.is_alive()] + [thread]
     thread.start()
 
 

@@ -506,6 +506,8 @@ class EnvironmentVariable:
 CACHE_DIR_ENV = "LAQAT_CACHE_DIR"
 FLA_SEARCHES_ENV = "LAQAT_FLA_SEARCHES"
 FLA_SEARCHES = ("narrowed", "full")
+FLA_COMPILE_AHEAD_ENV = "LAQAT_FLA_COMPILE_AHEAD"
+FLA_COMPILE_AHEAD = ("on", "off")
 ENVIRONMENT = (
     EnvironmentVariable(CACHE_DIR_ENV, "la_compiler.options.cache_dir", (
         "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
@@ -515,6 +517,10 @@ ENVIRONMENT = (
         "and plain norms; kernels/fla/autotune_searches.py): `narrowed` (default) times the few candidates that "
         "win on the H200, `full` every candidate FLA lists; either way the candidates compile in parallel threads "
         "first")),
+    EnvironmentVariable(FLA_COMPILE_AHEAD_ENV, "la_compiler.options.fla_compile_ahead", (
+        "`on` (default): at the first CUDA forward of each kind, laqat's FLA ops compile the kernels their "
+        "backward will launch, every candidate its searches will time, in a background thread "
+        "(kernels/fla/backward_ahead.py); `off`: each compiles at its first launch in the backward")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "
@@ -554,6 +560,14 @@ def fla_searches() -> str:
     if value not in FLA_SEARCHES:
         raise OptionsError(f"{FLA_SEARCHES_ENV}: must be one of {list(FLA_SEARCHES)}, got {value!r}")
     return value
+
+
+def fla_compile_ahead() -> bool:
+    """``LAQAT_FLA_COMPILE_AHEAD``: `on` (default) or `off`; read at each call."""
+    value = os.environ.get(FLA_COMPILE_AHEAD_ENV) or "on"
+    if value not in FLA_COMPILE_AHEAD:
+        raise OptionsError(f"{FLA_COMPILE_AHEAD_ENV}: must be one of {list(FLA_COMPILE_AHEAD)}, got {value!r}")
+    return value == "on"
 
 
 def interpreter() -> bool:

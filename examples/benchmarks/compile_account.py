@@ -14,10 +14,11 @@ and of the Triton compiles and autotuning searches in this process by the kernel
 kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it. A
 compile that laqat's compile-ahead requests counts among its requests, not among the compiles: the forward's on the
 step's thread (their seconds in the compile-ahead's, which the step waits for), the backward's from the compile-ahead's
-background thread (which the step does not wait for). A compiled kernel's readying for its first launch (binary loaded,
-C launcher built: ``CompiledKernel._init_handles``) is counted apart, on the step's thread and in other threads
-(laqat's compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its
-compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
+background thread (which the step does not wait for); those of FLA's backward that laqat's FLA ops request at
+their first forward (kernels/fla/backward_ahead.py) count apart, as ``fla_backward_ahead_requests``. A compiled
+kernel's readying for its first launch (binary loaded, C launcher built: ``CompiledKernel._init_handles``) is
+counted apart, on the step's thread and in other threads (laqat's compile threads, Inductor's). Inductor's
+generated kernels compile in its worker processes inside its compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
 (kernels/fla/autotune_searches.py). ``--profile N``: the first step's N functions with the most cumulative seconds
 and the N with the most seconds of their own, with their callers (cProfile, the main thread). Writes
 ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
@@ -45,6 +46,8 @@ ensure_la_compiler()
 
 import la_compiler  # noqa: E402,F401
 from la_compiler.kernels.chunk.compile_ahead import BACKGROUND_THREAD  # noqa: E402
+from la_compiler.kernels.fla.backward_ahead import BACKGROUND_THREAD as FLA_BACKGROUND_THREAD  # noqa: E402
+from la_compiler.options import fla_compile_ahead  # noqa: E402
 from model_bench import ROW_OPTIONS, ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
 
 
@@ -100,7 +103,8 @@ class TritonLog:
                                          "s": time.perf_counter() - t0,
                                          "in_search": getattr(log._local, "search", None),
                                          "in_ahead": getattr(log._local, "ahead", False)
-                                         or threading.current_thread().name == BACKGROUND_THREAD})
+                                         or threading.current_thread().name == BACKGROUND_THREAD,
+                                         "fla_ahead": threading.current_thread().name == FLA_BACKGROUND_THREAD})
             jit.JITFunction._do_compile = timed_compile
             self.installed.append("JITFunction._do_compile")
 
@@ -155,7 +159,10 @@ class TritonLog:
             out[f"ready_{where}"] = {"kernels": len(done), "s": round(sum(r["s"] for r in done), 2)}
         ahead = [c for c in compiles if c["in_ahead"]]  # compile-ahead's requests: their seconds count in it
         out["ahead_requests"] = {"compiles": len(ahead), "s": round(sum(c["s"] for c in ahead), 2)}
-        compiles = [c for c in compiles if not c["in_ahead"]]
+        fla_ahead = [c for c in compiles if c.get("fla_ahead")]  # FLA's backward compiled ahead, in the background
+        out["fla_backward_ahead_requests"] = {"compiles": len(fla_ahead),
+                                              "s": round(sum(c["s"] for c in fla_ahead), 2)}
+        compiles = [c for c in compiles if not c["in_ahead"] and not c.get("fla_ahead")]
         for who in ("laqat", "fla", "other"):
             direct = [c for c in compiles if c["origin"] == who and c["in_search"] is None]
             found = [s for s in searches if s["origin"] == who]
@@ -271,7 +278,8 @@ def main():
     result = {"family": args.family, "row": args.row, "layers": args.layers, "hidden": args.hidden,
               "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
               "tuning": tuning, "full_searches": args.full_searches,
-              "ready_on_first_launch": args.ready_on_first_launch, "hooks": log.installed,
+              "ready_on_first_launch": args.ready_on_first_launch, "fla_compile_ahead": fla_compile_ahead(),
+              "hooks": log.installed,
               "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                              "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}

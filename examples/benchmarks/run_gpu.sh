@@ -8,8 +8,9 @@
 # Suites (each part prints its table and writes its JSON under $OUT/<suite>/<part>/, default OUT=out):
 #   exactness  the chunk kernels' forward and every gradient against fp64 autograd of the chunk reference (fp32, every
 #              case of chunk_bench.py's EXACT_CASES, in three parts), laqat's chunk kernels against FLA's (bf16), the
-#              QDQ device functions bit for bit against torch (both division forms, both E4M3 roundings), and the
-#              FLA frontend's opaque ops and layers against FLA's kernels
+#              QDQ device functions bit for bit against torch (both division forms, both E4M3 roundings), the
+#              FLA frontend's opaque ops and layers against FLA's kernels, and (fla-backward-ahead) the FLA ops'
+#              backward compiled ahead: no FLA compile on the step's thread in the backward, gradients at the reference
 #   chunk-gdn  GDN's chunk_bench.py tables: every policy at the three shapes (with FLA's fwd+bwd past its Hopper guard,
 #              timing only, and the fp32 torch emulation up to [1,4096,16,128]), the kernels of the main rows at
 #              [8,4096,16,128], and the setting rows there (residual modes)
@@ -31,7 +32,8 @@
 #              layers and at 16 (hidden 2048), each cold (empty caches under COLD_ROOT, default a fresh temporary folder) and
 #              then warm (a second process on the first's caches); GDN at 16 layers also compiled as one graph (the
 #              "laqat exact (whole graph)" row: options regional=False); KDA at 4 layers also with each kernel readied at its
-#              first launch (--ready-on-first-launch) and, at hidden 1536, with FLA's full searches (how close the
+#              first launch (--ready-on-first-launch), GDN and KDA at 4 layers with FLA's backward kernels compiled at
+#              their first launches (LAQAT_FLA_COMPILE_AHEAD=off) and, at hidden 1536, with FLA's full searches (how close the
 #              narrowed searches come to every candidate at a shape they were not chosen from)
 #   serving    serving_parity_gpu.py: the serving profiles against vLLM 0.33.0's own kernels, every case of
 #              docs/serving.md's section 5 (the packed decode step, vLLM's recurrent kernel, whole sequences, one layer
@@ -95,6 +97,7 @@ suite_exactness() {
   part fla-equality 300 $CB --fla-equality kda:1x4096x16x128,gdn:1x4096x16x128
   part qdq 150 $QDQ --junitxml="$OUT/exactness/qdq/junit.xml"
   part fla-frontend 300 python3 $B/fla_frontend_gpu_check.py
+  part fla-backward-ahead 300 python3 $B/fla_backward_ahead_gpu_check.py
 }
 
 chunk_suite() {  # chunk_suite KIND [extra chunk_bench options]: the chunk-gdn / chunk-kda parts
@@ -162,6 +165,12 @@ suite_compile() {
   part kda-cold 300 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
   part kda-warm 120 $(compile_caches kda) $CA --family kda --row "laqat exact" --caches warm
+  # shellcheck disable=SC2046
+  part kda-cold-fla-ahead-off 300 $(compile_caches kda-fla-off) LAQAT_FLA_COMPILE_AHEAD=off $CA --family kda \
+    --row "laqat exact" --caches cold
+  # shellcheck disable=SC2046
+  part gdn-cold-fla-ahead-off 300 $(compile_caches gdn-fla-off) LAQAT_FLA_COMPILE_AHEAD=off $CA --family gdn \
+    --row "laqat exact" --caches cold
   # shellcheck disable=SC2046
   part kda-cold-ready-on-launch 300 $(compile_caches kda-on-launch) $CA --family kda --row "laqat exact" --caches cold \
     --ready-on-first-launch

@@ -30,12 +30,13 @@ from la_compiler.kernels.chunk.bwd import chunk_bwd
 from la_compiler.kernels.chunk.fwd import chunk_fwd, plan_of
 from la_compiler.kernels.chunk.launch import compile_request
 from la_compiler.kernels.chunk.residual import residual_size
+from la_compiler.kernels.common import background_compiles
+from la_compiler.kernels.common.background_compiles import finish_background_compiles  # noqa: F401 (for tests)
 from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
 
 BACKGROUND_THREAD = "laqat-compile-ahead-backward"  # the name of the threads that compile a backward
 _done: set = set()
-_background: list[threading.Thread] = []
 _lock = threading.Lock()
 
 
@@ -109,13 +110,9 @@ def _warn_failed(e: Exception) -> None:
                   "compiles at its first launch instead (t.compile_ahead=false skips the attempt)", stacklevel=3)
 
 
-def _backward_in_background(device, args) -> None:
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    try:
-        with on_device, torch.no_grad(), compiling_only():
-            request_backward(*args)
-    except Exception as e:  # noqa: BLE001 - the backward's launches compile what is missing
-        _warn_failed(e)
+def _backward_requests(args) -> None:
+    with compiling_only():
+        request_backward(*args)
 
 
 def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None,
@@ -135,13 +132,4 @@ def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None
     if raw_gate is not None:
         return
     args = (p, tuning, q, k, v, g, beta, scale, initial_state, cu_seqlens, residual, o)
-    thread = threading.Thread(target=_backward_in_background, args=(q.device, args), daemon=True,
-                              name=BACKGROUND_THREAD)
-    _background[:] = [t for t in _background if t.is_alive()] + [thread]
-    thread.start()
-
-
-def finish_background_compiles() -> None:
-    """Wait for the backward compiles started in the background so far."""
-    while _background:
-        _background.pop().join()
+    background_compiles.start(BACKGROUND_THREAD, q.device, lambda: _backward_requests(args), _warn_failed)

@@ -26,6 +26,12 @@ def async_compile_mode():
     return AsyncCompileMode
 
 
+def _active_mode():
+    from triton.runtime._async_compile import active_mode
+
+    return active_mode
+
+
 def triton_device_calls() -> tuple[Callable[[], int], Callable[[int], None]]:
     """The active Triton driver's (current device, set current device)."""
     from triton.runtime.driver import driver
@@ -68,9 +74,10 @@ def compiles_in_threads(threads: int | None = None):
     """Inside: a Triton kernel compile (a launch with ``warmup=True``) is queued to ``threads`` threads (default
     ``COMPILE_THREADS``), which also ready each kernel for its first launch (``CompileAndReady``); all have
     finished on exit. A compile that fails is dropped: the kernel's real launch compiles it again and raises.
-    Without AsyncCompileMode, compiles run where they are requested."""
+    Inside another, the outer one's threads compile them (they have finished when it exits). Without
+    AsyncCompileMode, compiles run where they are requested."""
     mode = async_compile_mode()
-    if mode is None:
+    if mode is None or _active_mode().get() is not None:
         yield
         return
     with ThreadPoolExecutor(threads or COMPILE_THREADS, thread_name_prefix="laqat-compile") as pool, \

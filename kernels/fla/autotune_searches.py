@@ -15,6 +15,9 @@ not in its cache, more than one candidate):
   kernel names its own bench), and keeps the fastest in the autotuner's own cache (shared with FLA's eager calls)
   and, where FLA asks for it, Triton's disk cache.
 
+Inside ``requests_only()`` (kernels/fla/compile_requests.py) a launch of an autotuned kernel runs nothing: it
+compiles, in parallel threads, the candidates its search would time (the key has no choice yet) or its choice.
+
 The kernels compute what they compute under any candidate; where a candidate splits a reduction differently, the
 last bits of that reduction follow the choice, as they follow FLA's own search from one machine to the next. The
 wrapper is installed on ``Autotuner.run`` at the first ``quick_searches()`` and passes every call through unchanged
@@ -48,6 +51,7 @@ NARROWED = {
 }
 
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("laqat_quick_searches", default=False)
+requests_only: contextvars.ContextVar[bool] = contextvars.ContextVar("laqat_fla_requests_only", default=False)
 _lock = threading.Lock()
 _installed = False
 
@@ -86,6 +90,32 @@ def narrowed(name: str, configs: list) -> list:
     kept = [c for c in configs
             if any(c.num_warps == warps and all(c.kwargs.get(k) == v for k, v in meta.items()) for meta, warps in keep)]
     return kept or configs
+
+
+def search_candidates(tuner, args, kwargs) -> list:
+    """The candidates a search of this launch times: ``narrowed`` and Triton's early pruning, computed without
+    touching the autotuner's state (another thread may be running it)."""
+    configs = narrowed(getattr(tuner.base_fn, "__name__", ""), tuner.configs)
+    if tuner.early_config_prune:
+        configs = tuner.early_config_prune(configs, dict(zip(tuner.arg_names, args)), **kwargs) or configs
+    return configs
+
+
+def compile_requests(tuner, args, kwargs) -> None:
+    """The compiles a launch of ``tuner`` needs, nothing launched: the candidates its search will time where its
+    key has no choice yet, else the choice."""
+    if len(tuner.configs) == 1:
+        configs = tuner.configs
+    else:
+        chosen = tuner.cache.get(tuning_key(tuner, args, kwargs))
+        configs = [chosen] if chosen is not None else search_candidates(tuner, args, kwargs)
+    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    with compiles_in_threads():
+        for config in configs:
+            try:
+                tuner.fn.run(*args, grid=(1,), warmup=True, **meta, **config.all_kwargs())
+            except Exception:  # noqa: BLE001 - the search's own launch of this candidate reports it
+                pass
 
 
 def _search(run, tuner, args, kwargs):
@@ -132,6 +162,8 @@ def _install() -> None:
 
         @functools.wraps(run)
         def run_with_quick_searches(tuner, *args, **kwargs):
+            if requests_only.get():
+                return compile_requests(tuner, args, kwargs)
             if _inside.get() and len(tuner.configs) > 1 and tuning_key(tuner, args, kwargs) not in tuner.cache:
                 return _search(run, tuner, args, kwargs)
             return run(tuner, *args, **kwargs)

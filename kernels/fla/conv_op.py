@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from la_compiler.kernels.common.autograd_inside_op import autograd_enabled
 from la_compiler.kernels.fla.autotune_searches import searched
+from la_compiler.kernels.fla.backward_ahead import compile_backward_ahead, describe
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "silu", "swish")
@@ -88,7 +89,12 @@ def causal_conv1d(
         y, final = searched(causal_conv1d_fwd)(
             x=x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
             output_final_state=output_final_state, activation=activation, cu_seqlens=cu_seqlens)
-        return y.contiguous(), final if output_final_state else _empty(x)
+        y = y.contiguous()
+        saved = (x, weight, bias, residual, initial_state, cu_seqlens, activation)
+        compile_backward_ahead("causal_conv1d", describe(y.dtype, *saved[:5], cu_seqlens is None, activation),
+                               x.device,
+                               lambda: _fla_backward(torch.empty_like(y), None, *saved))  # no final state's gradient
+        return y, final if output_final_state else _empty(x)
     y, final = causal_conv1d_reference(x, weight, bias, residual, initial_state, cu_seqlens, activation)
     return y.contiguous(), final.contiguous() if output_final_state else _empty(x)
 
@@ -100,6 +106,14 @@ def _(x, weight, bias, residual, initial_state, cu_seqlens, activation, output_f
     n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((n, weight.shape[0], weight.shape[1])))
+
+
+def _fla_backward(dy, dht, x, weight, bias, residual, initial_state, cu_seqlens, activation):
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+    return searched(causal_conv1d_bwd)(
+        x=x, dy=dy.contiguous(), dht=dht, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+        activation=activation, cu_seqlens=cu_seqlens)
 
 
 @torch.library.custom_op("laqat::causal_conv1d_backward", mutates_args=())
@@ -116,11 +130,7 @@ def causal_conv1d_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dx, dweight, dbias, dresidual, dinitial_state); an empty tensor for an absent input."""
     if x.is_cuda:
-        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
-
-        dx, dw, db, dr, dh0 = searched(causal_conv1d_bwd)(
-            x=x, dy=dy.contiguous(), dht=dht, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
-            activation=activation, cu_seqlens=cu_seqlens)
+        dx, dw, db, dr, dh0 = _fla_backward(dy, dht, x, weight, bias, residual, initial_state, cu_seqlens, activation)
         dr = None if dr is None else dr.clone()  # FLA returns dy itself; an op output may not alias an input
     else:
         inputs = [t.detach().requires_grad_(True) if t is not None else None

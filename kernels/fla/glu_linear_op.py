@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from la_compiler.kernels.fla import glu_formulas
 from la_compiler.kernels.fla.autotune_searches import searched
+from la_compiler.kernels.fla.backward_ahead import compile_backward_ahead, describe
 
 Tensor = torch.Tensor
 ACTIVATIONS = ("swiglu", "powglu")
@@ -59,7 +60,13 @@ def _check_activation(activation: str) -> None:
 @torch.library.custom_op("laqat::glu_linear", mutates_args=())
 def glu_linear(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, power: float) -> Tensor:
     _check_activation(activation)
-    return F.linear(_activation(x, y, activation, power), weight, bias).contiguous()
+    out = F.linear(_activation(x, y, activation, power), weight, bias).contiguous()
+    if x.is_cuda:  # the backward's activation kernel, on the down projection's input gradient dz (x's shape)
+        compile_backward_ahead("glu_linear", describe(x, y, out.dtype, activation, power), x.device,
+                               lambda: _activation_and_grads(x.contiguous(), y.contiguous(),
+                                                             torch.empty(x.shape, dtype=out.dtype, device=x.device),
+                                                             activation, power))
+    return out
 
 
 @glu_linear.register_fake

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from la_compiler.kernels.fla.autotune_searches import searched
+from la_compiler.kernels.fla.backward_ahead import compile_backward_ahead, describe
 
 Tensor = torch.Tensor
 
@@ -45,6 +46,8 @@ def l2_norm(x: Tensor, eps: float, output_dtype: Optional[torch.dtype]) -> tuple
         from fla.modules.norm.l2norm import l2norm_fwd
 
         y, rstd = searched(l2norm_fwd)(x.contiguous(), eps=eps, output_dtype=output_dtype)
+        compile_backward_ahead("l2_norm", describe(y, rstd, eps), x.device,
+                               lambda: _fla_backward(torch.empty_like(y), y, rstd, eps))
         return y, rstd
     y, rstd = l2_norm_formula(x, eps, output_dtype)
     return y.contiguous(), rstd.contiguous()
@@ -57,12 +60,16 @@ def _(x, eps, output_dtype):
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+def _fla_backward(dy: Tensor, y: Tensor, rstd: Tensor, eps: float) -> Tensor:
+    from fla.modules.norm.l2norm import l2norm_bwd
+
+    return searched(l2norm_bwd)(y=y, rstd=rstd, dy=dy.contiguous(), eps=eps)
+
+
 @torch.library.custom_op("laqat::l2_norm_backward", mutates_args=())
 def l2_norm_backward(dy: Tensor, y: Tensor, rstd: Tensor, eps: float, x_dtype: torch.dtype) -> Tensor:
     if y.is_cuda:
-        from fla.modules.norm.l2norm import l2norm_bwd
-
-        return searched(l2norm_bwd)(y=y, rstd=rstd, dy=dy.contiguous(), eps=eps).to(x_dtype).contiguous()
+        return _fla_backward(dy, y, rstd, eps).to(x_dtype).contiguous()
     return l2_norm_backward_formula(dy, y, rstd).to(x_dtype).contiguous()
 
 

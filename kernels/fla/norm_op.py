@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from la_compiler.kernels.common.autograd_inside_op import autograd_enabled
 from la_compiler.kernels.fla.autotune_searches import searched
+from la_compiler.kernels.fla.backward_ahead import compile_backward_ahead, describe
 
 Tensor = torch.Tensor
 ACTIVATIONS = ("swish", "silu", "sigmoid")
@@ -77,14 +78,28 @@ def layer_norm_gated(
     is_rms_norm: bool,
 ) -> Tensor:
     if x.is_cuda:
-        y = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)[2]
-        return y.reshape(x.shape)
+        y = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)[2].reshape(x.shape)
+        compile_backward_ahead(
+            "layer_norm_gated", describe(x, g, weight, bias, activation, eps, is_rms_norm), x.device,
+            lambda: _fla_backward(torch.empty_like(y), x, g, weight, bias, activation, eps, is_rms_norm))
+        return y
     return layer_norm_gated_reference(x, g, weight, bias, activation, eps, is_rms_norm).contiguous()
 
 
 @layer_norm_gated.register_fake
 def _(x, g, weight, bias, activation, eps, is_rms_norm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fla_backward(dy, x, g, weight, bias, activation, eps, is_rms_norm):
+    """-> (dx, dg, dw, db) from FLA's kernels; the statistics recomputed with the forward's kernel."""
+    from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd
+
+    x2, g2, _, mean, rstd = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)
+    dx, dg, dw, db, _ = searched(layer_norm_gated_bwd)(
+        dy=dy.reshape(x2.shape).contiguous(), x=x2, g=g2, weight=weight, bias=bias, activation=activation, eps=eps,
+        mean=mean, rstd=rstd, is_rms_norm=is_rms_norm, x_dtype=x.dtype)
+    return dx.reshape(x.shape), dg.reshape(g.shape), dw, db
 
 
 @torch.library.custom_op("laqat::layer_norm_gated_backward", mutates_args=())
@@ -100,13 +115,7 @@ def layer_norm_gated_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dx, dg, dweight, dbias); an empty tensor for an absent weight or bias."""
     if x.is_cuda:
-        from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd
-
-        x2, g2, _, mean, rstd = _fla_forward(x, g, weight, bias, activation, eps, is_rms_norm)
-        dx, dg, dw, db, _ = searched(layer_norm_gated_bwd)(
-            dy=dy.reshape(x2.shape).contiguous(), x=x2, g=g2, weight=weight, bias=bias, activation=activation, eps=eps,
-            mean=mean, rstd=rstd, is_rms_norm=is_rms_norm, x_dtype=x.dtype)
-        dx, dg = dx.reshape(x.shape), dg.reshape(g.shape)
+        dx, dg, dw, db = _fla_backward(dy, x, g, weight, bias, activation, eps, is_rms_norm)
     else:
         inputs = [t.detach().requires_grad_(True) if t is not None else None for t in (x, g, weight, bias)]
         with autograd_enabled():
@@ -151,7 +160,9 @@ def _fla_forward_plain(x, weight, bias, eps, is_rms_norm):
 @torch.library.custom_op("laqat::layer_norm", mutates_args=())
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms_norm: bool) -> Tensor:
     if x.is_cuda:
-        return _fla_forward_plain(x, weight, bias, eps, is_rms_norm)[1].reshape(x.shape)
+        y = _fla_forward_plain(x, weight, bias, eps, is_rms_norm)[1].reshape(x.shape)
+        _backward_ahead_plain(y, x, weight, bias, eps, is_rms_norm)
+        return y
     return layer_norm_gated_reference(x, None, weight, bias, "", eps, is_rms_norm).contiguous()
 
 
@@ -160,18 +171,30 @@ def _(x, weight, bias, eps, is_rms_norm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _fla_backward_plain(dy, x, weight, bias, eps, is_rms_norm):
+    """-> (dx, dw, db) from FLA's kernels; the statistics recomputed with the forward's kernel."""
+    from fla.modules.norm.layernorm import layer_norm_bwd
+
+    x2, _, mean, rstd = _fla_forward_plain(x, weight, bias, eps, is_rms_norm)
+    dx, dw, db, _ = searched(layer_norm_bwd)(
+        dy=dy.reshape(x2.shape).contiguous(), x=x2, weight=weight, bias=bias, mean=mean, rstd=rstd,
+        is_rms_norm=is_rms_norm, x_dtype=x.dtype)
+    return dx.reshape(x.shape), dw, db
+
+
+def _backward_ahead_plain(y, x, weight, bias, eps, is_rms_norm) -> None:
+    """``laqat::layer_norm_backward`` of (y's gradient, x) compiled ahead (kernels/fla/backward_ahead.py)."""
+    compile_backward_ahead(
+        "layer_norm", describe(y.dtype, x, weight, bias, eps, is_rms_norm), x.device,
+        lambda: _fla_backward_plain(torch.empty_like(y), x, weight, bias, eps, is_rms_norm))
+
+
 @torch.library.custom_op("laqat::layer_norm_backward", mutates_args=())
 def layer_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                         is_rms_norm: bool) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dx, dweight, dbias); an empty tensor for an absent weight or bias."""
     if x.is_cuda:
-        from fla.modules.norm.layernorm import layer_norm_bwd
-
-        x2, _, mean, rstd = _fla_forward_plain(x, weight, bias, eps, is_rms_norm)
-        dx, dw, db, _ = searched(layer_norm_bwd)(
-            dy=dy.reshape(x2.shape).contiguous(), x=x2, weight=weight, bias=bias, mean=mean, rstd=rstd,
-            is_rms_norm=is_rms_norm, x_dtype=x.dtype)
-        dx = dx.reshape(x.shape)
+        dx, dw, db = _fla_backward_plain(dy, x, weight, bias, eps, is_rms_norm)
     else:
         inputs = [t.detach().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
         with autograd_enabled():
@@ -210,11 +233,13 @@ def layer_norm_residual(x: Tensor, residual: Tensor, weight: Optional[Tensor], b
                         is_rms_norm: bool) -> tuple[Tensor, Tensor]:
     """-> (y in x's dtype, residual_out = x + residual in the residual's dtype); y normalizes the fp32 sum."""
     total = x.float() + residual.float()
-    if x.is_cuda:
-        y = _fla_forward_plain(total, weight, bias, eps, is_rms_norm)[1].reshape(x.shape)
-    else:
+    if not x.is_cuda:
         y = layer_norm_gated_reference(total, None, weight, bias, "", eps, is_rms_norm)
-    return y.to(x.dtype).contiguous(), total.to(residual.dtype).contiguous()
+        return y.to(x.dtype).contiguous(), total.to(residual.dtype).contiguous()
+    y = _fla_forward_plain(total, weight, bias, eps, is_rms_norm)[1].reshape(x.shape).to(x.dtype).contiguous()
+    residual_out = total.to(residual.dtype).contiguous()
+    _backward_ahead_plain(y, residual_out, weight, bias, eps, is_rms_norm)  # the backward normalizes residual_out
+    return y, residual_out
 
 
 @layer_norm_residual.register_fake

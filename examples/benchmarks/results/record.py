@@ -143,6 +143,7 @@ def compile_account(data: dict, head: dict) -> list[dict]:
                     "caches": caches, "step": step["step"], "tuning": data.get("tuning") or {},
                     "full_searches": bool(data.get("full_searches")),
                     **({"ready_on_first_launch": True} if data.get("ready_on_first_launch") else {}),
+                    **({"fla_compile_ahead": False} if data.get("fla_compile_ahead") is False else {}),
                     "figures": figures})
     return out
 

@@ -8,8 +8,9 @@ torch reference (its CPU path).
 Per op, at the model benchmark's widths (bf16, B=2, T=512): the first forward, the background thread waited for,
 then the backward with every Triton compile on the step's thread recorded (``JITFunction._do_compile``). A row
 passes when the background requested compiles, the backward compiled none of FLA's kernels on the step's thread,
-and the output and every gradient are within 1e-2 (relative L2) of the reference. Prints a table and writes
-$OUT/fla_backward_ahead_gpu.json; exits 1 if a row fails.
+and the output and every gradient are within 1e-2 (relative L2) of the reference; a last row, with
+``LAQAT_FLA_COMPILE_AHEAD=off``, passes when the backward did compile FLA's kernels on the step's thread. Prints a
+table and writes $OUT/fla_backward_ahead_gpu.json; exits 1 if a row fails.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def ops():
          [torch.randn(B, T, HID), 1 + 0.1 * torch.randn(HID)], [BF16, torch.float32]),
         ("layer_norm_residual", lambda x, r, w: sum(t.float() for t in op.layer_norm_residual(x, r, w, None, 1e-6,
                                                                                              True)),
-         [torch.randn(B, T, HID), torch.randn(B, T, HID), 1 + 0.1 * torch.randn(HID)], [BF16, BF16, torch.float32]),
+         [torch.randn(B, T, HID), torch.randn(B, T, HID), 1 + 0.1 * torch.randn(HID)],
+         [BF16, torch.float32, torch.float32]),  # an fp32 residual: another kind than layer_norm's
         ("l2_norm", lambda x: op.l2_norm(x, 1e-6, None)[0],
          [torch.randn(B, T, H, D)], [BF16]),
         ("causal_conv1d", lambda x, w: op.causal_conv1d(x, w, None, None, None, None, "silu", False)[0],
@@ -100,10 +102,24 @@ def check(name, call, inputs, dtypes, compiles) -> dict:
             "ok": ok}
 
 
+def control(compiles) -> dict:
+    """The check's own sensitivity: with LAQAT_FLA_COMPILE_AHEAD=off (a width no row above used) the backward
+    compiles FLA's kernels on the step's thread."""
+    os.environ["LAQAT_FLA_COMPILE_AHEAD"] = "off"
+    try:
+        row = check("layer_norm (off: control)", lambda x, w: torch.ops.laqat.layer_norm(x, w, None, 1e-6, True),
+                    [torch.randn(B, T, 1536), 1 + 0.1 * torch.randn(1536)], [BF16, torch.float32], compiles)
+    finally:
+        del os.environ["LAQAT_FLA_COMPILE_AHEAD"]
+    row["ok"] = (row["background_requests"] == 0 and bool(row["step_thread_fla_compiles"])
+                 and max(row["rel_l2"].values()) <= 1e-2)
+    return row
+
+
 def main() -> int:
     torch.manual_seed(0)
     compiles = StepThreadCompiles()
-    rows = [check(*op, compiles) for op in ops()]
+    rows = [check(*op, compiles) for op in ops()] + [control(compiles)]
     print(f"{'op':22s} {'bg requests':>11s} {'step-thread FLA compiles':>24s} {'max rel L2':>10s}  ok")
     for r in rows:
         print(f"{r['op']:22s} {r['background_requests']:>11d} {len(r['step_thread_fla_compiles']):>24d} "

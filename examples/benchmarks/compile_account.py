@@ -17,8 +17,9 @@ step's thread (their seconds in the compile-ahead's, which the step waits for), 
 background thread (which the step does not wait for); those of FLA's backward that laqat's FLA ops request at
 their first forward (kernels/fla/backward_ahead.py) count apart, as ``fla_backward_ahead_requests``. A compiled
 kernel's readying for its first launch (binary loaded, C launcher built: ``CompiledKernel._init_handles``) is
-counted apart, on the step's thread and in other threads (laqat's compile threads, Inductor's). Inductor's
-generated kernels compile in its worker processes inside its compile phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
+counted apart, on the step's threads (the main thread and autograd's device threads) and in other threads (laqat's
+compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its compile
+phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
 (kernels/fla/autotune_searches.py). ``--profile N``: the first step's N functions with the most cumulative seconds
 and the N with the most seconds of their own, with their callers (cProfile, the main thread). Writes
 ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
@@ -57,6 +58,13 @@ def origin(module: str) -> str:
     if module.startswith("fla"):
         return "fla"
     return "other"
+
+
+def on_step_thread() -> bool:
+    """The training step's own threads: the main thread and autograd's device threads, which run a CUDA backward
+    (started outside Python: threading names them ``Dummy-N``)."""
+    thread = threading.current_thread()
+    return thread is threading.main_thread() or isinstance(thread, threading._DummyThread)
 
 
 class TritonLog:
@@ -120,7 +128,7 @@ class TritonLog:
                 return ready(kernel, *args, **kwargs)
             finally:
                 log.readies.append({"kernel": getattr(kernel, "name", "?"), "s": time.perf_counter() - t0,
-                                    "step_thread": threading.current_thread() is threading.main_thread()})
+                                    "step_thread": on_step_thread()})
         CompiledKernel._init_handles = timed_ready
         self.installed.append("CompiledKernel._init_handles")
 

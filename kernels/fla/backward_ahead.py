@@ -38,8 +38,6 @@ def available(device: torch.device) -> bool:
 
 
 def _first_time(key) -> bool:
-    if key in _done:  # every forward of the op asks: the lock only for a new kind
-        return False
     with _lock:
         if key in _done:
             return False
@@ -68,6 +66,7 @@ def _requests(backward: Callable[[], object]) -> None:
 def compile_backward_ahead(op: str, key: tuple, device: torch.device, backward: Callable[[], object]) -> None:
     """At the first forward of ``op`` of its kind (``key``): ``backward()``, the op's backward as its first call
     will run it, in a background thread with every launch turned into its compiles (see the module's docstring)."""
-    if not fla_compile_ahead() or not available(device) or not _first_time((op, key, device)):
-        return
+    key = (op, key, device)
+    if key in _done or not fla_compile_ahead() or not available(device) or not _first_time(key):
+        return  # every forward of the op asks: the settled case first
     background_compiles.start(BACKGROUND_THREAD, device, lambda: _requests(backward), _warn_failed)

@@ -12,7 +12,9 @@ where they did.
 
 Once per (op, feature sizes, dtypes, options, device) and process (other sequence lengths included); ``LAQAT_FLA_COMPILE_AHEAD=off`` turns it off. Not
 under Triton's interpreter, nor while a CUDA graph is captured, nor on a Triton without ``AsyncCompileMode``. The
-thread's gradient and outputs (the size of the op's inputs) are freed when it ends, within the first step.
+thread's gradient and outputs (the size of the op's inputs) are freed when it ends, within the first step. An op's
+forward does not know whether a backward follows: a process that only runs inference compiles them to no use, once
+per kind.
 """
 from __future__ import annotations
 

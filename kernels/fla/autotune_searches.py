@@ -109,7 +109,12 @@ def compile_requests(tuner, args, kwargs) -> None:
     else:
         chosen = tuner.cache.get(tuning_key(tuner, args, kwargs))
         configs = [chosen] if chosen is not None else search_candidates(tuner, args, kwargs)
-    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    compile_candidates(tuner, configs, args, kwargs)
+
+
+def compile_candidates(tuner, configs, args, kwargs) -> None:
+    """``configs`` compiled for this launch in parallel threads, nothing launched."""
+    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's own
     with compiles_in_threads():
         for config in configs:
             try:
@@ -131,13 +136,7 @@ def _timed_search(run, tuner, args, kwargs):
     tuner.nargs = dict(zip(tuner.arg_names, args))
     candidates = tuner.prune_configs(kwargs)
     if len(candidates) > 1:
-        meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's own
-        with compiles_in_threads():
-            for config in candidates:
-                try:
-                    tuner.fn.run(*args, grid=(1,), warmup=True, **meta, **config.all_kwargs())
-                except Exception:  # noqa: BLE001 - the search's own launch of this candidate reports it
-                    pass
+        compile_candidates(tuner, candidates, args, kwargs)
     # the autotuner's own bench where the kernel names one (FLA's warmup / rep, a do_bench), else the short one
     swap = "_do_bench" in tuner.__dict__ and tuner._do_bench is None
     if swap:

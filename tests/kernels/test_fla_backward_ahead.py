@@ -15,23 +15,14 @@ from triton.runtime.jit import JITFunction
 from la_compiler.kernels.common.background_compiles import finish_background_compiles
 from la_compiler.kernels.fla import autotune_searches, backward_ahead, compile_requests
 from la_compiler.options import OptionsError
-
-CONFIGS = [triton.Config({"B": b}, num_warps=w) for b in (16, 32) for w in (2, 4)]
+from tests.kernels.test_autotune_searches import CONFIGS
+from tests.kernels.test_autotune_searches import make_kernel as make_tuned  # add_one, autotuned over CONFIGS
 
 
 @triton.jit
 def add_one_plain(x, y, n, B: tl.constexpr):
     i = tl.program_id(0) * B + tl.arange(0, B)
     tl.store(y + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
-
-
-def make_tuned():
-    @triton.autotune(configs=CONFIGS, key=["n"])
-    @triton.jit
-    def add_one(x, y, n, B: tl.constexpr):
-        i = tl.program_id(0) * B + tl.arange(0, B)
-        tl.store(y + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
-    return add_one
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ compiled and readied while the forward, the other layers and the backward graph'
 backward's searches then only time them. The gradients are the same: nothing is launched, and the searches run
 where they did.
 
-Once per (op, feature sizes, dtypes, options, device) and process (other sequence lengths included); ``LAQAT_FLA_COMPILE_AHEAD=off`` turns it off. Not
-under Triton's interpreter, nor while a CUDA graph is captured, nor on a Triton without ``AsyncCompileMode``. The
-thread's gradient and outputs (the size of the op's inputs) are freed when it ends, within the first step. An op's
-forward does not know whether a backward follows: a process that only runs inference compiles them to no use, once
-per kind.
+Once per (op, feature sizes, dtypes, options, device) and process (other sequence lengths included);
+``LAQAT_FLA_COMPILE_AHEAD=off`` turns it off. Not under Triton's interpreter, nor while a CUDA graph is captured, nor
+on a Triton without ``AsyncCompileMode``. The thread's gradient and outputs (the size of the op's inputs) are freed
+when it ends, within the first step. An op's forward does not know whether a backward follows: a process that only
+runs inference compiles them to no use, once per kind.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ while tracing): for a 16-layer FLA GDN LM, 70% of the bytecode instructions Dyna
 ``__init__``: where einops' functions are ``allow_in_graph`` ops, each call is one graph op, cheaper still). The
 substitution below gets einops' parsed recipe
 (``_prepare_transformation_recipe``: its arguments, the pattern, the axis names and the rank, are constants) at
-trace time as a constant (``assume_constant_result``), runs einops' ``_reconstruct_from_shape`` steps on it (the
-sizes may be symbolic) and applies the result with the torch ops einops' torch backend applies (``reshape``,
+trace time as a constant (``assume_constant_result``), runs einops' ``_reconstruct_from_shape`` steps on it (a
+constant too where every size is static, traced where a size is symbolic) and applies the result with the torch ops einops' torch backend applies (``reshape``,
 ``permute``, ``unsqueeze`` + ``expand``, ``amin`` / ``amax`` / ``sum`` / ``mean`` / ``prod`` / ``any`` / ``all``),
 so the graph holds the same ops as when Dynamo traces einops. A callable reduction traces einops' own
 ``_apply_recipe``.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from einops import einops as _einops
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 Recipe = tuple  # einops' TransformRecipe as nested tuples of ints (_plain_recipe)
 
@@ -75,6 +76,27 @@ def _cook(recipe: Recipe, shape, axes_dims):
     return init, reordering, reduced, added, (final if need_final_reshape else None), len(added) + len(permutation)
 
 
+@torch._dynamo.assume_constant_result
+def _cooked(recipe: Recipe, shape: tuple, axes_dims: tuple) -> tuple:
+    """``_cook`` where every size is an int, computed at trace time as a constant (its lists as tuples): stepping
+    through ``_cook`` costs Dynamo more bytecode than the rest of a layer (docs/model-bench.md, "einops under
+    Dynamo")."""
+    init, reordering, reduced, added, final, n_axes = _cook(recipe, shape, axes_dims)
+    return (None if init is None else tuple(init), reordering, reduced, tuple(added),
+            None if final is None else tuple(final), n_axes)
+
+
+def _static(shape: tuple, axes_dims: tuple) -> bool:
+    """Every size an int, not symbolic (Dynamo answers ``has_static_value`` while tracing)."""
+    for size in shape:
+        if not has_static_value(size):
+            return False
+    for _, dim in axes_dims:
+        if not has_static_value(dim):
+            return False
+    return True
+
+
 def _reduce_axes(x: torch.Tensor, reduction: str, axes: tuple) -> torch.Tensor:
     """einops' torch backend's ``reduce``."""
     if reduction == "min":
@@ -106,7 +128,9 @@ def reduce(tensor, pattern: str, reduction, **axes_lengths):
         return _einops._apply_recipe(_einops.get_backend(tensor), recipe, tensor, reduction_type=reduction,
                                      axes_lengths=lengths)
     recipe = _plain_recipe(pattern, reduction, tuple(axes_lengths), tensor.dim())
-    init, permutation, reduced, added, final, n_axes = _cook(recipe, tensor.shape, lengths)
+    shape = tuple(tensor.shape)
+    cook = _cooked if _static(shape, lengths) else _cook
+    init, permutation, reduced, added, final, n_axes = cook(recipe, shape, lengths)
     if init is not None:
         tensor = tensor.reshape(init)
     if permutation is not None:

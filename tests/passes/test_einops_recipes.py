@@ -1,6 +1,7 @@
 """einops' rearrange / repeat / reduce under Dynamo (passes/frontends/einops_recipes.py): the compiled function
 computes what eager einops computes, values, strides and gradients, with static and symbolic sizes; the pattern is
-parsed at trace time as a constant (not traced), and a callable reduction traces einops' own code."""
+parsed at trace time as a constant (not traced), and so is the shape arithmetic where every size is static; a
+callable reduction traces einops' own code."""
 import einops
 import pytest
 import torch
@@ -23,14 +24,15 @@ CASES = [  # (function, pattern, axes lengths, input shape)
 ]
 
 
-def _recipe_calls(monkeypatch) -> list:
-    calls, plain = [], einops_recipes._plain_recipe
+def _counted(monkeypatch, name: str) -> list:
+    """The calls Dynamo makes of einops_recipes' constant function ``name`` (its first argument each)."""
+    calls, original = [], getattr(einops_recipes, name)
 
     @torch._dynamo.assume_constant_result
     def counted(*args):
         calls.append(args[0])
-        return plain(*args)
-    monkeypatch.setattr(einops_recipes, "_plain_recipe", counted)
+        return original(*args)
+    monkeypatch.setattr(einops_recipes, name, counted)
     return calls
 
 
@@ -39,7 +41,8 @@ def _recipe_calls(monkeypatch) -> list:
 def test_compiled_einops_is_eager_einops(monkeypatch, case, dynamic):
     fn, pattern, lengths, shape = CASES[case]
     reduction = ("sum",) if fn is einops.reduce else ()
-    calls = _recipe_calls(monkeypatch)
+    calls = _counted(monkeypatch, "_plain_recipe")
+    cooked = _counted(monkeypatch, "_cooked")
 
     def f(x):
         return fn(x, pattern, *reduction, **lengths) * 1.5
@@ -55,6 +58,8 @@ def test_compiled_einops_is_eager_einops(monkeypatch, case, dynamic):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=0)
     assert calls == [pattern]
+    # static sizes: the shape arithmetic computed once as a constant; symbolic ones: traced
+    assert len(cooked) == (0 if dynamic else 1)
 
 
 def test_a_list_input_and_a_callable_reduction():

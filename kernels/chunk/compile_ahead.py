@@ -20,7 +20,6 @@ without ``AsyncCompileMode``. The measured effect: docs/model-bench.md, "Where t
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from typing import Callable
 
@@ -31,13 +30,11 @@ from la_compiler.kernels.chunk.fwd import chunk_fwd, plan_of
 from la_compiler.kernels.chunk.launch import compile_request
 from la_compiler.kernels.chunk.residual import residual_size
 from la_compiler.kernels.common import background_compiles
-from la_compiler.kernels.common.background_compiles import finish_background_compiles  # noqa: F401 (for tests)
 from la_compiler.kernels.common.parallel_compile import async_compile_mode, compiles_in_threads
 from la_compiler.options import interpreter
 
 BACKGROUND_THREAD = "laqat-compile-ahead-backward"  # the name of the threads that compile a backward
-_done: set = set()
-_lock = threading.Lock()
+_done: set = set()  # the kinds of step compiled ahead in this process
 
 
 def available(device: torch.device) -> bool:
@@ -62,16 +59,6 @@ def compiling_only(request: Callable | None = None, threads: int | None = None):
             yield
         finally:
             compile_request.reset(token)
-
-
-def first_time(key) -> bool:
-    if key in _done:  # every training forward asks: the lock only for a new kind
-        return False
-    with _lock:
-        if key in _done:
-            return False
-        _done.add(key)
-        return True
 
 
 def step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate) -> tuple:
@@ -121,7 +108,8 @@ def compile_training_step(p, tuning, q, k, v, g, beta, scale, initial_state=None
     module's docstring); the backward's kernels then compile in a background thread while the step goes on."""
     if not tuning.compile_ahead or not available(q.device):
         return
-    if not first_time(step_key(p, tuning, q, v, initial_state, cu_seqlens, raw_gate)):
+    if not background_compiles.first_of_kind(_done, step_key(p, tuning, q, v, initial_state, cu_seqlens,
+                                                            raw_gate)):
         return
     try:
         with torch.no_grad(), compiling_only():

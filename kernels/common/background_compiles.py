@@ -14,6 +14,17 @@ _threads: list[threading.Thread] = []
 _lock = threading.Lock()
 
 
+def first_of_kind(seen: set, key) -> bool:
+    """True once per ``key`` added to ``seen`` (a module's set of kinds already requested), across threads."""
+    if key in seen:  # every forward asks: the lock only for a new kind
+        return False
+    with _lock:
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+
 def _run(device: torch.device, job: Callable[[], None], on_failure: Callable[[Exception], None]) -> None:
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     try:

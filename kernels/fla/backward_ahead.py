@@ -18,7 +18,6 @@ runs inference compiles them to no use, once per kind.
 """
 from __future__ import annotations
 
-import threading
 import warnings
 from typing import Callable
 
@@ -30,21 +29,12 @@ from la_compiler.kernels.fla.compile_requests import requests_only
 from la_compiler.options import fla_compile_ahead, interpreter
 
 BACKGROUND_THREAD = "laqat-fla-backward-ahead"
-_done: set = set()
-_lock = threading.Lock()
+_done: set = set()  # the kinds of op call compiled ahead in this process
 
 
 def available(device: torch.device) -> bool:
     return (device.type == "cuda" and not interpreter() and async_compile_mode() is not None
             and not torch.cuda.is_current_stream_capturing())
-
-
-def _first_time(key) -> bool:
-    with _lock:
-        if key in _done:
-            return False
-        _done.add(key)
-        return True
 
 
 def describe(*values) -> tuple:
@@ -69,6 +59,7 @@ def compile_backward_ahead(op: str, key: tuple, device: torch.device, backward: 
     """At the first forward of ``op`` of its kind (``key``): ``backward()``, the op's backward as its first call
     will run it, in a background thread with every launch turned into its compiles (see the module's docstring)."""
     key = (op, key, device)
-    if key in _done or not fla_compile_ahead() or not available(device) or not _first_time(key):
+    if key in _done or not fla_compile_ahead() or not available(device) or not background_compiles.first_of_kind(
+            _done, key):
         return  # every forward of the op asks: the settled case first
     background_compiles.start(BACKGROUND_THREAD, device, lambda: _requests(backward), _warn_failed)

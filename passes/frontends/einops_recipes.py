@@ -7,9 +7,9 @@ while tracing): for a 16-layer FLA GDN LM, 70% of the bytecode instructions Dyna
 substitution below gets einops' parsed recipe
 (``_prepare_transformation_recipe``: its arguments, the pattern, the axis names and the rank, are constants) at
 trace time as a constant (``assume_constant_result``), runs einops' ``_reconstruct_from_shape`` steps on it (a
-constant too where every size is static, traced where a size is symbolic) and applies the result with the torch ops einops' torch backend applies (``reshape``,
-``permute``, ``unsqueeze`` + ``expand``, ``amin`` / ``amax`` / ``sum`` / ``mean`` / ``prod`` / ``any`` / ``all``),
-so the graph holds the same ops as when Dynamo traces einops. A callable reduction traces einops' own
+constant too where every size is static, traced where a size is symbolic) and applies the result with the torch ops
+einops' torch backend applies (``reshape``, ``permute``, ``unsqueeze`` + ``expand``, ``amin`` / ``amax`` / ``sum`` /
+``mean`` / ``prod`` / ``any`` / ``all``), so the graph holds the same ops as when Dynamo traces einops. A callable reduction traces einops' own
 ``_apply_recipe``.
 """
 from __future__ import annotations

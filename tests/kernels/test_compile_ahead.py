@@ -12,6 +12,7 @@ import la_compiler.ir.delta_rule  # noqa: F401  (registers laqat::delta_rule)
 from la_compiler.ir.spec import RecurrenceSpec
 from la_compiler.kernels.chunk import compile_ahead
 from la_compiler.kernels.chunk.params import ChunkParams
+from la_compiler.kernels.common.background_compiles import finish_background_compiles
 from la_compiler.options import TuningOptions
 from tests.ir_inputs import random_inputs
 
@@ -83,7 +84,7 @@ def test_once_per_kind_of_step_and_never_when_turned_off(monkeypatch):
         spec = RecurrenceSpec(kind="gdn", chunk=8, kernel="chunk").replace(tuning=tuning)
         xs, _ = random_inputs("gdn", B=1, T=T, H=1, K=K, V=8)
         o, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))
-        compile_ahead.finish_background_compiles()
+        finish_background_compiles()
         return o
 
     train(9)
@@ -116,7 +117,7 @@ def test_the_forward_compiles_before_the_step_goes_on_and_the_backward_in_a_back
     torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))  # a training forward
     forward = list(requests)
     release.set()
-    compile_ahead.finish_background_compiles()
+    finish_background_compiles()
     backward = requests[len(forward):]
     assert forward and backward
     assert {name for name, _ in forward} == {step_thread.name}
@@ -144,7 +145,7 @@ def test_a_failing_background_compile_warns_and_the_backward_runs(monkeypatch):
     weights = torch.randn(1, 9, 1, 8, dtype=torch.float64)
     with pytest.warns(UserWarning, match=r"ahead failed \(RuntimeError: no compiler in this thread\)"):
         o, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(spec))
-        compile_ahead.finish_background_compiles()
+        finish_background_compiles()
     grads = torch.autograd.grad((o * weights.to(o.dtype)).sum(), xs[:5])
     off = spec.replace(tuning={"compile_ahead": False})
     o_off, _ = torch.ops.laqat.delta_rule(*xs[:6], None, 0.5, str(off))

@@ -32,6 +32,9 @@ Reported per row (``$OUT/model_bench.json``, a table):
 - ``peak_extra_mib``: the largest over the rounds of the step's peak allocation above what was allocated before
   it (every row's weights and optimizer state and the other rows' gradients are in that baseline; the row's own
   gradients, freed before the step, and its activations are not);
+- ``first_step_peak_extra_mib``: the first step's peak allocation above what was allocated before it; unlike the
+  rounds' figure it holds the row's gradients and AdamW's state, both created in that step, and whatever the
+  step's compiles and searches allocate on the device (FLA's searches, laqat's FLA backward compile-ahead);
 - ``first_step_s`` (Dynamo, laqat, Inductor and Triton compiles included), ``compile_s`` (the seconds of each of
   torch's timed compile phases during the first step: ``torch._dynamo.utils.compilation_time_metrics``, Dynamo's
   and Inductor's nested ones; what the first step spends beyond them is run-time compiling and autotuning of the
@@ -247,11 +250,17 @@ def build(row: Row, base, ids, args, oracle, dtype) -> None:
         sync()
         metrics = torch._dynamo.utils.compilation_time_metrics
         counted = {name: len(times) for name, times in metrics.items()}
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         row.optimizer.zero_grad(set_to_none=True)
         loss = row.step(ids)
         sync()
         row.record["first_step_s"] = round(time.perf_counter() - t0, 2)
+        if cuda:
+            row.record["first_step_peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20)
         row.record["compile_s"] = {name: round(sum(times[counted.get(name, 0):]), 2) for name, times in metrics.items()
                                    if len(times) > counted.get(name, 0)}
         row.record["loss"] = round(loss.item(), 5)
@@ -407,8 +416,8 @@ def run_family(family, names, args, result, out, dtype, device, t_start) -> None
 
 
 def print_table(rows):
-    header = (f"{'model':5} {'row':36} {'step ms':>8} {'x eager':>8} {'x exact':>8} {'extra MiB':>9} {'1st s':>7} "
-              f"{'loss':>9} {'grad rel':>9}  kernels")
+    header = (f"{'model':5} {'row':36} {'step ms':>8} {'x eager':>8} {'x exact':>8} {'extra MiB':>9} {'1st MiB':>8} "
+              f"{'1st s':>7} {'loss':>9} {'grad rel':>9}  kernels")
     print(header)
     for r in rows:
         if "error" in r:
@@ -417,11 +426,12 @@ def print_table(rows):
         step = f"{r['step_ms']:8.2f}" if "step_ms" in r else f"{'-':>8}"
         ratio = lambda key: f"{r[key]:8.2f}" if key in r else f"{'-':>8}"  # noqa: E731
         extra = f"{r['peak_extra_mib']:9d}" if "peak_extra_mib" in r else f"{'-':>9}"
+        first_extra = (f"{r['first_step_peak_extra_mib']:8d}" if "first_step_peak_extra_mib" in r else f"{'-':>8}")
         grad = f"{r['grad_rel_max']:.2e}" if "grad_rel_max" in r else "-"
         first = f"{r['first_step_s']:7.1f}" if "first_step_s" in r else f"{'-':>7}"
         loss = f"{r['loss']:9.4f}" if "loss" in r else f"{'-':>9}"
-        print(f"{r['model']:5} {r['row']:36} {step} {ratio('x_eager')} {ratio('x_laqat_exact')} {extra} {first} "
-              f"{loss} {grad:>9}  {r.get('kernels', '')} {r.get('nodes', '')}"
+        print(f"{r['model']:5} {r['row']:36} {step} {ratio('x_eager')} {ratio('x_laqat_exact')} {extra} {first_extra} "
+              f"{first} {loss} {grad:>9}  {r.get('kernels', '')} {r.get('nodes', '')}"
               + (" [decode phase]" if r.get("decode_phase") else "")
               + (f"  ({r['note']})" if "note" in r else ""))
     for r in rows:

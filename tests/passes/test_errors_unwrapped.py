@@ -2,7 +2,7 @@
 the laqat ops' fake implementations, reaches the user as itself (a subclass of ``la_compiler.LaqatError``, not
 Dynamo's ``InternalTorchDynamoError`` / ``TorchRuntimeError`` / ``BackendCompilerFailed``), naming the argument.
 
-``SITES`` has one case per raise site of passes/frontends/fla/substitutions.py (a ``_require`` / ``_refuse`` call);
+``SITES`` has one case per raise site of passes/frontends/fla/substitutions.py (a ``_refuse`` call);
 ``test_every_raise_site_has_a_case`` reads the sites from the source, so a new one needs a case here. The Megatron
 frontend raises nothing itself (it routes Megatron's GatedDeltaNet to FLA's functions and the torch frontend).
 Each case compiles once, with the eager hand-off (the errors arise while Dynamo traces, before any hand-off); a
@@ -184,14 +184,13 @@ def test_fla_frontend_error_reaches_the_user_as_itself(case):
 
 
 def _raise_sites():
-    """(enclosing function, call line) of every ``_require`` / ``_refuse`` call in fla.py, but the two helpers'
-    own (``_require`` calls ``_refuse``)."""
+    """(enclosing function, message) of every ``_refuse`` call in substitutions.py."""
     tree = ast.parse(inspect.getsource(fla_frontend))
     sites = []
     for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef) and fn.name not in ("_require", "_refuse"):
+        if isinstance(fn, ast.FunctionDef) and fn.name != "_refuse":
             for node in ast.walk(fn):
-                if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("_require", "_refuse"):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_refuse":
                     sites.append((fn.name, ast.unparse(node.args[-1])))
     return sites
 

@@ -76,11 +76,6 @@ def _refuse(function: str, message: str) -> bool:
     raise through_dynamo(UnsupportedArgumentError(f"laqat FLA frontend, {function}(): {message}"))
 
 
-def _require(ok: bool, function: str, message: str) -> None:
-    if not ok:
-        _refuse(function, message)
-
-
 @torch._dynamo.assume_constant_result
 def _spec_string(kind: str, state: str, chunk: int, chunk_passed: bool) -> str:
     from la_compiler.ir.spec import RecurrenceSpec
@@ -91,8 +86,8 @@ def _spec_string(kind: str, state: str, chunk: int, chunk_passed: bool) -> str:
 def _pop_state_v_first(function: str, state_v_first: bool, kwargs: dict) -> bool:
     """FLA's deprecated alias ``transpose_state_layout`` of ``state_v_first``."""
     if "transpose_state_layout" in kwargs:
-        _require(not state_v_first, function, "pass `state_v_first` or the deprecated `transpose_state_layout`, "
-                                              "not both")
+        if state_v_first:
+            _refuse(function, "pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
         return bool(kwargs.pop("transpose_state_layout"))
     return state_v_first
 
@@ -105,31 +100,34 @@ def _refuse_unknown(function: str, kwargs: dict) -> None:
 def _refuse_set(function: str, **arguments) -> None:
     """Arguments that must keep their default (None / False) for the IR to express the call."""
     for name, value in arguments.items():
-        _require(value is None or value is False, function, f"argument `{name}` is not supported by laqat "
-                                                            f"(got a non-default value)")
+        if not (value is None or value is False):
+            _refuse(function, f"argument `{name}` is not supported by laqat (got a non-default value)")
 
 
 def _check_heads(function: str, q, k, v) -> None:
-    _require(q.dim() == 4 and k.shape == q.shape, function,
-             f"q and k must both be [B, T, H, K], got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    _require(v.dim() == 4 and v.shape[:2] == q.shape[:2], function, f"v must be [B, T, HV, V], got {tuple(v.shape)}")
-    _require(v.shape[2] % q.shape[2] == 0, function,
-             f"num_v_heads (HV={v.shape[2]}) must be divisible by num_heads (H={q.shape[2]})")
+    if not (q.dim() == 4 and k.shape == q.shape):
+        _refuse(function, f"q and k must both be [B, T, H, K], got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if not (v.dim() == 4 and v.shape[:2] == q.shape[:2]):
+        _refuse(function, f"v must be [B, T, HV, V], got {tuple(v.shape)}")
+    if v.shape[2] % q.shape[2] != 0:
+        _refuse(function, f"num_v_heads (HV={v.shape[2]}) must be divisible by num_heads (H={q.shape[2]})")
 
 
 def _check_varlen(function: str, q, initial_state, cu_seqlens) -> None:
     if cu_seqlens is None:
         return
-    _require(q.shape[0] == 1, function, f"with `cu_seqlens` the batch size must be 1, got {q.shape[0]}")
-    _require(initial_state is None or initial_state.shape[0] == cu_seqlens.shape[0] - 1, function,
-             "`initial_state` must hold one state per sequence of `cu_seqlens`")
+    if q.shape[0] != 1:
+        _refuse(function, f"with `cu_seqlens` the batch size must be 1, got {q.shape[0]}")
+    if not (initial_state is None or initial_state.shape[0] == cu_seqlens.shape[0] - 1):
+        _refuse(function, "`initial_state` must hold one state per sequence of `cu_seqlens`")
 
 
 def _check_beta(function: str, beta, v, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> None:
-    _require(not allow_neg_eigval or use_beta_sigmoid_in_kernel, function,
-             "`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
-    _require(beta.dim() == 3, function, f"argument `beta` must be [B, T, HV] (one beta per head); got shape "
-                                        f"{tuple(beta.shape)} (per-value beta is not supported by laqat)")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        _refuse(function, "`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    if beta.dim() != 3:
+        _refuse(function, f"argument `beta` must be [B, T, HV] (one beta per head); got shape {tuple(beta.shape)} "
+                          f"(per-value beta is not supported by laqat)")
 
 
 def _delta_rule(kind, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
@@ -137,14 +135,15 @@ def _delta_rule(kind, q, k, v, g, beta, scale, initial_state, output_final_state
     # what the node's fake implementation would refuse, refused here, as the call's error (an error inside fake
     # propagation reaches the user wrapped in Dynamo's TorchRuntimeError)
     problem = tensor_problem("laqat::delta_rule", q, k, v, g, beta, initial_state, cu_seqlens)
-    _require(problem is None, function, f"{problem} (after laqat's pre-processing of the call's arguments)")
+    if problem is not None:
+        _refuse(function, f"{problem} (after laqat's pre-processing of the call's arguments)")
     if scale is None:
         scale = k.shape[-1] ** -0.5
     chunk, passed = (FLA_DEFAULT_CHUNK, False) if chunk_size is None else (chunk_size, True)
     spec = _spec_string(kind, "vk" if state_v_first else "kv", chunk, passed)
     # contiguous, as FLA's input_guard makes them: the op saves its inputs, and a slice (GDN's v, of the fused q/k/v
     # convolution's output) would keep its whole base alive, the pre-norm q and k with it
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
     o, final_state = torch.ops.laqat.delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), spec)
     return o, (final_state if output_final_state else None)
 
@@ -155,20 +154,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, **kwargs):
     fn = "chunk_gated_delta_rule"
-    kwargs = dict(kwargs)
     state_v_first = _pop_state_v_first(fn, state_v_first, kwargs)
     use_gate_in_kernel = kwargs.pop("use_gate_in_kernel", False)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     chunk_size = kwargs.pop("chunk_size", None)  # None: FLA's default
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, cp_context=cp_context)
-    _require(chunk_size is None or chunk_size in GDN_CHUNK_SIZES, fn,
-             f"`chunk_size` must be one of {GDN_CHUNK_SIZES}, got {chunk_size}")
+    if not (chunk_size is None or chunk_size in GDN_CHUNK_SIZES):
+        _refuse(fn, f"`chunk_size` must be one of {GDN_CHUNK_SIZES}, got {chunk_size}")
     _check_heads(fn, q, k, v)
     _check_varlen(fn, q, initial_state, cu_seqlens)
     _check_beta(fn, beta, v, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    _require(not use_gate_in_kernel or A_log is not None, fn, "`A_log` must be given with `use_gate_in_kernel=True`")
-    _require(g.dim() == 3, fn, f"argument `g` must be [B, T, HV], got {tuple(g.shape)}")
+    if use_gate_in_kernel and A_log is None:
+        _refuse(fn, "`A_log` must be given with `use_gate_in_kernel=True`")
+    if g.dim() != 3:
+        _refuse(fn, f"argument `g` must be [B, T, HV], got {tuple(g.shape)}")
 
     if use_qk_l2norm_in_kernel:
         q, k = l2_norm_op.l2norm(q), l2_norm_op.l2norm(k)
@@ -186,7 +186,6 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                                      cu_seqlens=None, **kwargs):
     fn = "fused_recurrent_gated_delta_rule"
-    kwargs = dict(kwargs)
     state_v_first = _pop_state_v_first(fn, state_v_first, kwargs)
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, gv=gv)
@@ -197,13 +196,15 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         beta = torch.ones(B, T, HV, dtype=torch.float32, device=v.device)
     _check_beta(fn, beta, v, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_gate_in_kernel:
-        _require(A_log is not None, fn, "`A_log` must be given with `use_gate_in_kernel=True`")
-        _require(g is not None, fn, "`g` (the raw gate) must be given with `use_gate_in_kernel=True`")
-    _require(g is None or g.dim() == 3, fn,
-             f"argument `g` must be [B, T, HV], got {tuple(g.shape) if g is not None else None}")
-    _require(gk is None or tuple(gk.shape) == (B, T, HV, q.shape[-1]), fn,
-             f"argument `gk` must be [B, T, HV, K] = {(B, T, HV, q.shape[-1])}, got "
-             f"{tuple(gk.shape) if gk is not None else None}")
+        if A_log is None:
+            _refuse(fn, "`A_log` must be given with `use_gate_in_kernel=True`")
+        if g is None:
+            _refuse(fn, "`g` (the raw gate) must be given with `use_gate_in_kernel=True`")
+    if not (g is None or g.dim() == 3):
+        _refuse(fn, f"argument `g` must be [B, T, HV], got {tuple(g.shape) if g is not None else None}")
+    if not (gk is None or tuple(gk.shape) == (B, T, HV, q.shape[-1])):
+        _refuse(fn, f"argument `gk` must be [B, T, HV, K] = {(B, T, HV, q.shape[-1])}, got "
+                    f"{tuple(gk.shape) if gk is not None else None}")
 
     if use_qk_l2norm_in_kernel:
         q, k = l2_norm_op.l2norm(q, output_dtype=torch.float32), l2_norm_op.l2norm(k, output_dtype=torch.float32)
@@ -225,8 +226,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 def _kda_gate(fn, g, use_gate_in_kernel, A_log, dt_bias, lower_bound):
     if not use_gate_in_kernel:
         return g
-    _require(A_log is not None or lower_bound is not None, fn,
-             "`A_log` must be given with `use_gate_in_kernel=True` unless `lower_bound` is set")
+    if not (A_log is not None or lower_bound is not None):
+        _refuse(fn, "`A_log` must be given with `use_gate_in_kernel=True` unless `lower_bound` is set")
     return kda_gate(g, A_log, dt_bias, lower_bound)
 
 
@@ -236,25 +237,25 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
     fn = "chunk_kda"
-    kwargs = dict(kwargs)
     state_v_first = _pop_state_v_first(fn, state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     chunk_size = kwargs.pop("chunk_size", None)  # None: FLA's default
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, cp_context=cp_context, return_intermediate_states=return_intermediate_states,
                 use_graph=use_graph, max_num_seqs=max_num_seqs)
-    _require(chunk_size is None or chunk_size in KDA_CHUNK_SIZES, fn,
-             f"`chunk_size` must be one of {KDA_CHUNK_SIZES}, got {chunk_size}")
+    if not (chunk_size is None or chunk_size in KDA_CHUNK_SIZES):
+        _refuse(fn, f"`chunk_size` must be one of {KDA_CHUNK_SIZES}, got {chunk_size}")
     _check_heads(fn, q, k, v)
     _check_varlen(fn, q, initial_state, cu_seqlens)
     _check_beta(fn, beta, v, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    _require(initial_state is None or initial_state.dtype == torch.float32, fn,
-             "`initial_state` must be float32 (as FLA requires)")
-    _require(tuple(g.shape) == tuple(v.shape[:3]) + (q.shape[-1],), fn,
-             f"argument `g` must be [B, T, HV, K], got {tuple(g.shape)}")
+    if not (initial_state is None or initial_state.dtype == torch.float32):
+        _refuse(fn, "`initial_state` must be float32 (as FLA requires)")
+    if tuple(g.shape) != tuple(v.shape[:3]) + (q.shape[-1],):
+        _refuse(fn, f"argument `g` must be [B, T, HV, K], got {tuple(g.shape)}")
     if safe_gate and use_gate_in_kernel:
-        _require(lower_bound is not None and -5 <= lower_bound < 0, fn,
-                 f"`safe_gate=True` with `use_gate_in_kernel=True` needs `lower_bound` in [-5, 0), got {lower_bound}")
+        if not (lower_bound is not None and -5 <= lower_bound < 0):
+            _refuse(fn, f"`safe_gate=True` with `use_gate_in_kernel=True` needs `lower_bound` in [-5, 0), got "
+                        f"{lower_bound}")
 
     if use_qk_l2norm_in_kernel:
         q, k = l2_norm_op.l2norm(q), l2_norm_op.l2norm(k)
@@ -270,14 +271,13 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, **kwargs):
     fn = "fused_recurrent_kda"
-    kwargs = dict(kwargs)
     state_v_first = _pop_state_v_first(fn, state_v_first, kwargs)
     _refuse_unknown(fn, kwargs)
     _check_heads(fn, q, k, v)
     _check_varlen(fn, q, initial_state, cu_seqlens)
     _check_beta(fn, beta, v, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    _require(tuple(g.shape) == tuple(v.shape[:3]) + (q.shape[-1],), fn,
-             f"argument `g` must be [B, T, HV, K], got {tuple(g.shape)}")
+    if tuple(g.shape) != tuple(v.shape[:3]) + (q.shape[-1],):
+        _refuse(fn, f"argument `g` must be [B, T, HV, K], got {tuple(g.shape)}")
 
     if use_qk_l2norm_in_kernel:
         q, k = l2_norm_op.l2norm(q, output_dtype=torch.float32), l2_norm_op.l2norm(k, output_dtype=torch.float32)
@@ -296,10 +296,12 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     fn = "causal_conv1d"
     _refuse_unknown(fn, kwargs)
     _refuse_set(fn, cp_context=cp_context)
-    _require(weight is not None, fn, "argument `weight` is required by laqat")
-    _require(activation in conv_op.ACTIVATIONS, fn,
-             f"argument `activation` must be one of {conv_op.ACTIVATIONS}, got {activation!r}")
-    _require(backend in ("triton", "cuda", "mix"), fn, f"unsupported `backend` {backend!r}")
+    if weight is None:
+        _refuse(fn, "argument `weight` is required by laqat")
+    if activation not in conv_op.ACTIVATIONS:
+        _refuse(fn, f"argument `activation` must be one of {conv_op.ACTIVATIONS}, got {activation!r}")
+    if backend not in ("triton", "cuda", "mix"):
+        _refuse(fn, f"unsupported `backend` {backend!r}")
     _check_varlen(fn, x, None, cu_seqlens)
     shape = x.shape
     if x.shape[-1] != weight.shape[0]:
@@ -322,10 +324,12 @@ def _add_residual(x, residual, residual_in_fp32):
 
 
 def _norm_gated(fn, is_rms_norm, x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps):
-    _require(activation in norm_op.ACTIVATIONS, fn,
-             f"argument `activation` must be one of {norm_op.ACTIVATIONS}, got {activation!r}")
-    _require(g.shape == x.shape, fn, f"argument `g` must have x's shape {tuple(x.shape)}, got {tuple(g.shape)}")
-    _require(residual is None or residual.shape == x.shape, fn, "argument `residual` must have x's shape")
+    if activation not in norm_op.ACTIVATIONS:
+        _refuse(fn, f"argument `activation` must be one of {norm_op.ACTIVATIONS}, got {activation!r}")
+    if g.shape != x.shape:
+        _refuse(fn, f"argument `g` must have x's shape {tuple(x.shape)}, got {tuple(g.shape)}")
+    if not (residual is None or residual.shape == x.shape):
+        _refuse(fn, "argument `residual` must have x's shape")
     total, residual_out = _add_residual(x, residual, residual_in_fp32)
     y = torch.ops.laqat.layer_norm_gated(total, g, weight, bias, activation, float(eps), is_rms_norm).to(x.dtype)
     return (y, residual_out) if prenorm else y
@@ -344,7 +348,8 @@ def layer_norm_gated(x, g, weight, bias, activation="swish", residual=None, pren
 
 
 def _norm(fn, is_rms_norm, x, weight, bias, residual, prenorm, residual_in_fp32, eps):
-    _require(residual is None or residual.shape == x.shape, fn, "argument `residual` must have x's shape")
+    if not (residual is None or residual.shape == x.shape):
+        _refuse(fn, "argument `residual` must have x's shape")
     if residual is not None:  # saves the sum in the residual's dtype, as FLA's LayerNormFunction (norm_op.py)
         y, residual_out = torch.ops.laqat.layer_norm_residual(x, residual, weight, bias, float(eps), is_rms_norm)
         return (y, residual_out) if prenorm else y
@@ -369,9 +374,10 @@ def l2norm(x, eps=1e-6, output_dtype=None):
 
 # ---- FLA's fused losses ------------------------------------------------------------------------
 def _check_logits(fn, logits, target):
-    _require(logits.dim() == 2, fn, f"`logits` must be [N, V], got {tuple(logits.shape)}")
-    _require(tuple(target.shape) == tuple(logits.shape[:1]), fn,
-             f"`target` must be [N] = {tuple(logits.shape[:1])}, got {tuple(target.shape)}")
+    if logits.dim() != 2:
+        _refuse(fn, f"`logits` must be [N, V], got {tuple(logits.shape)}")
+    if tuple(target.shape) != tuple(logits.shape[:1]):
+        _refuse(fn, f"`target` must be [N] = {tuple(logits.shape[:1])}, got {tuple(target.shape)}")
 
 
 def cross_entropy_loss(logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
@@ -412,17 +418,20 @@ def fused_linear_cross_entropy_loss(x, target, weight, bias=None, ignore_index=-
     """-> the fp32 scalar loss of ``linear(x, weight, bias)`` against ``target``."""
     fn = "fused_linear_cross_entropy_loss"
     _refuse_set(fn, process_group=process_group)
-    _require(reduction in linear_cross_entropy_op.REDUCTIONS, fn,
-             f"argument `reduction` must be one of {linear_cross_entropy_op.REDUCTIONS}, got {reduction!r}")
-    _require(x.dim() == 2, fn, f"`x` must be [N, H], got {tuple(x.shape)}")
-    _require(tuple(target.shape) == tuple(x.shape[:1]), fn,
-             f"`target` must be [N] = {tuple(x.shape[:1])}, got {tuple(target.shape)}")
-    _require(weight.dim() == 2 and weight.shape[1] == x.shape[1], fn,
-             f"`weight` must be [V, H={x.shape[1]}], got {tuple(weight.shape)}")
-    _require(bias is None or tuple(bias.shape) == tuple(weight.shape[:1]), fn, "`bias` must be [V]")
-    _require(weight.dtype == x.dtype, fn, f"`weight` ({weight.dtype}) must have x's dtype ({x.dtype}), as FLA's "
-                                          f"matmuls require")
-    _require(int(num_chunks) >= 1, fn, f"`num_chunks` must be >= 1, got {num_chunks}")
+    if reduction not in linear_cross_entropy_op.REDUCTIONS:
+        _refuse(fn, f"argument `reduction` must be one of {linear_cross_entropy_op.REDUCTIONS}, got {reduction!r}")
+    if x.dim() != 2:
+        _refuse(fn, f"`x` must be [N, H], got {tuple(x.shape)}")
+    if tuple(target.shape) != tuple(x.shape[:1]):
+        _refuse(fn, f"`target` must be [N] = {tuple(x.shape[:1])}, got {tuple(target.shape)}")
+    if not (weight.dim() == 2 and weight.shape[1] == x.shape[1]):
+        _refuse(fn, f"`weight` must be [V, H={x.shape[1]}], got {tuple(weight.shape)}")
+    if not (bias is None or tuple(bias.shape) == tuple(weight.shape[:1])):
+        _refuse(fn, "`bias` must be [V]")
+    if weight.dtype != x.dtype:
+        _refuse(fn, f"`weight` ({weight.dtype}) must have x's dtype ({x.dtype}), as FLA's matmuls require")
+    if int(num_chunks) < 1:
+        _refuse(fn, f"`num_chunks` must be >= 1, got {num_chunks}")
     loss, _, _, _ = torch.ops.laqat.fused_linear_cross_entropy(
         x, target, weight, bias, int(ignore_index), float(label_smoothing), float(logit_scale),
         None if logit_softcapping is None else float(logit_softcapping), int(num_chunks), reduction,

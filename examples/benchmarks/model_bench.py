@@ -74,6 +74,7 @@ ensure_la_compiler()
 
 import la_compiler  # noqa: E402
 import la_compiler.backend  # noqa: E402
+from la_compiler.options import fla_compile_ahead  # noqa: E402
 from la_compiler.policy.file_format import PolicyError  # noqa: E402
 from la_compiler.policy.resolution import load_policy  # noqa: E402
 from la_compiler.recipes import recipe_names  # noqa: E402
@@ -495,6 +496,7 @@ def main():
     out, result = start_cuda_run("model_bench.py", "rows", "skipped", cpu_ok=args.smoke)
     result["shape"] = vars(args)
     result["timing"] = "interleaved"
+    result["fla_compile_ahead"] = fla_compile_ahead()
     result["memory_after_build_gib"], result["rounds_cut"] = {}, {}
     for family in args.family:
         run_family(family, names, args, result, out, dtype, device, t_start)

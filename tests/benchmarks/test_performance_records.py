@@ -266,3 +266,26 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
     page = render.render(render.load(folder), [])
     assert ("| KDA | 4 x 1024 | cold | t.compile_ahead=false, full searches | 129.5 | 8.0 | 0 | 7.9 | 108.9 | 0.2 | "
             "6.1 | 1234567 | 2027-01-02-01 |") in page
+
+
+def test_model_rows_with_flas_backward_compile_ahead_off_are_labelled_and_left_out_of_the_table(tmp_path):
+    shape = {"layers": 4, "hidden": 1024, "heads": 8, "head_dim": 128, "batch": 2, "seq": 4096, "vocab": 32000,
+             "warmup": 1, "rounds": 3}
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for run, ahead, step_ms in (("2027-01-02-01", True, 30.0), ("2027-01-02-02", False, 31.0)):
+        out = tmp_path / run
+        (out / "model").mkdir(parents=True)
+        (out / "machine.json").write_text(json.dumps({"device": "GPU X", "gpus": 1, "torch": "2.11",
+                                                      "commit": "1234567"}))
+        (out / "model" / "command.txt").write_text("python3 examples/benchmarks/model_bench.py --family kda\n")
+        (out / "model" / "model_bench.json").write_text(json.dumps({
+            "device": "GPU X", "timing": "interleaved", "shape": shape, "fla_compile_ahead": ahead, "rows": [
+                {"model": "kda", "row": "laqat exact", "step_ms": step_ms, "peak_extra_mib": 1765,
+                 "first_step_peak_extra_mib": 1827, "first_step_s": 3.3, "rounds": 3}]}))
+        (record_of_run,) = record.collect(out, run)
+        assert record_of_run["figures"]["first_step_peak_extra_mib"] == 1827
+        assert record_of_run.get("fla_compile_ahead", True) is ahead
+        record.append([record_of_run], folder)
+    page = render.render(render.load(folder), [])
+    assert "| KDA | laqat exact | 30.00 |" in page and "| KDA | laqat exact | 31.00 |" not in page

@@ -111,10 +111,12 @@ def model_bench(data: dict, head: dict) -> list[dict]:
     config = {k: args[k] for k in keys if k in args}
     if data.get("timing") == "interleaved":
         config["timing"] = "interleaved"
-    keys = ("step_ms", "x_eager", "x_laqat_exact", "peak_mib", "peak_extra_mib", "first_step_s", "loss", "nodes",
-            "kernels", "graphs", "grad_rel_max", "rounds", "compiles_in_rounds", "decode_phase", "error")
+    keys = ("step_ms", "x_eager", "x_laqat_exact", "peak_mib", "peak_extra_mib", "first_step_peak_extra_mib",
+            "first_step_s", "loss", "nodes", "kernels", "graphs", "grad_rel_max", "rounds", "compiles_in_rounds",
+            "decode_phase", "error")
+    ahead_off = {"fla_compile_ahead": False} if data.get("fla_compile_ahead") is False else {}
     return [{"benchmark": "model", **head, "model": r["model"], "config": config, "dtype": "bfloat16", "row": r["row"],
-             "figures": {k: r[k] for k in keys if k in r}, **_drop_none({"note": r.get("note")})}
+             **ahead_off, "figures": {k: r[k] for k in keys if k in r}, **_drop_none({"note": r.get("note")})}
             for r in data.get("rows", [])]
 
 

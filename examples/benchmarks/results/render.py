@@ -302,7 +302,8 @@ def model_section(records) -> list[str]:
 
 
 def model_shape_section(rows) -> list[str]:
-    best = latest(rows, lambda r: (r["model"], r["row"]), lambda r: "step_ms" in r["figures"])
+    best = latest(rows, lambda r: (r["model"], r["row"]),
+                  lambda r: "step_ms" in r["figures"] and r.get("fla_compile_ahead", True))
     config = rows[-1]["config"]
     if config.get("timing") == "interleaved":
         timing = (f"the median over {config['rounds']} rounds of one step of every row (rotating order, each step "

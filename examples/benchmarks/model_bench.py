@@ -427,7 +427,7 @@ def print_table(rows):
         step = f"{r['step_ms']:8.2f}" if "step_ms" in r else f"{'-':>8}"
         ratio = lambda key: f"{r[key]:8.2f}" if key in r else f"{'-':>8}"  # noqa: E731
         extra = f"{r['peak_extra_mib']:9d}" if "peak_extra_mib" in r else f"{'-':>9}"
-        first_extra = (f"{r['first_step_peak_extra_mib']:8d}" if "first_step_peak_extra_mib" in r else f"{'-':>8}")
+        first_extra = f"{r['first_step_peak_extra_mib']:8d}" if "first_step_peak_extra_mib" in r else f"{'-':>8}"
         grad = f"{r['grad_rel_max']:.2e}" if "grad_rel_max" in r else "-"
         first = f"{r['first_step_s']:7.1f}" if "first_step_s" in r else f"{'-':>7}"
         loss = f"{r['loss']:9.4f}" if "loss" in r else f"{'-':>9}"

@@ -9,8 +9,8 @@ substitution below gets einops' parsed recipe
 trace time as a constant (``assume_constant_result``), runs einops' ``_reconstruct_from_shape`` steps on it (a
 constant too where every size is static, traced where a size is symbolic) and applies the result with the torch ops
 einops' torch backend applies (``reshape``, ``permute``, ``unsqueeze`` + ``expand``, ``amin`` / ``amax`` / ``sum`` /
-``mean`` / ``prod`` / ``any`` / ``all``), so the graph holds the same ops as when Dynamo traces einops. A callable reduction traces einops' own
-``_apply_recipe``.
+``mean`` / ``prod`` / ``any`` / ``all``), so the graph holds the same ops as when Dynamo traces einops. A callable
+reduction traces einops' own ``_apply_recipe``.
 """
 from __future__ import annotations
 

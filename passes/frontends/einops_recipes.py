@@ -77,10 +77,12 @@ def _cook(recipe: Recipe, shape, axes_dims):
 
 
 @torch._dynamo.assume_constant_result
-def _cooked(recipe: Recipe, shape: tuple, axes_dims: tuple) -> tuple:
-    """``_cook`` where every size is an int, computed at trace time as a constant (its lists as tuples): stepping
-    through ``_cook`` costs Dynamo more bytecode than the rest of a layer (docs/model-bench.md, "einops under
+def _cooked(pattern: str, reduction: str, axes_names: tuple, shape: tuple, axes_dims: tuple) -> tuple:
+    """``_cook`` of the pattern's recipe where every size is an int, computed at trace time as a constant (its lists
+    as tuples): stepping through ``_cook`` costs Dynamo more bytecode than the rest of a layer, and handing it the
+    recipe as an argument makes Dynamo rebuild that constant value by value (docs/model-bench.md, "einops under
     Dynamo")."""
+    recipe = _plain_recipe(pattern, reduction, axes_names, len(shape))
     init, reordering, reduced, added, final, n_axes = _cook(recipe, shape, axes_dims)
     return (None if init is None else tuple(init), reordering, reduced, tuple(added),
             None if final is None else tuple(final), n_axes)
@@ -127,10 +129,13 @@ def reduce(tensor, pattern: str, reduction, **axes_lengths):
                                                         ndim=tensor.dim())
         return _einops._apply_recipe(_einops.get_backend(tensor), recipe, tensor, reduction_type=reduction,
                                      axes_lengths=lengths)
-    recipe = _plain_recipe(pattern, reduction, tuple(axes_lengths), tensor.dim())
     shape = tuple(tensor.shape)
-    cook = _cooked if _static(shape, lengths) else _cook
-    init, permutation, reduced, added, final, n_axes = cook(recipe, shape, lengths)
+    if _static(shape, lengths):
+        init, permutation, reduced, added, final, n_axes = _cooked(pattern, reduction, tuple(axes_lengths), shape,
+                                                                   lengths)
+    else:
+        recipe = _plain_recipe(pattern, reduction, tuple(axes_lengths), tensor.dim())
+        init, permutation, reduced, added, final, n_axes = _cook(recipe, shape, lengths)
     if init is not None:
         tensor = tensor.reshape(init)
     if permutation is not None:

@@ -8,8 +8,9 @@ torch's compile phases, per step.
 
 One row per process (model_bench.py's models and rows). The caches are the environment's (``TRITON_CACHE_DIR``,
 ``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``): a cold measurement gives the process empty folders, a warm one
-the folders an earlier process filled, and ``--caches`` labels which. Per step it reports the wall seconds, torch's
-compile phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
+the folders an earlier process filled, and ``--caches`` labels which. Per step it reports the wall seconds, those of
+its forward (its compile included), optimizer step and the rest (the backward) apart (``parts_s``), torch's compile
+phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
 and of the Triton compiles and autotuning searches in this process by the kernel's origin (``laqat``: laqat's own
 kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it. A
 compile that laqat's compile-ahead requests counts among its requests, not among the compiles: the forward's on the
@@ -189,6 +190,37 @@ class TritonLog:
         return out
 
 
+class StepParts:
+    """The step's forward (its compile included), its optimizer step, and the rest (the backward), in wall seconds,
+    each part ended by a device synchronization."""
+
+    def __init__(self, row):
+        self.times = {}
+        forward, optimizer_step = row.fn, row.optimizer.step
+
+        def timed(name, fn):
+            def run(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                sync()
+                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+                return out
+            return run
+        row.fn = timed("forward", forward)
+        row.optimizer.step = timed("optimizer", optimizer_step)
+        self.t0 = time.perf_counter()
+
+    def clear(self):
+        self.times = {}
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> dict:
+        total = time.perf_counter() - self.t0
+        out = {name: round(s, 2) for name, s in self.times.items()}
+        out["backward"] = round(total - sum(self.times.values()), 2)
+        return out
+
+
 def autotune_choices() -> dict:
     """Every autotuner's choices in this process: {module.kernel: {key: configuration}}."""
     import gc
@@ -291,8 +323,10 @@ def main():
               "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                              "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
+    parts = StepParts(row)
     for i in range(args.steps):
         sync()
+        parts.clear()
         counted = {name: len(t) for name, t in torch._dynamo.utils.compilation_time_metrics.items()}
         mark = log.mark()
         profiler = cProfile.Profile() if args.profile and i == 0 else None
@@ -305,7 +339,7 @@ def main():
         if profiler is not None:
             profiler.disable()
         step = {"step": i, "wall_s": round(time.perf_counter() - t0, 2), "loss": round(loss.item(), 4),
-                "phases_s": phases_since(counted), "triton": log.since(mark)}
+                "phases_s": phases_since(counted), "parts_s": parts.seconds(), "triton": log.since(mark)}
         if profiler is not None:
             step["profile"] = profile_top(profiler, args.profile)
         result["steps"].append(step)

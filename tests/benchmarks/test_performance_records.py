@@ -248,9 +248,15 @@ def test_a_compile_account_becomes_one_record_per_step_and_a_first_step_row(tmp_
                                "fla": {"compiles": 2, "compile_s": 0.25, "searches": 11, "search_s": 108.87},
                                "ready_step_thread": {"kernels": 14, "s": 6.12},
                                "ready_other_threads": {"kernels": 0, "s": 0}}},
-                   {"step": 1, "wall_s": 0.06, "phases_s": {}, "triton": {}}]}
+                   {"step": 1, "wall_s": 0.06, "phases_s": {}, "triton": {}},
+                   {"step": 2, "wall_s": 6.12, "phases_s": {"_compile.compile_inner": 5.02, "bytecode_tracing": 3.34,
+                                                            "OutputGraph.call_user_compiler": 1.2},
+                    "parts_s": {"forward": 5.61, "optimizer": 0.12, "backward": 0.39}, "triton": {}}]}
     (out / "compile_account.json").write_text(json.dumps(account))
     records = record.collect(tmp_path / "out", "2027-01-02-01")
+    assert {k: v for k, v in records[2]["figures"].items() if k.endswith(("tracing_s", "off_s", "ward_s", "zer_s"))} \
+        == {"dynamo_tracing_s": 3.34, "hand_off_s": 1.2, "forward_s": 5.61, "backward_s": 0.39, "optimizer_s": 0.12}
+    records = records[:2]
     assert [r["step"] for r in records] == [0, 1] and {r["benchmark"] for r in records} == {"compile"}
     assert records[0]["figures"] == {"wall_s": 129.53, "graph_compile_s": 8.01, "laqat_compile_ahead_s": 0,
                                      "laqat_compile_s": 7.87, "laqat_search_s": 0, "laqat_searches": 0,

@@ -122,7 +122,8 @@ def model_bench(data: dict, head: dict) -> list[dict]:
 
 def compile_account(data: dict, head: dict) -> list[dict]:
     """One record per step of ``compile_account.py``: the step's wall seconds, torch's graph compiles (Dynamo's
-    ``_compile.compile_inner`` and Inductor's backward compile), laqat's compile-ahead, the Triton compiles and
+    ``_compile.compile_inner`` and Inductor's backward compile; of the first, Dynamo's bytecode tracing and the
+    backend's call where measured), its forward, backward and optimizer step where measured, laqat's compile-ahead, the Triton compiles and
     autotuning searches by origin, the kernels readied for their first launch on the step's thread."""
     caches = data.get("caches") or next((w for w in ("cold", "warm") if w in data.get("tag", "").split("-")), None)
     config = {k: data[k] for k in ("layers", "hidden", "heads", "head_dim") if k in data}
@@ -138,6 +139,11 @@ def compile_account(data: dict, head: dict) -> list[dict]:
             figures[f"{who}_compile_s"] = part.get("compile_s", 0)
             figures[f"{who}_search_s"] = part.get("search_s", 0)
             figures[f"{who}_searches"] = part.get("searches", 0)
+        if "bytecode_tracing" in phases:  # Dynamo's capture and laqat's backend with its hand-off
+            figures["dynamo_tracing_s"] = phases["bytecode_tracing"]
+            figures["hand_off_s"] = phases.get("OutputGraph.call_user_compiler", 0)
+        for part, s in step.get("parts_s", {}).items():  # forward (its compile included), backward, optimizer
+            figures[f"{part}_s"] = s
         if "ready_step_thread" in triton:  # kernels readied for their first launch on the step's thread
             figures["ready_step_thread_s"] = triton["ready_step_thread"]["s"]
             figures["ready_step_thread_kernels"] = triton["ready_step_thread"]["kernels"]

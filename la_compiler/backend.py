@@ -36,6 +36,7 @@ from la_compiler.hand_off.compiler_choice import choose_hand_off, compile_rewrit
 from la_compiler.hand_off.module_specialized_graph import ModuleSpecializedGraph
 from la_compiler.options import DEFAULT_TUNING, HAND_OFFS, OptionsError, TuningOptions
 from la_compiler.passes.frontends import install_trace_frontends
+from la_compiler.passes.inline_regions import inline_block_regions
 from la_compiler.passes.module_names import compiled_root_module, root_prefixes
 from la_compiler.passes.pipeline import run_pipeline
 from la_compiler.policy.resolution import Policy, load_policy
@@ -167,6 +168,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
     if mode not in (None, "default"):
         raise BackendOptionsError(f"torch.compile(mode={mode!r}) is not supported by the laqat backend")
     opts = BackendOptions.from_user(options)
+    inline_block_regions(gm)  # FLA's blocks traced once (passes/frontends/fla/block_regions.py), before anything reads gm
     sink = _record or _ACTIVE_RECORD[-1]
     root = compiled_root_module()
     check_pieces(root)  # under DDPOptimizer: no recurrence split across two graph pieces

@@ -508,6 +508,8 @@ FLA_SEARCHES_ENV = "LAQAT_FLA_SEARCHES"
 FLA_SEARCHES = ("narrowed", "full")
 FLA_COMPILE_AHEAD_ENV = "LAQAT_FLA_COMPILE_AHEAD"
 FLA_COMPILE_AHEAD = ("on", "off")
+FLA_BLOCK_REGIONS_ENV = "LAQAT_FLA_BLOCK_REGIONS"
+FLA_BLOCK_REGIONS = ("on", "off")
 ENVIRONMENT = (
     EnvironmentVariable(CACHE_DIR_ENV, "la_compiler.options.cache_dir", (
         "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
@@ -521,6 +523,11 @@ ENVIRONMENT = (
         "`on` (default): at the first CUDA forward of each kind, laqat's FLA ops compile the kernels their "
         "backward will launch, every candidate its searches will time, in a background thread "
         "(kernels/fla/backward_ahead.py); `off`: each compiles at its first launch in the backward")),
+    EnvironmentVariable(FLA_BLOCK_REGIONS_ENV, "la_compiler.options.fla_block_regions", (
+        "`on` (default): where Dynamo reuses a nested compile region's trace (torch 2.13), it traces one FLA block "
+        "(GDN, KDA) of a training call and stamps it out for the others, which laqat inlines back "
+        "(passes/frontends/fla/block_regions.py); `off`: Dynamo traces every block; read when Dynamo traces a "
+        "block")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "
@@ -567,6 +574,14 @@ def fla_compile_ahead() -> bool:
     value = os.environ.get(FLA_COMPILE_AHEAD_ENV) or "on"
     if value not in FLA_COMPILE_AHEAD:
         raise OptionsError(f"{FLA_COMPILE_AHEAD_ENV}: must be one of {list(FLA_COMPILE_AHEAD)}, got {value!r}")
+    return value == "on"
+
+
+def fla_block_regions() -> bool:
+    """``LAQAT_FLA_BLOCK_REGIONS``: `on` (default) or `off`; read at each call."""
+    value = os.environ.get(FLA_BLOCK_REGIONS_ENV) or "on"
+    if value not in FLA_BLOCK_REGIONS:
+        raise OptionsError(f"{FLA_BLOCK_REGIONS_ENV}: must be one of {list(FLA_BLOCK_REGIONS)}, got {value!r}")
     return value == "on"
 
 

@@ -39,6 +39,7 @@ def install_trace_frontends() -> None:
         from la_compiler.passes.frontends import einops_recipes  # noqa: F401  (registers on import)
     if importlib.util.find_spec("fla") is not None:
         from la_compiler.passes.frontends.fla import substitutions  # noqa: F401  (registers on import)
+        from la_compiler.passes.frontends.fla import block_regions  # noqa: F401  (installs where Dynamo reuses)
     if importlib.util.find_spec("megatron") is not None:
         _when_imported("megatron.core", _install_megatron)
 

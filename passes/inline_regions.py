@@ -1,0 +1,104 @@
+"""laqat's block regions inlined back into the Dynamo graph, before the passes (passes/frontends/fla/block_regions.py).
+
+Dynamo writes each call of a nested compile region as an ``invoke_subgraph`` node over one shared body, traced at the
+first call: the body's nodes carry the module paths of that first block (``model.layers.0.attn``). Each call of a
+laqat block region (its ``stack_trace`` runs through block_regions.py; other regions stay as they are) is replaced by
+a copy of the body's nodes on the call's operands, each copy's module paths moved under the calling block's
+(``model.layers.3.attn``), so that module names, the policy's rules and the hand-off's layer runs are those of the
+graph Dynamo traces without regions. The body's outputs take the call's own example values (the body's are shared
+by every copy).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from la_compiler.error_base import LaqatError
+
+
+class RegionInlineError(LaqatError, RuntimeError):
+    """A block region whose module paths do not nest as Dynamo writes them: its nodes could not be named."""
+
+
+def _region_file() -> str:
+    from la_compiler.passes.frontends.fla import block_regions
+
+    return block_regions.__file__
+
+
+def is_block_region(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+            and f'File "{_region_file()}"' in (node.meta.get("stack_trace") or ""))
+
+
+def inline_block_regions(gm: torch.fx.GraphModule) -> int:
+    """Inlines every laqat block region of ``gm`` (in place); -> how many calls."""
+    calls = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+             if is_block_region(n)] if hasattr(torch.ops.higher_order, "invoke_subgraph") else []
+    bodies = set()
+    for call in calls:
+        body_attr = call.args[0]
+        bodies.add(body_attr.target)
+        _inline(gm, call, getattr(gm, body_attr.target))
+        if not body_attr.users:
+            gm.graph.erase_node(body_attr)
+    for target in bodies:
+        if not any(n.target == target for n in gm.graph.find_nodes(op="get_attr")):
+            delattr(gm, target)
+    if calls:
+        gm.graph.lint()
+        gm.recompile()
+    return len(calls)
+
+
+def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node, body: torch.fx.GraphModule) -> None:
+    call_stack = call.meta.get("nn_module_stack") or {}
+    env = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:]))
+    outputs = ()
+    with gm.graph.inserting_before(call):
+        for node in body.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = tuple(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
+                break
+            if node.op in ("get_attr", "call_module"):
+                raise RegionInlineError(f"laqat block region: a {node.op} node ({node.target}) in the region's body")
+            copied = gm.graph.node_copy(node, lambda n: env[n])
+            copied.meta = dict(node.meta)
+            copied.meta["nn_module_stack"] = rebased_module_stack(node.meta.get("nn_module_stack") or {}, call_stack)
+            env[node] = copied
+    example_values = call.meta.get("example_value")
+    for user in list(call.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise RegionInlineError(f"laqat block region: its call is used by {user.format_node()}, not an item")
+        value = outputs[user.args[1]]
+        if isinstance(value, torch.fx.Node) and value.op != "placeholder" and example_values is not None:
+            value.meta["example_value"] = example_values[user.args[1]]
+        user.replace_all_uses_with(value)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(call)
+
+
+def rebased_module_stack(body_stack: dict, call_stack: dict) -> dict:
+    """A body node's ``nn_module_stack`` moved under the call's: the call's own entries (down to the calling block),
+    then the body's entries below the block it was traced in, their paths moved from that block's to the calling
+    block's (keyed by the new path)."""
+    depth = len(call_stack)
+    body = list(body_stack.items())
+    out = dict(call_stack)
+    if depth == 0 or len(body) <= depth:
+        return out
+    traced_block, traced_type = body[depth - 1][1]
+    calling_block, calling_type = list(call_stack.values())[-1]
+    if traced_type != calling_type:
+        raise RegionInlineError(f"laqat block region traced in {traced_block} ({traced_type.__name__}) called from "
+                                f"{calling_block} ({calling_type.__name__})")
+    for _, (path, module_type) in body[depth:]:
+        if not path.startswith(traced_block + "."):
+            raise RegionInlineError(f"laqat block region: module {path} is not inside {traced_block}")
+        moved = calling_block + path[len(traced_block):]
+        out[moved] = (moved, module_type)
+    return out

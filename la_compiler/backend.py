@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from la_compiler.backend_mark import mark_laqat_backend
 from la_compiler.hand_off.cache_key import compile_fingerprint
 from la_compiler.hand_off.ddp_buckets import check_pieces
 import la_compiler.ir.log_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
@@ -153,6 +154,7 @@ def log_graph(record) -> None:
                 f"; ended at a graph break: {record.graph_break}" if record.graph_break else "")
 
 
+@mark_laqat_backend
 def laqat_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
                   _record: CompileRecord | None = None) -> Callable:
     try:

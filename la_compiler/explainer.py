@@ -103,12 +103,14 @@ def explain(model_or_fn, *args, policy=None, compiler: str = "eager", tuning=Non
     device). ``policy=None``: the policy attached to the module (``la_compiler.attach_policy``), else exact
     numerics. ``tuning``: the backend's ``options["tuning"]``."""
     from la_compiler.backend import laqat_backend
+    from la_compiler.backend_mark import mark_laqat_backend
 
     record = CompileRecord()
     counters = torch._dynamo.utils.counters["graph_break"]
     breaks_before = sum(counters.values())
     options = {"policy": policy, "compiler": compiler, "tuning": tuning}
 
+    @mark_laqat_backend
     def backend(gm, example_inputs):
         return laqat_backend(gm, example_inputs, options=options, _record=record)
 

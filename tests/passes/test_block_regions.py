@@ -4,7 +4,7 @@ The oracle is the same model traced without regions (FLA's own block forward res
 see is the same op for op, every node under the same module path; training under ``torch.compile(model,
 backend="laqat")`` gives the same loss and gradients, bit for bit; a per-layer policy gives each layer its own
 spec. Dynamo really reuses the first block's trace (one region body for every block). Calls that are not plain
-training calls keep FLA's forward; a block that returns more than its hidden states is refused; the inliner leaves
+training calls, and calls traced for another backend, keep FLA's forward; a block that returns more than its hidden states is refused; the inliner leaves
 other regions alone and refuses module paths it cannot place.
 """
 import contextlib
@@ -16,6 +16,7 @@ pytest.importorskip("fla")
 
 import la_compiler  # noqa: E402
 import la_compiler.backend  # noqa: E402,F401  (installs the FLA substitutions)
+from la_compiler.backend_mark import mark_laqat_backend  # noqa: E402
 from la_compiler.passes.frontends.fla import block_regions  # noqa: E402
 from la_compiler.passes.frontends.fla.substitutions import UnsupportedArgumentError  # noqa: E402
 from la_compiler.passes.inline_regions import (RegionInlineError, inline_block_regions,  # noqa: E402
@@ -55,8 +56,9 @@ def _without_regions():
             cls.forward = current
 
 
-def _graph(model, tokens):
-    """(the graph Dynamo hands the backend, the graph after ``inline_block_regions``)."""
+def _graph(model, tokens, laqats=True):
+    """(the graph Dynamo hands the backend, the graph after ``inline_block_regions``), the backend marked as laqat's
+    or not."""
     seen = {}
 
     def backend(gm, example_inputs):
@@ -65,6 +67,8 @@ def _graph(model, tokens):
         seen["inlined"] = gm
         return gm.forward
 
+    if laqats:
+        mark_laqat_backend(backend)
     torch._dynamo.reset()
     torch.compile(model, backend=backend, fullgraph=True)(input_ids=tokens, labels=tokens, use_cache=False)
     return seen["traced"], seen["inlined"]
@@ -136,6 +140,11 @@ def test_a_per_layer_policy_gives_each_inlined_layer_its_own_spec():
     assert "q.state" not in with_regions["model.layers.0.attn"] + with_regions["model.layers.2.attn"]
 
 
+def test_another_backend_keeps_flas_forward():
+    traced, _ = _graph(_model("kda", layers=2), _tokens(), laqats=False)
+    assert torch.ops.higher_order.invoke_subgraph not in traced and traced
+
+
 def test_calls_that_are_not_plain_training_calls_keep_flas_forward():
     model = _model("kda", layers=2)
     model.gradient_checkpointing_enable()
@@ -145,6 +154,7 @@ def test_calls_that_are_not_plain_training_calls_keep_flas_forward():
     x = torch.randn(1, 8, 32)
     seen = {}
 
+    @mark_laqat_backend
     def backend(gm, example_inputs):
         seen["targets"] = [n.target for n in gm.graph.nodes]
         return gm.forward

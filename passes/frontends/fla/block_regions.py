@@ -5,7 +5,9 @@ tracing (docs/model-bench.md, "Where the first step's time goes"). Where Dynamo 
 ``torch.compiler.nested_compile_region`` for later calls whose inputs' metadata and guards match (its subgraph reuse:
 torch 2.13 has it, 2.11 does not; ``dynamo_reuses_regions``), the forward of an FLA block (``KDABlock``,
 ``GatedDeltaNetBlock``) called for training (no cache, no attention outputs, no attention residuals, no further
-keyword arguments, no gradient checkpointing) runs inside one region whose output is the block's hidden states:
+keyword arguments, no gradient checkpointing) runs inside one region whose output is the block's hidden states,
+where the backend Dynamo compiles for is laqat's (``la_compiler.backend_mark``: ``backend="laqat"``,
+``la_compiler.explain``; not under DDP's graph splitting, nor for another backend, which would keep the regions):
 Dynamo traces the first block and stamps its trace out for the others (their own parameters as the region's
 inputs); a block whose guards do not hold is traced anew. Any other call runs FLA's forward as before, and so does
 every call outside ``torch.compile``, and every call with ``LAQAT_FLA_BLOCK_REGIONS=off``.
@@ -23,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from la_compiler.backend_mark import compiling_for_laqat
 from la_compiler.errors import through_dynamo
 from la_compiler.options import OptionsError, fla_block_regions
 from la_compiler.passes.frontends.fla.substitutions import SUBSTITUTED, _refuse, _while_compiling
@@ -53,7 +56,7 @@ def block_classes() -> tuple:
 @torch._dynamo.assume_constant_result
 def _regions_on() -> bool:
     try:
-        return fla_block_regions()
+        return fla_block_regions() and compiling_for_laqat()
     except OptionsError as e:  # as itself through Dynamo (la_compiler/errors.py)
         raise through_dynamo(e) from None
 

@@ -5,8 +5,8 @@ first call: the body's nodes carry the module paths of that first block (``model
 laqat block region (its ``stack_trace`` runs through block_regions.py; other regions stay as they are) is replaced by
 a copy of the body's nodes on the call's operands, each copy's module paths moved under the calling block's
 (``model.layers.3.attn``), so that module names, the policy's rules and the hand-off's layer runs are those of the
-graph Dynamo traces without regions. The body's outputs take the call's own example values (the body's are shared
-by every copy).
+graph Dynamo traces without regions. Every copy keeps the body's example values (Dynamo's fake tensors of the first
+block's trace): one block's values, for blocks whose inputs' metadata are that block's.
 """
 from __future__ import annotations
 
@@ -64,22 +64,28 @@ def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node, body: torch.fx.GraphM
             if node.op == "output":
                 outputs = tuple(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
                 break
-            if node.op in ("get_attr", "call_module"):
-                raise RegionInlineError(f"laqat block region: a {node.op} node ({node.target}) in the region's body")
+            if node.op == "call_module":
+                raise RegionInlineError(f"laqat block region: a call_module node ({node.target}) in the region's body")
             copied = gm.graph.node_copy(node, lambda n: env[n])
+            if node.op == "get_attr":  # the body of a higher-order op in the region (an autograd.Function's)
+                copied.target = _attribute_of(gm, body, call.args[0].target, node.target)
             copied.meta = dict(node.meta)
             copied.meta["nn_module_stack"] = rebased_module_stack(node.meta.get("nn_module_stack") or {}, call_stack)
             env[node] = copied
-    example_values = call.meta.get("example_value")
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
             raise RegionInlineError(f"laqat block region: its call is used by {user.format_node()}, not an item")
-        value = outputs[user.args[1]]
-        if isinstance(value, torch.fx.Node) and value.op != "placeholder" and example_values is not None:
-            value.meta["example_value"] = example_values[user.args[1]]
-        user.replace_all_uses_with(value)
+        user.replace_all_uses_with(outputs[user.args[1]])
         gm.graph.erase_node(user)
     gm.graph.erase_node(call)
+
+
+def _attribute_of(gm: torch.fx.GraphModule, body: torch.fx.GraphModule, body_name: str, target: str) -> str:
+    """``gm``'s name for the body's attribute ``target``, set once per body (every copy reads the same object)."""
+    name = f"{body_name}_{target}"
+    if not hasattr(gm, name):
+        setattr(gm, name, getattr(body, target))
+    return name
 
 
 def rebased_module_stack(body_stack: dict, call_stack: dict) -> dict:

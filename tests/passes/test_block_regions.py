@@ -102,13 +102,17 @@ def test_a_model_traced_with_block_regions_inlines_to_the_graph_traced_without(f
     assert [p.split("model.")[-1] for p in recurrences] == [f"layers.{i}.attn" for i in range(3)]
 
 
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_training_with_block_regions_is_bitwise_the_training_without(family):
+UNFUSED = dict(fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False)
+
+
+@pytest.mark.parametrize("family, fusions", [("kda", {}), ("gdn", {}), ("kda", UNFUSED)])
+def test_training_with_block_regions_is_bitwise_the_training_without(family, fusions):
+    """FLA's default fusions, and none (FLA's SwiGLU ``autograd.Function`` in the region's body)."""
     tokens = _tokens()
 
     def step():
         torch._dynamo.reset()
-        model = _model(family)
+        model = _model(family, **fusions)
         loss = torch.compile(model, backend="laqat")(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters()}

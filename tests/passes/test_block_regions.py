@@ -149,13 +149,20 @@ def test_another_backend_keeps_flas_forward():
     assert torch.ops.higher_order.invoke_subgraph not in traced and traced
 
 
-def test_calls_that_are_not_plain_training_calls_keep_flas_forward():
-    model = _model("kda", layers=2)
-    model.gradient_checkpointing_enable()
-    traced, _ = _graph(model, _tokens())
-    assert torch.ops.higher_order.invoke_subgraph not in traced
-    block = _model("kda", layers=1).model.layers[0]
-    x = torch.randn(1, 8, 32)
+class _Blocks(torch.nn.Module):
+    def __init__(self, blocks, **call):
+        super().__init__()
+        self.blocks, self.call = blocks, call
+
+    def forward(self, hidden_states):
+        for block in self.blocks:
+            hidden_states = block(hidden_states, **self.call)[0]
+        return hidden_states
+
+
+def _regions_in_two_blocks(blocks, **call) -> int:
+    """How many region calls Dynamo writes for two blocks called one after the other (Dynamo inlines a region
+    whose trace no other call reuses; the input requires grad, as the second block's does, so that it reuses)."""
     seen = {}
 
     @mark_laqat_backend
@@ -164,8 +171,33 @@ def test_calls_that_are_not_plain_training_calls_keep_flas_forward():
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(lambda h: block(h, output_attentions=True)[0], backend=backend, fullgraph=True)(x)
-    assert torch.ops.higher_order.invoke_subgraph not in seen["targets"] and seen["targets"]
+    torch.compile(_Blocks(blocks, **call), backend=backend)(torch.randn(1, 8, 32, requires_grad=True))
+    assert seen["targets"]
+    return seen["targets"].count(torch.ops.higher_order.invoke_subgraph)
+
+
+def test_calls_that_are_not_plain_training_calls_keep_flas_forward():
+    model = _model("kda", layers=2)
+    model.gradient_checkpointing_enable()
+    traced, _ = _graph(model, _tokens())
+    assert torch.ops.higher_order.invoke_subgraph not in traced
+    blocks = _model("kda", layers=2).model.layers
+    assert _regions_in_two_blocks(blocks) == 2
+    assert _regions_in_two_blocks(blocks, output_attentions=True) == 0
+    assert _regions_in_two_blocks(blocks, attention_mask=torch.ones(1, 8, dtype=torch.long)) == 0
+
+
+def test_a_block_with_another_attention_layer_keeps_flas_forward():
+    """A hybrid model's softmax-attention block (FLA's ``Attention`` needs flash-attn: a stand-in layer here)."""
+    class OtherAttention(torch.nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states * 2, None, None
+
+    blocks = _model("gdn", layers=2).model.layers
+    assert _regions_in_two_blocks(blocks) == 2
+    for block in blocks:
+        block.attn = OtherAttention()
+    assert _regions_in_two_blocks(blocks) == 0
 
 
 def test_a_block_that_returns_more_than_its_hidden_states_is_refused():

@@ -4,8 +4,9 @@ Dynamo traces the Python of every layer of a model, so most of the warm first st
 tracing (docs/model-bench.md, "Where the first step's time goes"). Where Dynamo reuses the trace of a
 ``torch.compiler.nested_compile_region`` for later calls whose inputs' metadata and guards match (its subgraph reuse:
 torch 2.13 has it, 2.11 does not; ``dynamo_reuses_regions``), the forward of an FLA block (``KDABlock``,
-``GatedDeltaNetBlock``) called for training (no cache, no attention outputs, no attention residuals, no further
-keyword arguments, no gradient checkpointing) runs inside one region whose output is the block's hidden states,
+``GatedDeltaNetBlock``, holding FLA's GDN or KDA layer) called for training without padding (no attention mask, no
+cache, no attention outputs, no attention residuals, no further keyword arguments, no gradient checkpointing) runs
+inside one region whose output is the block's hidden states,
 where the backend Dynamo compiles for is laqat's (``la_compiler.backend_mark``: ``backend="laqat"``,
 ``la_compiler.explain``; not under DDP's graph splitting, nor for another backend, which would keep the regions):
 Dynamo traces the first block and stamps its trace out for the others (their own parameters as the region's
@@ -16,7 +17,10 @@ laqat's backend inlines these regions back before its passes (``passes/inline_re
 its own block's module path: the passes, the policy's rules and the Inductor hand-off see the graph Dynamo traces
 without regions, op for op (tests/passes/test_block_regions.py). FLA's block returns ``(hidden_states, attentions,
 past_key_values, attnres_states)``; the region checks at trace time that the last three are None for such a call, and
-refuses with ``UnsupportedArgumentError`` where an FLA release returns something else.
+refuses with ``UnsupportedArgumentError`` where an FLA release returns something else. Dynamo refuses a graph break
+inside a region (``UncapturedHigherOrderOpError``, with or without ``fullgraph``): FLA's GDN and KDA blocks trace
+whole in these calls (an attention mask's unpadding, which breaks the graph, keeps FLA's forward); where another
+configuration of FLA's code breaks the graph, ``LAQAT_FLA_BLOCK_REGIONS=off`` traces every block as before.
 """
 from __future__ import annotations
 
@@ -53,6 +57,13 @@ def block_classes() -> tuple:
     return GatedDeltaNetBlock, KDABlock
 
 
+def recurrent_layers() -> tuple:
+    """The attention layers a block's region may hold (a hybrid model's softmax-attention blocks keep FLA's forward)."""
+    from fla.layers import GatedDeltaNet, KimiDeltaAttention
+
+    return GatedDeltaNet, KimiDeltaAttention
+
+
 @torch._dynamo.assume_constant_result
 def _regions_on() -> bool:
     try:
@@ -66,8 +77,8 @@ def region_forward(original: Callable) -> Optional[Callable]:
     if tuple(inspect.signature(original).parameters) != BLOCK_FORWARD_PARAMETERS:
         return None
 
-    def block_hidden_states(block, hidden_states, attention_mask):
-        hidden_states, *rest = original(block, hidden_states, attention_mask=attention_mask)
+    def block_hidden_states(block, hidden_states):
+        hidden_states, *rest = original(block, hidden_states)
         for value in rest:
             if value is not None:
                 _refuse(f"{type(block).__name__}.forward",
@@ -79,11 +90,12 @@ def region_forward(original: Callable) -> Optional[Callable]:
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, attnres_states=None, **kwargs):
-        training_call = (past_key_values is None and not use_cache and not output_attentions and attnres_states is None
-                         and not kwargs and not getattr(self, "use_attnres", False)
-                         and not getattr(self, "gradient_checkpointing", False))
+        training_call = (attention_mask is None and past_key_values is None and not use_cache and not output_attentions
+                         and attnres_states is None and not kwargs and not getattr(self, "use_attnres", False)
+                         and not getattr(self, "gradient_checkpointing", False)
+                         and isinstance(getattr(self, "attn", None), recurrent_layers()))
         if training_call and _regions_on():
-            return region(self, hidden_states, attention_mask), None, None, None
+            return region(self, hidden_states), None, None, None
         return original(self, hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
                         attnres_states, **kwargs)
 

@@ -11,6 +11,7 @@ block's trace): one block's values, for blocks whose inputs' metadata are that b
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 import torch.fx
@@ -22,15 +23,13 @@ class RegionInlineError(LaqatError, RuntimeError):
     """A block region whose module paths do not nest as Dynamo writes them: its nodes could not be named."""
 
 
-def _region_file() -> str:
-    from la_compiler.passes.frontends.fla import block_regions
-
-    return block_regions.__file__
+# where laqat's block regions are called from (not imported: it imports FLA)
+REGION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frontends", "fla", "block_regions.py")
 
 
 def is_block_region(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
-            and f'File "{_region_file()}"' in (node.meta.get("stack_trace") or ""))
+            and f'File "{REGION_FILE}"' in (node.meta.get("stack_trace") or ""))
 
 
 def inline_block_regions(gm: torch.fx.GraphModule) -> int:

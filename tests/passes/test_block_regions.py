@@ -261,3 +261,26 @@ def test_the_environment_turns_block_regions_off_and_a_bad_value_is_refused(monk
     monkeypatch.setenv("LAQAT_FLA_BLOCK_REGIONS", "sometimes")
     with pytest.raises(OptionsError, match="LAQAT_FLA_BLOCK_REGIONS"):
         _graph(_model("gdn", layers=2), _tokens())
+
+
+def test_symbolic_sizes_keep_flas_forward():
+    """Dynamo's reuse of a region's trace fails on symbolic sizes (torch 2.13): ``dynamic=True`` and a recompile
+    with automatic dynamic shapes trace every block, and train as without regions."""
+    traced = []
+
+    @mark_laqat_backend
+    def backend(gm, example_inputs):
+        traced.append([n.target for n in gm.graph.nodes])
+        return la_compiler.backend.laqat_backend(gm, example_inputs)
+
+    def losses(dynamic):
+        torch._dynamo.reset()
+        compiled = torch.compile(_model("kda"), backend=backend, dynamic=dynamic)
+        return [compiled(input_ids=t, labels=t, use_cache=False).loss for t in (_tokens(T=12), _tokens(T=20))]
+
+    for dynamic in (True, None):
+        traced.clear()
+        with_regions = losses(dynamic)
+        assert traced and all(torch.ops.higher_order.invoke_subgraph not in t for t in traced[-1:])
+        with _without_regions():
+            assert [torch.equal(a, b) for a, b in zip(with_regions, losses(dynamic))] == [True, True]

@@ -5,7 +5,8 @@ tracing (docs/model-bench.md, "Where the first step's time goes"). Where Dynamo 
 ``torch.compiler.nested_compile_region`` for later calls whose inputs' metadata and guards match (its subgraph reuse:
 torch 2.13 has it, 2.11 does not; ``dynamo_reuses_regions``), the forward of an FLA block (``KDABlock``,
 ``GatedDeltaNetBlock``, holding FLA's GDN or KDA layer) called for training without padding (no attention mask, no
-cache, no attention outputs, no attention residuals, no further keyword arguments, no gradient checkpointing) runs
+cache, no attention outputs, no attention residuals, no further keyword arguments, no gradient checkpointing) on
+hidden states of static sizes (Dynamo's reuse fails on symbolic ones: ``dynamic=True``, automatic dynamic) runs
 inside one region whose output is the block's hidden states,
 where the backend Dynamo compiles for is laqat's (``la_compiler.backend_mark``: ``backend="laqat"``,
 ``la_compiler.explain``; not under DDP's graph splitting, nor for another backend, which would keep the regions):
@@ -28,6 +29,7 @@ import inspect
 from typing import Callable, Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from la_compiler.backend_mark import compiling_for_laqat
 from la_compiler.errors import through_dynamo
@@ -72,6 +74,15 @@ def _regions_on() -> bool:
         raise through_dynamo(e) from None
 
 
+def _static(shape) -> bool:
+    """Every size an int, not symbolic (Dynamo answers ``has_static_value`` while tracing): torch 2.13's reuse of a
+    region's trace fails on symbolic sizes (``dynamic=True``, or a recompile with automatic dynamic shapes)."""
+    for size in shape:
+        if not has_static_value(size):
+            return False
+    return True
+
+
 def region_forward(original: Callable) -> Optional[Callable]:
     """The block's forward while compiling (None where FLA's forward is not the one this module knows)."""
     if tuple(inspect.signature(original).parameters) != BLOCK_FORWARD_PARAMETERS:
@@ -94,7 +105,7 @@ def region_forward(original: Callable) -> Optional[Callable]:
                          and attnres_states is None and not kwargs and not getattr(self, "use_attnres", False)
                          and not getattr(self, "gradient_checkpointing", False)
                          and isinstance(getattr(self, "attn", None), recurrent_layers()))
-        if training_call and _regions_on():
+        if training_call and _static(hidden_states.shape) and _regions_on():
             return region(self, hidden_states), None, None, None
         return original(self, hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
                         attnres_states, **kwargs)

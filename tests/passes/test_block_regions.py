@@ -187,6 +187,18 @@ def test_calls_that_are_not_plain_training_calls_keep_flas_forward():
     assert _regions_in_two_blocks(blocks, attention_mask=torch.ones(1, 8, dtype=torch.long)) == 0
 
 
+def test_blocks_sharded_by_fsdp2_keep_flas_forward():
+    """``fully_shard`` makes each block an instance of a subclass of FSDP2's ``FSDPModule`` (here without a process
+    group: the class alone)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = _model("kda", layers=2).model.layers
+    assert _regions_in_two_blocks(blocks) == 2
+    for block in blocks:
+        block.__class__ = type(f"FSDP{type(block).__name__}", (FSDPModule, type(block)), {})
+    assert _regions_in_two_blocks(blocks) == 0
+
+
 def test_a_block_with_another_attention_layer_keeps_flas_forward():
     """A hybrid model's softmax-attention block (FLA's ``Attention`` needs flash-attn: a stand-in layer here)."""
     class OtherAttention(torch.nn.Module):

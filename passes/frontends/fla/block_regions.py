@@ -6,7 +6,8 @@ tracing (docs/model-bench.md, "Where the first step's time goes"). Where Dynamo 
 torch 2.13 has it, 2.11 does not; ``dynamo_reuses_regions``), the forward of an FLA block (``KDABlock``,
 ``GatedDeltaNetBlock``, holding FLA's GDN or KDA layer) called for training without padding (no attention mask, no
 cache, no attention outputs, no attention residuals, no further keyword arguments, no gradient checkpointing) on
-hidden states of static sizes (Dynamo's reuse fails on symbolic ones: ``dynamic=True``, automatic dynamic) runs
+hidden states of static sizes (Dynamo's reuse fails on symbolic ones: ``dynamic=True``, automatic dynamic), not
+sharded by FSDP2, runs
 inside one region whose output is the block's hidden states,
 where the backend Dynamo compiles for is laqat's (``la_compiler.backend_mark``: ``backend="laqat"``,
 ``la_compiler.explain``; not under DDP's graph splitting, nor for another backend, which would keep the regions):
@@ -74,6 +75,16 @@ def _regions_on() -> bool:
         raise through_dynamo(e) from None
 
 
+def sharded_module_types() -> tuple:
+    """FSDP2's module type (``fully_shard`` makes a block one): its blocks unshard their parameters around the forward,
+    and keep FLA's forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return ()
+    return (FSDPModule,)
+
+
 def _static(shape) -> bool:
     """Every size an int, not symbolic (Dynamo answers ``has_static_value`` while tracing): torch 2.13's reuse of a
     region's trace fails on symbolic sizes (``dynamic=True``, or a recompile with automatic dynamic shapes)."""
@@ -104,7 +115,8 @@ def region_forward(original: Callable) -> Optional[Callable]:
         training_call = (attention_mask is None and past_key_values is None and not use_cache and not output_attentions
                          and attnres_states is None and not kwargs and not getattr(self, "use_attnres", False)
                          and not getattr(self, "gradient_checkpointing", False)
-                         and isinstance(getattr(self, "attn", None), recurrent_layers()))
+                         and isinstance(getattr(self, "attn", None), recurrent_layers())
+                         and not isinstance(self, sharded_module_types()))
         if training_call and _static(hidden_states.shape) and _regions_on():
             return region(self, hidden_states), None, None, None
         return original(self, hidden_states, attention_mask, past_key_values, use_cache, output_attentions,

@@ -170,7 +170,7 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
     if mode not in (None, "default"):
         raise BackendOptionsError(f"torch.compile(mode={mode!r}) is not supported by the laqat backend")
     opts = BackendOptions.from_user(options)
-    inline_block_regions(gm)  # FLA's blocks traced once (passes/frontends/fla/block_regions.py), before anything reads gm
+    inlined = inline_block_regions(gm)  # FLA's blocks traced once (passes/frontends/fla/block_regions.py), first
     sink = _record or _ACTIVE_RECORD[-1]
     root = compiled_root_module()
     check_pieces(root)  # under DDPOptimizer: no recurrence split across two graph pieces
@@ -182,6 +182,9 @@ def _compile(gm, example_inputs, options, mode, _record) -> Callable:
         record.graph_break = graph_break_of(gm)
         record.policy, record.policy_source = policy.name, policy_source
         record.hand_off, record.hand_off_reason = chosen.compiler, chosen.reason
+        if inlined:
+            record.notes.append(f"{inlined} FLA block calls traced as one region each, Dynamo reusing the first "
+                                f"block's trace; inlined back, each under its own module path (LAQAT_FLA_BLOCK_REGIONS)")
         run_pipeline(graph, policy, record, verify=opts.verify, module_prefixes=prefixes, tuning=opts.tuning)
         log_graph(record)
         graph.meta["laqat_record"] = record  # the hand-off adds how the graph was compiled

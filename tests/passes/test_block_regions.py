@@ -126,19 +126,24 @@ def test_training_with_block_regions_is_bitwise_the_training_without(family, fus
         assert torch.equal(grad, plain_grads[name]), name
 
 
-def test_a_per_layer_policy_gives_each_inlined_layer_its_own_spec():
+def test_a_per_layer_policy_gives_each_inlined_layer_its_own_spec_and_explain_notes_the_regions():
     policy = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
                             {"quantizer_name": "*layers.1.attn.*state_quantizer", "cfg": FP8_STATE}]}
     tokens = _tokens()
 
+    seen_notes = []
+
     def specs():
         torch._dynamo.reset()
         report = la_compiler.explain(_model("kda"), input_ids=tokens, labels=tokens, use_cache=False, policy=policy)
+        seen_notes[:] = report.notes
         return {m.module: m.spec for m in report.matches}
 
     with_regions = specs()
+    assert any(n.startswith("3 FLA block calls traced as one region each") for n in seen_notes)
     with _without_regions():
         assert specs() == with_regions
+        assert not any("FLA block calls" in n for n in seen_notes)
     assert sorted(with_regions) == [f"model.layers.{i}.attn" for i in range(3)]
     assert "q.state=fp8" in with_regions["model.layers.1.attn"]
     assert "q.state" not in with_regions["model.layers.0.attn"] + with_regions["model.layers.2.attn"]

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 from einops import einops as _einops
-from torch.fx.experimental.symbolic_shapes import has_static_value
+
+from la_compiler.passes.frontends import static_sizes
 
 Recipe = tuple  # einops' TransformRecipe as nested tuples of ints (_plain_recipe)
 
@@ -89,14 +90,7 @@ def _cooked(pattern: str, reduction: str, axes_names: tuple, shape: tuple, axes_
 
 
 def _static(shape: tuple, axes_dims: tuple) -> bool:
-    """Every size an int, not symbolic (Dynamo answers ``has_static_value`` while tracing)."""
-    for size in shape:
-        if not has_static_value(size):
-            return False
-    for _, dim in axes_dims:
-        if not has_static_value(dim):
-            return False
-    return True
+    return static_sizes(shape) and static_sizes([dim for _, dim in axes_dims])
 
 
 def _reduce_axes(x: torch.Tensor, reduction: str, axes: tuple) -> torch.Tensor:

@@ -123,8 +123,9 @@ def model_bench(data: dict, head: dict) -> list[dict]:
 def compile_account(data: dict, head: dict) -> list[dict]:
     """One record per step of ``compile_account.py``: the step's wall seconds, torch's graph compiles (Dynamo's
     ``_compile.compile_inner`` and Inductor's backward compile; of the first, Dynamo's bytecode tracing and the
-    backend's call where measured), its forward, backward and optimizer step where measured, laqat's compile-ahead, the Triton compiles and
-    autotuning searches by origin, the kernels readied for their first launch on the step's thread."""
+    backend's call where measured), its forward, backward and optimizer step where measured, laqat's compile-ahead,
+    the Triton compiles and autotuning searches by origin, the kernels readied for their first launch on the step's
+    thread."""
     caches = data.get("caches") or next((w for w in ("cold", "warm") if w in data.get("tag", "").split("-")), None)
     config = {k: data[k] for k in ("layers", "hidden", "heads", "head_dim") if k in data}
     out = []

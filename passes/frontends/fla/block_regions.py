@@ -30,11 +30,11 @@ import inspect
 from typing import Callable, Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from la_compiler.backend_mark import compiling_for_laqat
 from la_compiler.errors import through_dynamo
 from la_compiler.options import OptionsError, fla_block_regions
+from la_compiler.passes.frontends import static_sizes
 from la_compiler.passes.frontends.fla.substitutions import SUBSTITUTED, _refuse, _while_compiling
 
 # FLA 0.6.0's block forward; another signature leaves the block as it is
@@ -85,15 +85,6 @@ def sharded_module_types() -> tuple:
     return (FSDPModule,)
 
 
-def _static(shape) -> bool:
-    """Every size an int, not symbolic (Dynamo answers ``has_static_value`` while tracing): torch 2.13's reuse of a
-    region's trace fails on symbolic sizes (``dynamic=True``, or a recompile with automatic dynamic shapes)."""
-    for size in shape:
-        if not has_static_value(size):
-            return False
-    return True
-
-
 def region_forward(original: Callable) -> Optional[Callable]:
     """The block's forward while compiling (None where FLA's forward is not the one this module knows)."""
     if tuple(inspect.signature(original).parameters) != BLOCK_FORWARD_PARAMETERS:
@@ -109,15 +100,16 @@ def region_forward(original: Callable) -> Optional[Callable]:
         return hidden_states
 
     region = torch.compiler.nested_compile_region(block_hidden_states, max_reuse_entries=MAX_REUSE_ENTRIES)
+    layers, sharded = recurrent_layers(), sharded_module_types()
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, attnres_states=None, **kwargs):
         training_call = (attention_mask is None and past_key_values is None and not use_cache and not output_attentions
                          and attnres_states is None and not kwargs and not getattr(self, "use_attnres", False)
                          and not getattr(self, "gradient_checkpointing", False)
-                         and isinstance(getattr(self, "attn", None), recurrent_layers())
-                         and not isinstance(self, sharded_module_types()))
-        if training_call and _static(hidden_states.shape) and _regions_on():
+                         and isinstance(getattr(self, "attn", None), layers) and not isinstance(self, sharded))
+        # torch 2.13's reuse of a region's trace fails on symbolic sizes (dynamic=True, automatic dynamic recompiles)
+        if training_call and static_sizes(hidden_states.shape) and _regions_on():
             return region(self, hidden_states), None, None, None
         return original(self, hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
                         attnres_states, **kwargs)

@@ -17,17 +17,6 @@ import sys
 GRAPH_FRONTENDS: list = []  # callables (gm, record, *, verify: bool) -> int, run in order
 
 
-def static_sizes(sizes) -> bool:
-    """Every size an int, not symbolic; traced by Dynamo, which answers ``has_static_value`` as a constant (trace-time
-    frontends take their constant paths only where it holds)."""
-    from torch.fx.experimental.symbolic_shapes import has_static_value
-
-    for size in sizes:
-        if not has_static_value(size):
-            return False
-    return True
-
-
 def torch_recurrence(gm, record, *, verify: bool = False) -> int:
     """GDN/KDA recurrences written in plain PyTorch (imports networkx only when a graph comes)."""
     from la_compiler.passes.frontends.torch_recurrence import rewrite_torch_recurrences

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from einops import einops as _einops
 
-from la_compiler.passes.frontends import static_sizes
+from la_compiler.passes.frontends.static_sizes import static_sizes
 
 Recipe = tuple  # einops' TransformRecipe as nested tuples of ints (_plain_recipe)
 

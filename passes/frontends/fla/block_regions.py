@@ -34,7 +34,7 @@ import torch
 from la_compiler.backend_mark import compiling_for_laqat
 from la_compiler.errors import through_dynamo
 from la_compiler.options import OptionsError, fla_block_regions
-from la_compiler.passes.frontends import static_sizes
+from la_compiler.passes.frontends.static_sizes import static_sizes
 from la_compiler.passes.frontends.fla.substitutions import SUBSTITUTED, _refuse, _while_compiling
 
 # FLA 0.6.0's block forward; another signature leaves the block as it is

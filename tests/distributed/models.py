@@ -161,6 +161,27 @@ class FlaNet(nn.Module):
         return _loss(x, self.head)
 
 
+class FlaBlocksNet(nn.Module):
+    state_layers = ()
+
+    def __init__(self):
+        super().__init__()
+        from fla.models import KDAConfig
+        from fla.models.kda.modeling_kda import KDABlock
+
+        config = KDAConfig(hidden_size=HIDDEN, num_heads=HEADS, head_dim=HEAD_DIM, expand_v=1, intermediate_size=32,
+                           num_hidden_layers=3)
+        self.embed = nn.Linear(HIDDEN, HIDDEN)  # as an LM's embedding: every block's input requires grad
+        self.layers = nn.ModuleList(KDABlock(config, layer_idx) for layer_idx in range(3))
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, states):
+        x = self.embed(x)
+        for block in self.layers:
+            x = block(x)[0]
+        return _loss(x, self.head)
+
+
 def make_batch(B: int, T: int, model: nn.Module, seed: int = 1):
     """Fresh random inputs and carried states (never zeros) for ``model``."""
     gen = torch.Generator().manual_seed(seed)

@@ -44,6 +44,7 @@ class StepResult:
     break_lines: list[str] = dataclasses.field(default_factory=list)  # laqat's record: why and where each broke
     error: tuple[str, str, tuple[str, ...]] | None = None  # (class, message, classes of its MRO) if it raised
     node_input_types: set[str] = dataclasses.field(default_factory=set)  # tensor types the laqat nodes read
+    notes: list[str] = dataclasses.field(default_factory=list)  # the record's notes of every graph
 
 
 def new_model(name: str) -> torch.nn.Module:
@@ -87,9 +88,10 @@ class LaqatBackend:
 
 
 def step(model: torch.nn.Module, wrapped: torch.nn.Module, batch, *, backend, full_grad=lambda g: g,
-         world_size: int = 1, compile_model: bool = True) -> StepResult:
-    """Compiles ``wrapped`` (``model`` or its data-parallel wrapper) with ``backend`` unless ``compile_model`` is
-    False (the test compiled parts of it), runs one forward and backward on ``batch``."""
+         world_size: int = 1, compile_model: bool = True, options: dict | None = None) -> StepResult:
+    """Compiles ``wrapped`` (``model`` or its data-parallel wrapper) with ``backend`` (and ``options``: the user's
+    ``torch.compile(..., backend="laqat", options=options)``) unless ``compile_model`` is False (the test compiled
+    parts of it), runs one forward and backward on ``batch``."""
     import la_compiler.backend
     from la_compiler.record import CompileRecord
 
@@ -98,7 +100,7 @@ def step(model: torch.nn.Module, wrapped: torch.nn.Module, batch, *, backend, fu
     la_compiler.backend._ACTIVE_RECORD.append(record)
     breaks_before = _break_counts()
     try:
-        run = torch.compile(wrapped, backend=backend) if compile_model else wrapped
+        run = torch.compile(wrapped, backend=backend, options=options) if compile_model else wrapped
         loss = run(*batch)
         loss.backward()
     except Exception as e:  # noqa: BLE001 - the test asserts on it
@@ -118,6 +120,7 @@ def step(model: torch.nn.Module, wrapped: torch.nn.Module, batch, *, backend, fu
     result.graphs = len(record.graphs)
     result.break_lines = [g.graph_break for g in record.graphs if g.graph_break and "DDPOptimizer" not in g.graph_break]
     result.node_input_types = set(getattr(backend, "node_input_types", ()))
+    result.notes = [note for g in record.graphs for note in g.notes]
     return result
 
 

@@ -21,6 +21,9 @@ partial sums, then the reduction over ranks), an error of a few fp32 ulps.
 - FSDP2: ``fully_shard`` on each layer and on the root, then ``torch.compile(model)``; and each layer compiled
   (``layer.compile``) before it is sharded. The laqat nodes read plain tensors (FSDP2 all-gathers the
   parameters before the forward), never DTensors.
+- FLA's blocks (``FlaBlocksNet``) under ``backend="laqat"``: each block call is a block region under DDP without
+  its graph splitting and under FSDP2 sharding the root alone, and trains bit for bit as without regions; DDP's
+  graph splitting and blocks sharded by FSDP2 keep FLA's forward.
 
 The rewritten graphs run eagerly (``LAQAT_DISTRIBUTED_HAND_OFF=inductor`` runs every case through Inductor
 instead: minutes with a cold Inductor cache).
@@ -67,11 +70,22 @@ CASES = [("ddp", model, policy, "tiny-buckets") for model, policy in MODELS_AND_
     ("fsdp", "TorchGDNNet", "exact", "layers"),
     ("fsdp", "TorchGDNNet", "plain_eager", "root"),
     ("fsdp", "FlaNet", "plain_eager", "root"),
+] + [
+    # FLA's blocks under the user's own backend="laqat" (block regions: passes/frontends/fla/block_regions.py):
+    # "<how>:laqat", and "<how>:laqat-regions-off" with LAQAT_FLA_BLOCK_REGIONS=off; FSDP2 "root-only" shards the
+    # root alone (the blocks stay plain modules)
+    ("ddp", "FlaBlocksNet", "exact", "no-ddp-optimizer:laqat"),
+    ("ddp", "FlaBlocksNet", "exact", "no-ddp-optimizer:laqat-regions-off"),
+    ("ddp", "FlaBlocksNet", "exact", "tiny-buckets:laqat"),
+    ("fsdp", "FlaBlocksNet", "exact", "root-only:laqat"),
+    ("fsdp", "FlaBlocksNet", "exact", "root-only:laqat-regions-off"),
+    ("fsdp", "FlaBlocksNet", "exact", "root:laqat"),
 ]
 MATCHES = {
     "TorchGDNNet": [("layers.0", "torch", "gdn"), ("layers.1", "torch", "gdn")],
     "GatedTorchGDNNet": [("layers.0", "torch", "gdn"), ("layers.1", "torch", "gdn")],
     "FlaNet": [("layers.0.attn", "fla", "gdn"), ("layers.1", "fla", "kda")],
+    "FlaBlocksNet": [(f"layers.{i}.attn", "fla", "kda") for i in range(3)],
 }
 STATE_FP8 = "q.state=fp8_e4m3/tile64"
 
@@ -89,7 +103,7 @@ def _first_bucket_at_most(bucket_mb):
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved
 
 
-def _ddp_step(rank, world_size, model, batch, backend, how):
+def _ddp_step(rank, world_size, model, batch, backend, how, options):
     from torch.nn.parallel import DistributedDataParallel
 
     bucket_mb = ONE_BUCKET_MB if how == "one-bucket" else TINY_BUCKET_MB
@@ -100,19 +114,37 @@ def _ddp_step(rank, world_size, model, batch, backend, how):
     with _first_bucket_at_most(bucket_mb), no_split:
         ddp = DistributedDataParallel(torch.compile(model, backend=backend) if inside else model,
                                       bucket_cap_mb=bucket_mb)
-        return steps.step(model, ddp, batch, backend=backend, world_size=world_size, compile_model=not inside)
+        return steps.step(model, ddp, batch, backend=backend, world_size=world_size, compile_model=not inside,
+                          options=options)
 
 
-def _fsdp_step(rank, world_size, model, batch, backend, how, mesh):
+def _fsdp_step(rank, world_size, model, batch, backend, how, mesh, options):
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
-        if how == "layers":
-            layer.compile(backend=backend)
-        fully_shard(layer, mesh=mesh)
+    if how != "root-only":
+        for layer in model.layers:
+            if how == "layers":
+                layer.compile(backend=backend)
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return steps.step(model, model, batch, backend=backend, world_size=world_size, compile_model=how == "root",
-                      full_grad=lambda grad: grad.full_tensor())
+    return steps.step(model, model, batch, backend=backend, world_size=world_size, compile_model=how != "layers",
+                      full_grad=lambda grad: grad.full_tensor(), options=options)
+
+
+@contextlib.contextmanager
+def _environment(name, value):
+    import os
+
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def _worker(rank, world_size):
@@ -121,24 +153,30 @@ def _worker(rank, world_size):
 
     mesh = init_device_mesh("cpu", (world_size,))
     results = {}
-    for engine, model_name, policy, how in CASES:
+    for engine, model_name, policy, case in CASES:
         torch._dynamo.reset()
         model = steps.new_model(model_name)
         batch = steps.rank_slice(steps.global_batch(model, world_size), rank)
-        if policy == "plain_eager":
+        how, _, users_backend = case.partition(":")
+        options, regions = None, None
+        if users_backend:  # torch.compile(..., backend="laqat", options=...), as the user writes it
+            backend, options = "laqat", {"compiler": steps.HAND_OFF}
+            regions = "off" if users_backend.endswith("regions-off") else None
+        elif policy == "plain_eager":
             backend = torch._dynamo.testing.CompileCounterWithBackend("eager")
         elif how.endswith("attached-policy"):
             la_compiler.attach_policy(model, steps.POLICIES[policy])
             backend = steps.LaqatBackend({"compiler": steps.HAND_OFF})
         else:
             backend = steps.LaqatBackend(steps.laqat_options(policy))
-        if engine == "ddp":
-            result = _ddp_step(rank, world_size, model, batch, backend, how)
-        else:
-            result = _fsdp_step(rank, world_size, model, batch, backend, how, mesh)
+        with _environment("LAQAT_FLA_BLOCK_REGIONS", regions):
+            if engine == "ddp":
+                result = _ddp_step(rank, world_size, model, batch, backend, how, options)
+            else:
+                result = _fsdp_step(rank, world_size, model, batch, backend, how, mesh, options)
         if policy == "plain_eager":
             result.graphs = backend.frame_count
-        results[engine, model_name, policy, how] = result
+        results[engine, model_name, policy, case] = result
     return results
 
 
@@ -261,3 +299,34 @@ def test_fsdp2_layers_compiled_before_sharding(ranks):
 
 def test_fsdp2_adds_no_graph_and_no_graph_break(ranks):
     _assert_no_graph_and_no_break_added(ranks, "fsdp", "root")
+
+
+# ---- FLA's blocks traced once ---------------------------------------------------------------------------------
+REGIONS_NOTE = "3 FLA block calls traced as one region each"
+
+
+def _regions_noted(result) -> bool:
+    return any("FLA block calls traced as one region" in note for note in result.notes)
+
+
+@pytest.mark.parametrize("engine,how", [("ddp", "no-ddp-optimizer"), ("fsdp", "root-only")])
+def test_block_regions_under_data_parallel_train_as_without_them(ranks, engine, how):
+    """``torch.compile(model, backend="laqat")`` over FLA's blocks under DDP without its graph splitting, and under
+    FSDP2 sharding the root alone: each block call is a region (where this torch's Dynamo reuses regions), and the
+    step equals the one-process step, the uncompiled model, and bit for bit the same run without regions."""
+    from la_compiler.passes.frontends.fla.block_regions import dynamo_reuses_regions
+
+    got = _assert_equals_single_process(ranks, (engine, "FlaBlocksNet", "exact", f"{how}:laqat"))
+    assert [m[:3] for m in got.matches] == MATCHES["FlaBlocksNet"]
+    assert any(note.startswith(REGIONS_NOTE) for note in got.notes) == dynamo_reuses_regions(), got.notes
+    off = ranks[0][engine, "FlaBlocksNet", "exact", f"{how}:laqat-regions-off"]
+    assert off.error is None, off.error
+    assert not _regions_noted(off), off.notes
+    _assert_same_step(got, off, 0.0, f"{engine} {how}: regions vs none")
+
+
+@pytest.mark.parametrize("engine,how", [("ddp", "tiny-buckets"), ("fsdp", "root")])
+def test_block_regions_stay_out_of_ddps_graph_splitting_and_of_blocks_sharded_by_fsdp2(ranks, engine, how):
+    got = _assert_equals_single_process(ranks, (engine, "FlaBlocksNet", "exact", f"{how}:laqat"))
+    assert [m[:3] for m in got.matches] == MATCHES["FlaBlocksNet"]
+    assert not _regions_noted(got), got.notes

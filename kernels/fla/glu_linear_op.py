@@ -4,7 +4,10 @@
     laqat::glu_linear(x [..., D], y [..., D], weight [O, D], bias? [O], activation, power) -> out [..., O]
 
     z   = act(x) * y          act: "swiglu" swish, "powglu" FLA's PowGLU gate with ``power`` (glu_formulas.py)
-    out = linear(z in x's dtype, weight, bias)
+    out = linear(z in x's dtype, weight, bias)           in weight's dtype
+
+Under autocast the substitution hands the op the weight and bias in the autocast dtype, as autocast hands them to
+FLA's ``F.linear`` (``autocast_linear_operands``).
 
 The autograd saves x, y and weight, not z: the backward recomputes z with the activation's gradient
 (``swiglu_fwdbwd`` / ``powglu_fwdbwd``), as FLA's function does. Left to torch ops, AOTAutograd's partitioner
@@ -72,7 +75,7 @@ def glu_linear(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], act
 @glu_linear.register_fake
 def _(x, y, weight, bias, activation, power):
     _check_activation(activation)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
 
 
 @torch.library.custom_op("laqat::glu_linear_backward", mutates_args=())
@@ -82,7 +85,7 @@ def glu_linear_backward(dout: Tensor, x: Tensor, y: Tensor, weight: Tensor, has_
     dout2 = dout.reshape(-1, dout.shape[-1])
     dz = F.linear(dout2, weight.t()).view(x.shape)
     dx, dy, z = _activation_and_grads(x.contiguous(), y.contiguous(), dz, activation, power)
-    dweight = dout2.t() @ z.reshape(-1, z.shape[-1])
+    dweight = dout2.t() @ z.reshape(-1, z.shape[-1]).to(dout2.dtype)
     dbias = dout2.sum(0) if has_bias else dout.new_empty((0,))
     return dx.contiguous(), dy.contiguous(), dweight.to(weight.dtype), dbias
 
@@ -111,11 +114,25 @@ def _backward(ctx, dout):
 glu_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
+def autocast_linear_operands(x, weight, bias):
+    """The weight and bias as autocast hands them to FLA's ``F.linear``: in the autocast dtype where autocast is on
+    for x's device. FLA's function runs its backward under the forward's autocast state (``custom_bwd``); the op's
+    backward runs without it, so the cast is made before the op, traced, and its own backward casts the weight's
+    gradient back to the weight's dtype, as autograd does for FLA's."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return weight.to(dtype), (None if bias is None else bias.to(dtype))
+
+
 def swiglu_linear(x, y, weight, bias):
     """FLA's ``swiglu_linear`` dispatcher, traced."""
+    weight, bias = autocast_linear_operands(x, weight, bias)
     return torch.ops.laqat.glu_linear(x, y, weight, bias, "swiglu", 1.0)
 
 
 def powglu_linear(x, y, weight, bias, power=3.0):
     """FLA's ``powglu_linear`` dispatcher, traced."""
+    weight, bias = autocast_linear_operands(x, weight, bias)
     return torch.ops.laqat.glu_linear(x, y, weight, bias, "powglu", float(power))

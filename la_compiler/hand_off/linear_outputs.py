@@ -43,20 +43,23 @@ class LinearOutputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, box: list):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.set_materialize_grads(False)
         return box.pop()
 
     @staticmethod
     def backward(ctx, dy):
+        """In y's dtype, each gradient returned in its input's: under autocast the linear computed in the autocast
+        dtype from x, weight and bias cast to it, and autocast's casts hand each gradient back in its input's dtype
+        (the backward runs outside autocast)."""
         if dy is None:
             return None, None, None, None
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dx = dy @ weight if needs[0] else None
+        dx = (dy @ weight.to(dy.dtype)).to(x.dtype) if needs[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dweight = (dy2.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype) if needs[1] else None
-        dbias = dy2.sum(0) if ctx.has_bias and needs[2] else None
+        dweight = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype) if needs[1] else None
+        dbias = dy2.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and needs[2] else None
         return dx, dweight, dbias, None
 
 

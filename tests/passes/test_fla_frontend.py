@@ -559,6 +559,33 @@ def test_gated_mlp_activations_compile(hidden_act, fuse_swiglu):
         assert_close_rel(g, g_ref, TOL, f"d{name}")
 
 
+@pytest.mark.parametrize("hidden_act,fuse_swiglu", [("swish", True), ("powlu", True), ("swish", False)])
+def test_gated_mlp_under_autocast(hidden_act, fuse_swiglu):
+    """fp32 weights under ``torch.autocast`` to bf16, the backward outside it: the fused down projection computes in
+    the autocast dtype as FLA's ``F.linear`` does (its weight cast before laqat::glu_linear, the op's backward in one
+    dtype). Output and every gradient as the torch oracles of FLA's formulas in the same autocast (bf16 rounding)."""
+    from fla.modules import GatedMLP
+
+    from tests.passes.fla_oracle import naive_fla
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(hidden_size=16, intermediate_size=24, hidden_act=hidden_act, fuse_swiglu=fuse_swiglu)
+    x = torch.randn(2, 5, 16) * 2
+    x_mine, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = compile_laqat(mlp)(x_mine)
+        with naive_fla():
+            y_ref = mlp(x_ref)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    assert_close_rel(y.float(), y_ref.float(), 2e-2, "y")
+    dy = torch.randn(y.shape)
+    grads = torch.autograd.grad((y * dy).sum(), [x_mine, *mlp.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum(), [x_ref, *mlp.parameters()])
+    for name, g, g_ref in zip(["x"] + [n for n, _ in mlp.named_parameters()], grads, grads_ref):
+        assert g.dtype == torch.float32, name
+        assert_close_rel(g, g_ref, 2e-2, f"d{name}")
+
+
 def test_l2norm_compiles_to_laqat_l2_norm():
     """FLA's l2norm module function becomes laqat::l2_norm: values and gradient against the fp32 formula."""
     from fla.modules.l2norm import l2norm

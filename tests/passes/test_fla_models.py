@@ -163,3 +163,29 @@ def test_state_fp8_moves_the_loss_and_adamw_lowers_it():
     moved = rel_l2(loss.detach(), torch.tensor(exact))
     assert 10 * TOL < moved < 1e-2, (loss.item(), exact)
     assert after < loss.item(), (after, loss.item())
+
+
+AUTOCAST_LOSS_TOL, AUTOCAST_GRAD_TOL = 1e-3, 0.1
+
+
+@pytest.mark.parametrize("config,hand_off", [("kda-fused", None), ("gdn-fused", None), ("gdn-fused", "inductor")])
+def test_causal_lm_trains_under_autocast(config, hand_off):
+    """fp32 weights under ``torch.autocast`` to bf16, FLA's defaults (the fused MLP's down projection in the autocast
+    dtype: kernels/fla/glu_linear_op.py), the backward outside autocast as torch advises; the default options, and
+    GDN's logits under the Inductor hand-off (handed back through hand_off/linear_outputs.py): the loss and every
+    gradient against the uncompiled model under ``naive_fla()`` in the same autocast. Bounds at bf16's rounding:
+    the torch references round their matmuls to bf16 where laqat's recurrence kernels accumulate in fp32 (worst
+    gradient about 4% apart, the gates')."""
+    tokens, labels = _batch()
+    model, reference = _model(config), _model(config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        options = {"compiler": hand_off} if hand_off else None
+        loss = torch.compile(model, backend="laqat", options=options)(tokens, labels=labels, use_cache=False).loss
+        with naive_fla():
+            loss_ref = reference(tokens, labels=labels, use_cache=False).loss
+    assert_close_rel(loss, loss_ref, AUTOCAST_LOSS_TOL, "loss")
+    loss.backward()
+    loss_ref.backward()
+    for (name, param), param_ref in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad.dtype == torch.float32, name
+        assert_close_rel(param.grad, param_ref.grad, AUTOCAST_GRAD_TOL, f"d{name}")

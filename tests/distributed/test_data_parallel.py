@@ -74,12 +74,10 @@ CASES = [("ddp", model, policy, "tiny-buckets") for model, policy in MODELS_AND_
     # FLA's blocks under the user's own backend="laqat" (block regions: passes/frontends/fla/block_regions.py):
     # "<how>:laqat", and "<how>:laqat-regions-off" with LAQAT_FLA_BLOCK_REGIONS=off; FSDP2 "root-only" shards the
     # root alone (the blocks stay plain modules)
-    ("ddp", "FlaBlocksNet", "exact", "no-ddp-optimizer:laqat"),
-    ("ddp", "FlaBlocksNet", "exact", "no-ddp-optimizer:laqat-regions-off"),
-    ("ddp", "FlaBlocksNet", "exact", "tiny-buckets:laqat"),
-    ("fsdp", "FlaBlocksNet", "exact", "root-only:laqat"),
-    ("fsdp", "FlaBlocksNet", "exact", "root-only:laqat-regions-off"),
-    ("fsdp", "FlaBlocksNet", "exact", "root:laqat"),
+    ("ddp" if how in ("no-ddp-optimizer", "tiny-buckets") else "fsdp", "FlaBlocksNet", "exact", f"{how}:{backend}")
+    for how, backends in (("no-ddp-optimizer", ("laqat", "laqat-regions-off")), ("tiny-buckets", ("laqat",)),
+                          ("root-only", ("laqat", "laqat-regions-off")), ("root", ("laqat",)))
+    for backend in backends
 ]
 MATCHES = {
     "TorchGDNNet": [("layers.0", "torch", "gdn"), ("layers.1", "torch", "gdn")],

@@ -7,9 +7,8 @@ torch 2.13 has it, 2.11 does not; ``dynamo_reuses_regions``), the forward of an 
 ``GatedDeltaNetBlock``, holding FLA's GDN or KDA layer) called for training without padding (no attention mask, no
 cache, no attention outputs, no attention residuals, no further keyword arguments, no gradient checkpointing) on
 hidden states of static sizes (Dynamo's reuse fails on symbolic ones: ``dynamic=True``, automatic dynamic), not
-sharded by FSDP2, runs
-inside one region whose output is the block's hidden states,
-where the backend Dynamo compiles for is laqat's (``la_compiler.backend_mark``: ``backend="laqat"``,
+sharded by FSDP2, runs inside one region whose output is the block's hidden states, where the backend Dynamo
+compiles for is laqat's (``la_compiler.backend_mark``: ``backend="laqat"``,
 ``la_compiler.explain``; not under DDP's graph splitting, nor for another backend, which would keep the regions):
 Dynamo traces the first block and stamps its trace out for the others (their own parameters as the region's
 inputs); a block whose guards do not hold is traced anew. Any other call runs FLA's forward as before, and so does

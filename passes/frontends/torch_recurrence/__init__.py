@@ -2,20 +2,24 @@
 
     rewrite_torch_recurrences(gm, record, verify=False) -> number of rewritten recurrences
 
-``record.pass_seconds["torch_recurrence.check"]`` is the time the rewrite check took (part of the frontend's).
+``record.pass_seconds["torch_recurrence.check"]`` is the time the rewrite check took (part of the frontend's);
+``record.pass_counts["torch_recurrence.shared_check"]`` counts the regions that took the algebra check of an
+identical region before them.
 
 Steps (one module each): ``dataflow`` (networkx DiGraph with mutation edges), ``slices`` and
 ``loops`` (chain discovery and step isomorphism of unrolled loops), ``region`` + ``rules``
 (what the IR node replaces, and its inputs), ``allowed_ops`` (every op accounted for), ``steps``
 (every step of a token loop reads its own token: constants and indices included), ``scan`` (a
 ``torch._higher_order_ops.scan`` unrolled into the loop it stands for, and settled after), ``semantics``
-(role assignment and the algebra check on fp64 probes, near-miss diagnosis), ``replace`` (emit the IR node),
+(role assignment and the algebra check on fp64 probes, near-miss diagnosis), ``repeats`` (identical regions,
+a model's layers, share one algebra check), ``replace`` (emit the IR node),
 ``verify_mode`` (the rewrite check: the IR node against the region on random inputs; bounded by default,
 the whole region with ``verify=True``), ``one_step`` (loops unrolled to one step: reported
 only). docs/torch_frontend.md explains the design.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -29,15 +33,18 @@ from la_compiler.passes.frontends.torch_recurrence.dataflow import (Dataflow, fo
 from la_compiler.passes.frontends.torch_recurrence.inplace import functionalize_inplace
 from la_compiler.passes.frontends.torch_recurrence.loops import NotARecurrence, analyze_loop, find_loops
 from la_compiler.passes.frontends.torch_recurrence.one_step import find_one_step_loops
-from la_compiler.passes.frontends.torch_recurrence.region import build_region
+from la_compiler.passes.frontends.torch_recurrence.region import Region, build_region
+from la_compiler.passes.frontends.torch_recurrence.repeats import carried_over, region_key, reproduces
 from la_compiler.passes.frontends.torch_recurrence.replace import check_replaceable, replace_region
 from la_compiler.passes.frontends.torch_recurrence.scan import restore_scans, unroll_scans
-from la_compiler.passes.frontends.torch_recurrence.semantics import solve
-from la_compiler.passes.frontends.torch_recurrence import steps, verify_mode  # by module: tests replace these checks
+from la_compiler.passes.frontends.torch_recurrence.semantics import Assignment
+from la_compiler.passes.frontends.torch_recurrence import semantics, steps, verify_mode  # by module: tests replace these
 from la_compiler.passes.module_names import module_name
 from la_compiler.record import GraphRecord, NearMiss
 
 CHECK_SECONDS = "torch_recurrence.check"  # GraphRecord.pass_seconds: the rewrite check's part of the frontend's time
+# GraphRecord.pass_counts: regions that took the algebra check of an identical region before them (repeats.py)
+SHARED_CHECKS = "torch_recurrence.shared_check"
 
 
 def rewrite_torch_recurrences(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: bool = False) -> int:
@@ -87,6 +94,7 @@ def _rewrite_loops(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: boo
     # outermost first: a loop nested in an accepted one is part of its region
     loops.sort(key=lambda lp: -(lp.starts[lp.last] - lp.starts[lp.first]) * (lp.last - lp.first + 1))
     accepted, taken, refused = [], set(), []
+    solved: dict = {}  # region key -> (an accepted assignment, its region's nodes): repeats.py
     for loop in loops:
         if any(s.node in taken for s in loop.slices):
             continue
@@ -106,7 +114,7 @@ def _rewrite_loops(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: boo
             except OpRefused as e:
                 raise NotARecurrence(e.reason, nodes=[e.node.name]) from None
             steps.check_step_inputs(flow, region)  # every step reads its own token (constants and indices included)
-            assignment = solve(flow, region)
+            assignment = _solve_once(flow, region, solved, record)
             spec = RecurrenceSpec(kind=assignment.kind, src="torch", state=assignment.state)
             check_replaceable(region)
             # the IR node against the region on random inputs: bounded by default, the whole region with verify
@@ -139,6 +147,23 @@ def _rewrite_loops(gm: torch.fx.GraphModule, record: GraphRecord, *, verify: boo
     if accepted:
         gm.recompile()  # the pipeline lints and recompiles again after all passes; a direct caller needs this
     return len(accepted)
+
+
+def _solve_once(flow: Dataflow, region: Region, solved: dict, record: GraphRecord) -> Assignment:
+    """``solve``, once per distinct loop over chunks: a region with the key of one accepted before (a model's next
+    layer) that computes what that one computed on its probe inputs gets its assignment on its own nodes
+    (repeats.py)."""
+    keyed = region_key(flow, region) if region.chunk > 1 else None
+    if keyed is not None and keyed[0] in solved:
+        accepted, nodes = solved[keyed[0]]
+        assignment = carried_over(accepted, dict(zip(nodes, keyed[1])), region)
+        if reproduces(flow, region, assignment):
+            record.pass_counts[SHARED_CHECKS] = record.pass_counts.get(SHARED_CHECKS, 0) + 1
+            return assignment
+    assignment = semantics.solve(flow, region)
+    if keyed is not None:  # a copy: the rewrite check drops the probe runs of the assignment it is given
+        solved[keyed[0]] = (dataclasses.replace(assignment), keyed[1])
+    return assignment
 
 
 def _refuse_sizes_marked_dynamic(flow, loops, record: GraphRecord) -> bool:

@@ -46,6 +46,7 @@ import transformers  # noqa: E402
 
 import la_compiler  # noqa: E402,F401  (registers the backend's frontends)
 from la_compiler.backend import last_record  # noqa: E402
+from la_compiler.passes.frontends.torch_recurrence import SHARED_CHECKS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.interpreter_speedups import install as install_interpreter_speedups  # noqa: E402
@@ -129,6 +130,8 @@ def matches_since(n_graphs: int) -> dict:
         "matches": [[m.kind, m.frontend, m.module] for g in graphs for m in g.matches],
         "specs": [m.spec for g in graphs for m in g.matches],
         "near_misses": [[n.frontend, n.module, n.reason] for g in graphs for n in g.near_misses],
+        # layers that took the algebra check of an identical layer before them (torch_recurrence/repeats.py)
+        "shared_checks": sum(g.pass_counts.get(SHARED_CHECKS, 0) for g in graphs),
     }
 
 

@@ -3,7 +3,8 @@
 One row per architecture: the config and model classes (names in ``transformers``), the config
 overrides and the fully qualified names of the linear-attention modules laqat must rewrite.
 Overrides shrink sizes only (hidden 32, 8-dim heads, one linear-attention layer where the config
-allows it, 4 experts, a vocabulary of 64); everything about the linear attention itself (gates,
+allows it, two in Qwen3.5 and Bailing-hybrid, whose second layer takes the first one's algebra check, 4 experts, a
+vocabulary of 64); everything about the linear attention itself (gates,
 ``allow_neg_eigval``, lower bounds, safe gate, norms, the short convolution) keeps the config's
 default. Every fallback here is chunked with C = 64, and laqat rewrites a chunk loop of at
 least two chunks, so the runner uses T = 72 (two chunks, the second padded): the path a
@@ -56,8 +57,9 @@ MODELS: tuple[ModelCase, ...] = (
         dict(_GDN_SIZES, **_MOE_SIZES), redraw_dt_bias=True,
         note="fused qkvz / ba projections, gated RMSNorm (silu), MoE", inductor=True),
     ModelCase(
-        "qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "gdn", ("model.layers.0.linear_attn",),
-        dict(_GDN_SIZES), redraw_dt_bias=True,
+        "qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "gdn",
+        ("model.layers.0.linear_attn", "model.layers.1.linear_attn"),
+        dict(_GDN_SIZES, num_hidden_layers=2, layer_types=["linear_attention"] * 2), redraw_dt_bias=True,
         note="separate qkv / z / b / a projections, dense MLP"),
     ModelCase(
         "qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "gdn", ("model.layers.0.linear_attn",),
@@ -98,9 +100,10 @@ MODELS: tuple[ModelCase, ...] = (
                                 projection_intermediate_size=16)),
         note="lower-bound forget gate (-5 sigmoid), hyper-connections; the text model inside the VLM class"),
     ModelCase(
-        "bailing_hybrid", "BailingHybridConfig", "BailingHybridForCausalLM", "kda", ("model.layers.0.self_attn",),
-        dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
-             layer_types=["linear_attention"], num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+        "bailing_hybrid", "BailingHybridConfig", "BailingHybridForCausalLM", "kda",
+        ("model.layers.0.self_attn", "model.layers.1.self_attn"),
+        dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+             layer_types=["linear_attention"] * 2, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
              num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=256,
              **_NO_SPECIAL_TOKENS),
         note="kda_safe_gate: lower-bound forget gate (-5 sigmoid), dense first layer"),

@@ -67,9 +67,11 @@ def region_key(flow: Dataflow, region: Region) -> tuple[tuple, list] | None:
     """(key, nodes): regions with equal keys get the same verdict from ``solve``, and ``nodes`` pair up position by
     position; None where the region holds something the key cannot describe."""
     try:
-        return _region_key(flow, region)
-    except _NoKey:
+        key, nodes = _region_key(flow, region)
+        hash(key)  # a target that cannot be hashed
+    except (_NoKey, TypeError):
         return None
+    return key, nodes
 
 
 def _region_key(flow: Dataflow, region: Region) -> tuple[tuple, list]:

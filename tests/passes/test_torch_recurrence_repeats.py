@@ -15,6 +15,7 @@ import la_compiler
 from la_compiler.passes.frontends.torch_recurrence import SHARED_CHECKS, semantics
 from la_compiler.passes.module_names import function_behind
 from tests.helpers import assert_close_rel
+from tests.passes.torch_recurrence_spellings import gdn_chunked_solve
 
 TOL = 1e-5
 REFERENCE = {"linear_attention": [{"module_name": "*", "cfg": {"backend": "reference"}}]}
@@ -89,37 +90,11 @@ def test_three_identical_kda_layers_share_one_algebra_check(monkeypatch):
     _compare(_kimi_layers, tensors, report)
 
 
-# ---- a chunked GDN whose layers differ in one literal ----------------------------------------------------------
-def _chunked_gdn(q, k, v, g, beta, h0, diagonal=0):
-    """The chunked WY form (tests/passes/torch_recurrence_spellings.py, ``gdn_chunked_solve``) with the intra-chunk
-    mask's diagonal as an argument: 0 is causal, 1 lets every token see the next one."""
-    B, T, H, K = q.shape
-    V, C = v.shape[-1], 5
-    N = T // C
-    q = q * K ** -0.5
-    q, k, v = (x.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))
-    g, beta = (x.reshape(B, N, C, H).permute(0, 3, 1, 2) for x in (g, beta))
-    gc = g.cumsum(-1)
-    decay = (gc[..., :, None] - gc[..., None, :]).tril().exp().tril(diagonal)
-    kb = k * beta[..., None]
-    A = torch.eye(C) + (kb @ k.transpose(-1, -2) * decay).tril(-1)
-    u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(A, kb * gc.exp()[..., None], upper=False, unitriangular=True)
-    qk = q @ k.transpose(-1, -2) * decay
-    S = h0
-    o = torch.zeros_like(v)
-    for n in range(N):
-        vn = u[:, :, n] - w[:, :, n] @ S
-        o[:, :, n] = (q[:, :, n] * gc[:, :, n, :, None].exp()) @ S + qk[:, :, n] @ vn
-        kd = k[:, :, n] * (gc[:, :, n, -1:] - gc[:, :, n]).exp()[..., None]
-        S = S * gc[:, :, n, -1, None, None].exp() + kd.transpose(-1, -2) @ vn
-    return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V), S
-
-
+# ---- a chunked GDN whose layers differ in one literal (the decay mask's diagonal) ----------------------------------
 def _two_layers(q, k, v, g, beta, h0, diagonal=0):
     """Two layers reading inputs made alike; the second one's mask diagonal is ``diagonal``."""
-    o, s = _chunked_gdn(q, k, torch.tanh(v) + v, g, beta, h0)
-    o2, s2 = _chunked_gdn(q, k, torch.tanh(o) + v, g, beta, h0, diagonal=diagonal)
+    o, s = gdn_chunked_solve(q, k, torch.tanh(v) + v, g, beta, h0)
+    o2, s2 = gdn_chunked_solve(q, k, torch.tanh(o) + v, g, beta, h0, mask_diagonal=diagonal)
     return o2, s, s2
 
 
@@ -170,13 +145,13 @@ def test_the_key_tells_the_literal_apart(monkeypatch):
 def test_the_non_causal_layer_alone_is_refused():
     """The premise of the test above: the second layer is no delta rule by itself."""
     tensors = _leaves(_inputs("gdn", H=2, HV=2, K=4, V=4))
-    report = _explain(functools.partial(_chunked_gdn, diagonal=1), tensors)
+    report = _explain(functools.partial(gdn_chunked_solve, mask_diagonal=1), tensors)
     assert report.matches == [] and len(report.near_misses) == 1
 
 
 def _two_head_sizes(q, k, v, g, beta, h0, q2, k2, h2):
-    o, s = _chunked_gdn(q, k, v, g, beta, h0)
-    o2, s2 = _chunked_gdn(q2, k2, v, g, beta, h2)
+    o, s = gdn_chunked_solve(q, k, v, g, beta, h0)
+    o2, s2 = gdn_chunked_solve(q2, k2, v, g, beta, h2)
     return o + o2, s, s2
 
 
@@ -198,8 +173,8 @@ def test_layers_of_other_shapes_or_dtypes_are_checked_on_their_own(monkeypatch):
     both = dict(doubles, **{f"{n}2": t for n, t in singles.items()})
 
     def fp64_then_fp32(q, k, v, g, beta, h0, q2, k2, v2, g2, beta2, h02):
-        o, s = _chunked_gdn(q, k, v, g, beta, h0)
-        o2, s2 = _chunked_gdn(q2, k2, v2, g2, beta2, h02)
+        o, s = gdn_chunked_solve(q, k, v, g, beta, h0)
+        o2, s2 = gdn_chunked_solve(q2, k2, v2, g2, beta2, h02)
         return o, s, o2, s2
 
     report = _explain(fp64_then_fp32, both)

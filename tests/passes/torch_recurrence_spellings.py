@@ -62,11 +62,13 @@ def gdn_unbind_cat(q, k, v, g, beta, h0=None):
     return torch.cat(outs, dim=1), S
 
 
-def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta_scale=None, state_clamp=None):
+def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta_scale=None, state_clamp=None,
+                      mask_diagonal=0):
     """Kimi/Qwen-style chunked WY form in [B, T, H, D], triangular inverse with
     linalg.solve_triangular, T padded to the chunk size; ``causal=False`` lets the intra-chunk
     attention see later tokens of the chunk (a near miss); ``beta_scale`` multiplies the padded beta;
-    ``state_clamp`` clamps the state after every chunk (a near miss)."""
+    ``state_clamp`` clamps the state after every chunk (a near miss); ``mask_diagonal=1`` lets every token see the
+    next one through the decay mask (a near miss differing from the causal form in one literal)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -81,7 +83,7 @@ def gdn_chunked_solve(q, k, v, g, beta, h0=None, chunk_size=4, causal=True, beta
     g, beta = (x.reshape(B, N, C, H).permute(0, 3, 1, 2) for x in (g, beta))  # [B, H, N, C]
     gc = g.cumsum(-1)
     log_decay = (gc[..., :, None] - gc[..., None, :]).tril()
-    decay = log_decay.exp().tril()
+    decay = log_decay.exp().tril(mask_diagonal)
     kb = k * beta[..., None]
     A = torch.eye(C) + (kb @ k.transpose(-1, -2) * decay).tril(-1)
     u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)

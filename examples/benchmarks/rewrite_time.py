@@ -10,6 +10,7 @@ algebra check").
 
     python examples/benchmarks/rewrite_time.py            # T = 64, 256, 1024 token loops + chunked graphs
     python examples/benchmarks/rewrite_time.py --quick    # smaller, for a smoke run
+    python examples/benchmarks/rewrite_time.py --rows layers   # the workloads whose name holds "layers"
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rows", default="", help="only the workloads whose name contains this")
     args = parser.parse_args()
     # warm-up: imports (networkx) and first-call costs are not part of the figures
     warm_gm, _ = capture(_torch_fallback("qwen3_next.modeling_qwen3_next", "torch_recurrent_gated_delta_rule"),
@@ -132,6 +134,8 @@ def main():
     time_rewrite(warm_gm, False, 1)
     rows = []
     for name, fn, fargs, kwargs in workloads(args.quick):
+        if args.rows not in name:
+            continue
         gm, trace_s = capture(fn, *fargs, **kwargs)
         nodes = len(gm.graph.nodes)
         t_default, count, misses, shares = time_rewrite(gm, False, args.repeat)

@@ -27,6 +27,7 @@ import dataclasses
 
 import torch
 
+from la_compiler.error_base import LaqatError
 from la_compiler.passes.frontends.torch_recurrence.dataflow import Dataflow, tensor_value
 from la_compiler.passes.frontends.torch_recurrence.region import Region
 from la_compiler.passes.frontends.torch_recurrence.probe import ProbeError
@@ -36,7 +37,7 @@ from la_compiler.passes.frontends.torch_recurrence.semantics import (Assignment,
 _PLAIN = (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis))
 
 
-class _NoKey(Exception):
+class _NoKey(LaqatError, LookupError):
     """Something in the region the key cannot describe: the region is checked on its own."""
 
 

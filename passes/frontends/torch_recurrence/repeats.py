@@ -126,10 +126,10 @@ def _meta(v):
     if v is None:
         return None
     if isinstance(v, torch.Tensor):
-        try:
-            return ("tensor", v.dtype, v.device, tuple(int(s) for s in v.shape), tuple(int(s) for s in v.stride()))
-        except (TypeError, RuntimeError):  # a symbolic size (``specialize`` pins the sizes of unrolled loops)
-            raise _NoKey("a symbolic size") from None
+        shape, stride = tuple(v.shape), tuple(v.stride())
+        if not all(type(s) is int for s in shape + stride):  # read as ints, a symbolic size would be guarded on
+            raise _NoKey("a symbolic size")
+        return ("tensor", v.dtype, v.device, shape, stride)
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, tuple(_meta(x) for x in v))
     if isinstance(v, (bool, int, float)):

@@ -22,7 +22,8 @@ counted apart, on the step's threads (the main thread and autograd's device thre
 compile threads, Inductor's). Inductor's generated kernels compile in its worker processes inside its compile
 phases. ``--full-searches``: FLA's searches as Triton runs them, not laqat's quick ones
 (kernels/fla/autotune_searches.py). ``--profile N``: the first step's N functions with the most cumulative seconds
-and the N with the most seconds of their own, with their callers (cProfile, the main thread). Writes
+and the N with the most seconds of their own, with their callers (cProfile, the main thread; the whole profile in
+``$OUT/first_step.prof``, for ``pstats``). Writes
 ``$OUT/compile_account.json`` (examples/benchmarks/results/record.py turns it into records) and prints a table.
 """
 from __future__ import annotations
@@ -284,7 +285,7 @@ def main():
                         "at its first launch, as Triton does (kernels/common/parallel_compile.py)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile the first step's main thread: its N functions with the most cumulative seconds and "
-                        "the N with the most seconds of their own (with their callers)")
+                        "the N with the most seconds of their own (with their callers); the whole profile to $OUT/first_step.prof")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     args = p.parse_args()
@@ -342,6 +343,7 @@ def main():
                 "phases_s": phases_since(counted), "parts_s": parts.seconds(), "triton": log.since(mark)}
         if profiler is not None:
             step["profile"] = profile_top(profiler, args.profile)
+            profiler.dump_stats(Path(os.environ.get("OUT", ".")) / "first_step.prof")
         result["steps"].append(step)
         print(json.dumps(step), flush=True)
     out = Path(os.environ.get("OUT", "out"))

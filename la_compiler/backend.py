@@ -12,8 +12,9 @@ keep for the backward) goes into every node's spec (docs/options.md). ``compiler
 
 Registered through the ``torch_dynamo_backends`` entry point, so a fresh process that never
 imported ``la_compiler`` finds it; importing this module installs the trace-time frontends
-(FLA substitutions) and registers einops' torch backend (``_register_einops_torch_backend``) before Dynamo traces
-anything.
+(FLA substitutions), registers einops' torch backend (``_register_einops_torch_backend``) before Dynamo traces
+anything, and starts computing the once-per-process keys of Inductor's and Triton's caches in a daemon thread
+(``la_compiler.hand_off.process_keys_ahead``).
 
 Logging (``logging.getLogger(__name__)``, under ``la_compiler``; torch's ``TORCH_LOGS="+la_compiler"`` turns it on):
 each rewritten graph logs one DEBUG line per rewrite (module, kind, spec, kernel), per near miss and per policy
@@ -31,6 +32,7 @@ import torch
 from la_compiler.backend_mark import mark_laqat_backend
 from la_compiler.hand_off.cache_key import compile_fingerprint
 from la_compiler.hand_off.ddp_buckets import check_pieces
+from la_compiler.hand_off import process_keys_ahead
 import la_compiler.ir.log_decay  # noqa: F401  (laqat::log_decay: the torch frontend puts it in graphs)
 from la_compiler.errors import LaqatError, laqat_error_in, through_dynamo
 from la_compiler.hand_off.compiler_choice import choose_hand_off, compile_rewritten
@@ -118,6 +120,7 @@ def _register_einops_torch_backend() -> None:
 
 
 _register_einops_torch_backend()
+process_keys_ahead.start()
 
 # Every compilation's record, newest last; ``explain`` installs its own recorder instead.
 _ACTIVE_RECORD: list[CompileRecord] = [CompileRecord()]

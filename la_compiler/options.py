@@ -510,6 +510,8 @@ FLA_COMPILE_AHEAD_ENV = "LAQAT_FLA_COMPILE_AHEAD"
 FLA_COMPILE_AHEAD = ("on", "off")
 FLA_BLOCK_REGIONS_ENV = "LAQAT_FLA_BLOCK_REGIONS"
 FLA_BLOCK_REGIONS = ("on", "off")
+PROCESS_KEYS_AHEAD_ENV = "LAQAT_PROCESS_KEYS_AHEAD"
+PROCESS_KEYS_AHEAD = ("on", "off")
 ENVIRONMENT = (
     EnvironmentVariable(CACHE_DIR_ENV, "la_compiler.options.cache_dir", (
         "where the autotuner's choices (`autotune/chunk.json`, with `t.autotune=true`) are kept; compiled kernels "
@@ -528,6 +530,11 @@ ENVIRONMENT = (
         "(GDN, KDA) of a training call and stamps it out for the others, which laqat inlines back "
         "(passes/frontends/fla/block_regions.py); `off`: Dynamo traces every block; read when Dynamo traces a "
         "block")),
+    EnvironmentVariable(PROCESS_KEYS_AHEAD_ENV, "la_compiler.options.process_keys_ahead", (
+        "`on` (default): from the import of laqat's backend, a daemon thread computes the hashes of torch's and "
+        "Triton's sources and binary that Inductor's and Triton's caches compute once per process "
+        "(la_compiler/hand_off/process_keys_ahead.py); `off`: the first compile computes them; read at that "
+        "import")),
     EnvironmentVariable("TRITON_INTERPRET", "Triton; la_compiler.options.interpreter", (
         "`1`: Triton kernels run in its CPU interpreter (set by `make demo`, `make test` and the tests' conftest); "
         "laqat then takes the interpreter's stand-ins (16-bit GEMM operands rounded and multiplied in fp32, "
@@ -582,6 +589,14 @@ def fla_block_regions() -> bool:
     value = os.environ.get(FLA_BLOCK_REGIONS_ENV) or "on"
     if value not in FLA_BLOCK_REGIONS:
         raise OptionsError(f"{FLA_BLOCK_REGIONS_ENV}: must be one of {list(FLA_BLOCK_REGIONS)}, got {value!r}")
+    return value == "on"
+
+
+def process_keys_ahead() -> bool:
+    """``LAQAT_PROCESS_KEYS_AHEAD``: `on` (default) or `off`."""
+    value = os.environ.get(PROCESS_KEYS_AHEAD_ENV) or "on"
+    if value not in PROCESS_KEYS_AHEAD:
+        raise OptionsError(f"{PROCESS_KEYS_AHEAD_ENV}: must be one of {list(PROCESS_KEYS_AHEAD)}, got {value!r}")
     return value == "on"
 
 

@@ -1,0 +1,49 @@
+"""The once-per-process keys of Inductor's and Triton's caches, computed ahead in a daemon thread.
+
+Inductor's FX graph cache and AOTAutograd's cache key every graph by hashes a process computes once: of torch's
+Python sources (``torch._inductor.codecache.torch_key``) and of Triton's sources and its ``libtriton`` binary
+(``triton.runtime.cache.triton_key``, which Triton's own kernel cache also keys by; the binary is a few hundred MB).
+Without this the first compile of a process computes them on the step's critical path, inside the hand-off of a
+warm first step (docs/model-bench.md, "Where the first step's time goes"). ``start()``, called at the import of
+laqat's backend (at the latest when ``torch.compile(..., backend="laqat")`` looks the backend up), computes both in a
+daemon thread while the program builds its model and Dynamo traces; reading and hashing files release the
+interpreter's lock for most of that time. Nothing here touches a device. A key computed twice (the thread and a
+compile at once) is the same value; an error in the thread is left for the compile that needs the key to raise.
+``LAQAT_PROCESS_KEYS_AHEAD=off`` leaves both to the first compile.
+"""
+from __future__ import annotations
+
+import threading
+
+from la_compiler.options import process_keys_ahead
+
+THREAD_NAME = "laqat-process-keys-ahead"
+_started: list[threading.Thread] = []
+
+
+def compute_keys() -> None:
+    try:
+        from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+
+        if HAS_TRITON:
+            triton_key()
+    except Exception:  # noqa: BLE001  (the compile that needs the key raises it)
+        pass
+    try:
+        from torch._inductor.codecache import torch_key
+
+        torch_key()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def start() -> threading.Thread | None:
+    """Starts the thread once per process (None with ``LAQAT_PROCESS_KEYS_AHEAD=off``); -> the thread."""
+    if _started:
+        return _started[0]
+    if not process_keys_ahead():
+        return None
+    thread = threading.Thread(target=compute_keys, name=THREAD_NAME, daemon=True)
+    _started.append(thread)
+    thread.start()
+    return thread

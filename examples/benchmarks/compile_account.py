@@ -10,7 +10,8 @@ One row per process (model_bench.py's models and rows). The caches are the envir
 ``LAQAT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``): a cold measurement gives the process empty folders, a warm one
 the folders an earlier process filled, and ``--caches`` labels which. Per step it reports the wall seconds, those of
 its forward (its compile included), optimizer step and the rest (the backward) apart (``parts_s``), torch's compile
-phases (``compilation_time_metrics``), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
+phases (``compilation_time_metrics``), AOTAutograd's and Inductor's cache counters so far (``cache_counters``: hits,
+misses, bypasses), the seconds of laqat's compile-ahead (kernels/chunk/compile_ahead.py)
 and of the Triton compiles and autotuning searches in this process by the kernel's origin (``laqat``: laqat's own
 kernels; ``fla``: FLA's, those laqat's ops launch included; ``other``), a search's compiles counted in it. A
 compile that laqat's compile-ahead requests counts among its requests, not among the compiles: the forward's on the
@@ -255,6 +256,12 @@ def function_name(key: tuple) -> str:
     return f"{where}:{line}({name})"
 
 
+def cache_counters() -> dict:
+    """Dynamo's counters of AOTAutograd's and Inductor's caches so far in this process (hits, misses, bypasses)."""
+    return {group: {name: n for name, n in torch._dynamo.utils.counters[group].items() if "cache" in name}
+            for group in ("aot_autograd", "inductor")}
+
+
 def profile_top(profiler, count: int) -> dict:
     """The step's main thread (cProfile): the ``count`` functions with the most cumulative seconds, and the
     ``count`` with the most seconds of their own, each of those with its callers."""
@@ -340,7 +347,8 @@ def main():
         if profiler is not None:
             profiler.disable()
         step = {"step": i, "wall_s": round(time.perf_counter() - t0, 2), "loss": round(loss.item(), 4),
-                "phases_s": phases_since(counted), "parts_s": parts.seconds(), "triton": log.since(mark)}
+                "phases_s": phases_since(counted), "parts_s": parts.seconds(), "triton": log.since(mark),
+                "cache_counters": cache_counters()}
         if profiler is not None:
             step["profile"] = profile_top(profiler, args.profile)
             profiler.dump_stats(Path(os.environ.get("OUT", ".")) / "first_step.prof")

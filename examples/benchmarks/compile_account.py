@@ -51,7 +51,7 @@ ensure_la_compiler()
 import la_compiler  # noqa: E402,F401
 from la_compiler.kernels.chunk.compile_ahead import BACKGROUND_THREAD  # noqa: E402
 from la_compiler.kernels.fla.backward_ahead import BACKGROUND_THREAD as FLA_BACKGROUND_THREAD  # noqa: E402
-from la_compiler.options import fla_compile_ahead  # noqa: E402
+from la_compiler.options import fla_compile_ahead, process_keys_ahead  # noqa: E402
 from model_bench import ROW_OPTIONS, ROWS, Row, add_model_shape_arguments, build_model, plan, raise_recompile_limits  # noqa: E402
 
 
@@ -327,6 +327,7 @@ def main():
               "heads": args.heads, "head_dim": args.head_dim, "tag": args.tag, "caches": args.caches,
               "tuning": tuning, "full_searches": args.full_searches,
               "ready_on_first_launch": args.ready_on_first_launch, "fla_compile_ahead": fla_compile_ahead(),
+              "process_keys_ahead": process_keys_ahead(),
               "hooks": log.installed,
               "cache_dirs": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "LAQAT_CACHE_DIR",
                                                              "TORCHINDUCTOR_CACHE_DIR")},

@@ -153,6 +153,7 @@ def compile_account(data: dict, head: dict) -> list[dict]:
                     "full_searches": bool(data.get("full_searches")),
                     **({"ready_on_first_launch": True} if data.get("ready_on_first_launch") else {}),
                     **({"fla_compile_ahead": False} if data.get("fla_compile_ahead") is False else {}),
+                    **({"process_keys_ahead": False} if data.get("process_keys_ahead") is False else {}),
                     "figures": figures})
     return out
 

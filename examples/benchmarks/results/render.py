@@ -339,7 +339,7 @@ def compile_section(records) -> list[str]:
     best = latest(rows, lambda r: (r["model"], tuple(sorted(r["config"].items())), r["caches"],
                                    json.dumps(r["tuning"], sort_keys=True), r["full_searches"],
                                    r.get("ready_on_first_launch", False), r.get("fla_compile_ahead", True),
-                                   r["row"]))
+                                   r.get("process_keys_ahead", True), r["row"]))
     out = ["## The first training step (`compile_account.py`, docs/model-bench.md)", "",
            "The model benchmark's `laqat exact` row (B=2, T=4096, bf16), its first step in a fresh process: cold, every "
            "cache empty (Triton's, laqat's, Inductor's); warm, the caches of a cold process before it. graph compiles: "
@@ -353,7 +353,9 @@ def compile_section(records) -> list[str]:
            "`full searches`: FLA's searches as Triton runs them; `readied at first launch`: laqat's compile threads "
            "compile only (`--ready-on-first-launch`); `LAQAT_FLA_COMPILE_AHEAD=off`: FLA's backward kernels compile at "
            "their first launches, not ahead in a background thread (kernels/fla/backward_ahead.py, from commit "
-           "648cc3d on); `one graph`: the row `laqat exact (whole graph)`, "
+           "648cc3d on); `LAQAT_PROCESS_KEYS_AHEAD=off`: the once-per-process keys of Inductor's and Triton's caches "
+           "computed by the first compile, not ahead from the backend's import (la_compiler/hand_off/"
+           "process_keys_ahead.py, from commit dce5970 on); `one graph`: the row `laqat exact (whole graph)`, "
            "`options={\"regional\": False}` (every layer compiled, as before laqat's regional hand-off; "
            "docs/options.md, \"Hand-off\"); `a piece per layer`: the row `laqat exact (1 layer per piece)`, "
            "`options={\"regional\": 1}`; `defaults` are the options' defaults at the row's commit: under Inductor a "
@@ -362,11 +364,12 @@ def compile_section(records) -> list[str]:
     notes = Notes()
     lines = []
     ordered = sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[1]["run"]))
-    for (model, _, caches, tuning, full, on_launch, fla_ahead, row), r in ordered:
+    for (model, _, caches, tuning, full, on_launch, fla_ahead, keys_ahead, row), r in ordered:
         f, c = r["figures"], r["config"]
         setting = ", ".join([f"t.{k}={json.dumps(v)}" for k, v in json.loads(tuning).items()]
                             + (["full searches"] if full else []) + (["readied at first launch"] if on_launch else [])
                             + ([] if fla_ahead else ["LAQAT_FLA_COMPILE_AHEAD=off"])
+                            + ([] if keys_ahead else ["LAQAT_PROCESS_KEYS_AHEAD=off"])
                             + (["one graph"] if row == "laqat exact (whole graph)" else [])
                             + (["a piece per layer"] if row == "laqat exact (1 layer per piece)" else []))
         lines.append([model.upper(), f"{c.get('layers')} x {c.get('hidden')}", caches or "-", setting or "defaults",

@@ -2,14 +2,15 @@
 
 Inductor's FX graph cache and AOTAutograd's cache key every graph by hashes a process computes once: of torch's
 Python sources (``torch._inductor.codecache.torch_key``) and of Triton's sources and its ``libtriton`` binary
-(``triton.runtime.cache.triton_key``, which Triton's own kernel cache also keys by; the binary is a few hundred MB).
-Without this the first compile of a process computes them on the step's critical path, inside the hand-off of a
-warm first step (docs/model-bench.md, "Where the first step's time goes"). ``start()``, called at the import of
-laqat's backend (at the latest when ``torch.compile(..., backend="laqat")`` looks the backend up), computes both in a
-daemon thread while the program builds its model and Dynamo traces; reading and hashing files release the
-interpreter's lock for most of that time. Nothing here touches a device. A key computed twice (the thread and a
-compile at once) is the same value; an error in the thread is left for the compile that needs the key to raise.
-``LAQAT_PROCESS_KEYS_AHEAD=off`` leaves both to the first compile.
+(``triton.runtime.cache.triton_key``, which Triton's own kernel cache also keys by). Without this the first compile
+of a process computes them inside laqat's hand-off, on the first step's critical path (0.5-0.7 s of a warm
+16-layer step on the H200: docs/model-bench.md, "The caches' once-per-process keys"). ``start()``, called at the
+import of laqat's backend, computes both in a daemon thread. The thread reads and hashes files, and gets the
+interpreter's lock between reads: it finishes while the program does work outside the interpreter (building the
+model, moving it to the GPU); while Dynamo traces, it waits, and the first compile computes what is left. Nothing
+here touches a device. A key computed twice (the thread and a compile at once) is the same value; an error in the
+thread is left for the compile that needs the key to raise. ``LAQAT_PROCESS_KEYS_AHEAD=off`` leaves both to the
+first compile.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The once-per-process cache keys computed ahead (la_compiler/hand_off/process_keys_ahead.py)."""
+import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -38,3 +41,33 @@ def test_a_bad_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(PROCESS_KEYS_AHEAD_ENV, "yes")
     with pytest.raises(OptionsError, match=PROCESS_KEYS_AHEAD_ENV):
         process_keys_ahead.start()
+
+
+def test_a_fork_waits_for_the_thread(monkeypatch):
+    """A child forked right after the thread starts neither inherits a lock the thread held (it would hang at an
+    import) nor misses the keys: the fork waited for the thread."""
+    import triton.runtime.cache
+    from torch._inductor import codecache
+
+    triton.runtime.cache.triton_key.cache_clear()
+    codecache.torch_key.clear()
+    monkeypatch.setattr(process_keys_ahead, "_started", [])
+    thread = process_keys_ahead.start()
+    pid = os.fork()
+    if pid == 0:  # the child: the keys are there, and imports do not hang
+        import importlib
+
+        ok = (triton.runtime.cache.triton_key.cache_info().currsize == 1 and not thread.is_alive())
+        importlib.import_module("torch._inductor.runtime.triton_compat")
+        os._exit(0 if ok else 3)
+    assert not thread.is_alive()  # the parent joined it before forking
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child did not finish within 120 s")

@@ -568,36 +568,32 @@ def cache_dir() -> Path:
     return Path(base) / "laqat"
 
 
+def _choice(env: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable ``env``, one of ``choices`` (the first when unset or empty)."""
+    value = os.environ.get(env) or choices[0]
+    if value not in choices:
+        raise OptionsError(f"{env}: must be one of {list(choices)}, got {value!r}")
+    return value
+
+
 def fla_searches() -> str:
     """``LAQAT_FLA_SEARCHES``: `narrowed` (default) or `full`; read at each call."""
-    value = os.environ.get(FLA_SEARCHES_ENV) or "narrowed"
-    if value not in FLA_SEARCHES:
-        raise OptionsError(f"{FLA_SEARCHES_ENV}: must be one of {list(FLA_SEARCHES)}, got {value!r}")
-    return value
+    return _choice(FLA_SEARCHES_ENV, FLA_SEARCHES)
 
 
 def fla_compile_ahead() -> bool:
     """``LAQAT_FLA_COMPILE_AHEAD``: `on` (default) or `off`; read at each call."""
-    value = os.environ.get(FLA_COMPILE_AHEAD_ENV) or "on"
-    if value not in FLA_COMPILE_AHEAD:
-        raise OptionsError(f"{FLA_COMPILE_AHEAD_ENV}: must be one of {list(FLA_COMPILE_AHEAD)}, got {value!r}")
-    return value == "on"
+    return _choice(FLA_COMPILE_AHEAD_ENV, FLA_COMPILE_AHEAD) == "on"
 
 
 def fla_block_regions() -> bool:
     """``LAQAT_FLA_BLOCK_REGIONS``: `on` (default) or `off`; read at each call."""
-    value = os.environ.get(FLA_BLOCK_REGIONS_ENV) or "on"
-    if value not in FLA_BLOCK_REGIONS:
-        raise OptionsError(f"{FLA_BLOCK_REGIONS_ENV}: must be one of {list(FLA_BLOCK_REGIONS)}, got {value!r}")
-    return value == "on"
+    return _choice(FLA_BLOCK_REGIONS_ENV, FLA_BLOCK_REGIONS) == "on"
 
 
 def process_keys_ahead() -> bool:
-    """``LAQAT_PROCESS_KEYS_AHEAD``: `on` (default) or `off`."""
-    value = os.environ.get(PROCESS_KEYS_AHEAD_ENV) or "on"
-    if value not in PROCESS_KEYS_AHEAD:
-        raise OptionsError(f"{PROCESS_KEYS_AHEAD_ENV}: must be one of {list(PROCESS_KEYS_AHEAD)}, got {value!r}")
-    return value == "on"
+    """``LAQAT_PROCESS_KEYS_AHEAD``: `on` (default) or `off`; read at the import of laqat's backend."""
+    return _choice(PROCESS_KEYS_AHEAD_ENV, PROCESS_KEYS_AHEAD) == "on"
 
 
 def interpreter() -> bool:

@@ -292,7 +292,8 @@ def main():
                         "at its first launch, as Triton does (kernels/common/parallel_compile.py)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile the first step's main thread: its N functions with the most cumulative seconds and "
-                        "the N with the most seconds of their own (with their callers); the whole profile to $OUT/first_step.prof")
+                        "the N with the most seconds of their own (with their callers); the whole profile to "
+                        "$OUT/first_step.prof")
     p.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a laqat tuning option (options={'tuning': ...}), e.g. compile_ahead=false")
     args = p.parse_args()
@@ -333,6 +334,8 @@ def main():
                                                              "TORCHINDUCTOR_CACHE_DIR")},
               "steps": []}
     parts = StepParts(row)
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
     for i in range(args.steps):
         sync()
         parts.clear()
@@ -352,11 +355,9 @@ def main():
                 "cache_counters": cache_counters()}
         if profiler is not None:
             step["profile"] = profile_top(profiler, args.profile)
-            profiler.dump_stats(Path(os.environ.get("OUT", ".")) / "first_step.prof")
+            profiler.dump_stats(out / "first_step.prof")
         result["steps"].append(step)
         print(json.dumps(step), flush=True)
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(parents=True, exist_ok=True)
     result["searches"] = log.searches
     result["autotune_choices"] = autotune_choices()
     (out / "compile_account.json").write_text(json.dumps(result, indent=1))

@@ -15,6 +15,7 @@ def test_the_backends_import_computed_both_keys(monkeypatch):
     import triton.runtime.cache
     from torch._inductor import codecache
 
+    assert process_keys_ahead._started, "importing la_compiler.backend started no thread"
     thread = process_keys_ahead.start()
     assert thread is not None and thread.name == process_keys_ahead.THREAD_NAME and thread.daemon
     assert process_keys_ahead.start() is thread  # once per process
